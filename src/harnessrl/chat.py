@@ -1,0 +1,184 @@
+"""Chat rendering and tool-call parsing for ChatML models (SmolLM2 and its family). Pure functions.
+
+SmolLM2's own template is plain ChatML with no tool support, and it inserts a default system prompt
+when the conversation has none. harnessrl uses one documented convention for tools on such models
+(Hermes/Qwen style), shared by the engine (passthrough) and the gateway (token-in-token-out):
+
+- tool schemas are appended to the system turn under a `# Tools` heading, one JSON object per line;
+- the model calls a tool by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+- an assistant message with `tool_calls` is rendered back as its content followed by those blocks;
+- a tool result is a `tool` turn: `<|im_start|>tool\\n{content}<|im_end|>\\n`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A ChatML-style template: turn markers and the default system prompt."""
+
+    im_start: str = "<|im_start|>"
+    im_end: str = "<|im_end|>"
+    default_system: str | None = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    tool_call_open: str = "<tool_call>"
+    tool_call_close: str = "</tool_call>"
+
+
+SMOLLM2 = ChatTemplate()
+
+
+class ChatFormatError(ValueError):
+    """A message list that cannot be rendered; the message names the offending field."""
+
+
+def content_text(content: Any, where: str = "content") -> str:
+    """Flatten OpenAI message content (a string, None, or a list of text parts) into text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ChatFormatError(f"{where}[{i}].text must be a string")
+                parts.append(text)
+            else:
+                raise ChatFormatError(f"{where}[{i}] must be a text part; only text content is supported")
+        return "".join(parts)
+    raise ChatFormatError(f"{where} must be a string, null or a list of text parts")
+
+
+def tools_block(tools: list[dict[str, Any]]) -> str:
+    """The text appended to the system turn that describes the callable tools."""
+    lines = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatFormatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        spec = {"name": fn["name"], "description": fn.get("description", ""), "parameters": fn.get("parameters", {})}
+        lines.append(json.dumps(spec, ensure_ascii=False))
+    return (
+        "# Tools\nYou can call these functions (JSON schemas):\n"
+        + "\n".join(lines)
+        + '\nTo call one, write <tool_call>{"name": <function-name>, "arguments": <arguments-object>}</tool_call>'
+        + " and wait for its result in a tool message."
+    )
+
+
+def render_tool_call(name: str, arguments: Any, template: ChatTemplate = SMOLLM2) -> str:
+    """Render one tool call as the model is asked to write it."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # keep the raw string: the model's own (invalid) JSON is what it wrote
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{template.tool_call_open}{body}{template.tool_call_close}"
+
+
+def _message_body(msg: dict[str, Any], i: int, template: ChatTemplate) -> str:
+    text = content_text(msg.get("content"), where=f"messages[{i}].content")
+    calls = msg.get("tool_calls") or []
+    if calls and msg.get("role") != "assistant":
+        raise ChatFormatError(f"messages[{i}].tool_calls is only allowed on assistant messages")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatFormatError(f"messages[{i}].tool_calls[{j}].function.name must be a string")
+        text += render_tool_call(fn["name"], fn.get("arguments", {}), template)
+    return text
+
+
+def render_chat(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    template: ChatTemplate = SMOLLM2,
+) -> str:
+    """Render OpenAI-style messages (and tools) into the prompt text the model sees."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("messages must be a non-empty list")
+    out: list[str] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ChatFormatError(f"messages[{i}] must be an object with a string 'role'")
+        role = msg["role"]
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ChatFormatError(f"messages[{i}].role '{role}' is not one of system, user, assistant, tool")
+        role = "system" if role == "developer" else role
+        body = _message_body(msg, i, template)
+        if i == 0 and role != "system" and (template.default_system is not None or tools):
+            system = template.default_system or ""
+            if tools:
+                system = f"{system}\n\n{tools_block(tools)}" if system else tools_block(tools)
+            out.append(f"{template.im_start}system\n{system}{template.im_end}\n")
+        elif i == 0 and tools:
+            body = f"{body}\n\n{tools_block(tools)}"
+        out.append(f"{template.im_start}{role}\n{body}{template.im_end}\n")
+    if add_generation_prompt:
+        out.append(f"{template.im_start}assistant\n")
+    return "".join(out)
+
+
+@dataclass
+class ParsedCompletion:
+    """A completion's text split into plain content and tool calls (OpenAI shape)."""
+
+    content: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def new_tool_call_id() -> str:
+    """A fresh id for a tool call, in OpenAI's `call_...` style."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_completion(text: str, template: ChatTemplate = SMOLLM2) -> ParsedCompletion:
+    """Split generated text into content and well-formed tool calls; malformed blocks stay as text."""
+    if template.im_end and text.endswith(template.im_end):
+        text = text[: -len(template.im_end)]
+    content_parts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    pos = 0
+    for m in _TOOL_CALL_RE.finditer(text):
+        call = _parse_call_body(m.group(1))
+        if call is None:
+            continue  # not a valid call: it remains part of the content
+        content_parts.append(text[pos : m.start()])
+        calls.append(call)
+        pos = m.end()
+    content_parts.append(text[pos:])
+    return ParsedCompletion(content="".join(content_parts), tool_calls=calls)
+
+
+def _parse_call_body(body: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(body.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        args_text = args
+    else:
+        args_text = json.dumps(args, ensure_ascii=False)
+    return {
+        "id": new_tool_call_id(),
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": args_text},
+    }

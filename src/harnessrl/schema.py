@@ -1,0 +1,217 @@
+"""Wire and storage models: task, rollout (with its state machine), attempt, call, reward.
+
+Every shape that crosses a box boundary (HTTP, the store, the trace files) is a pydantic model here.
+The names follow the vocabulary of ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TRACE_SCHEMA_VERSION = 1
+"""Version of the stored/exported trace schema; bump on any incompatible change."""
+
+
+def now() -> float:
+    """Wall-clock timestamp in seconds, the one clock every record uses."""
+    return time.time()
+
+
+class RolloutState(StrEnum):
+    """Lifecycle of a rollout; legal moves are listed in `ROLLOUT_TRANSITIONS`."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        """True for the three terminal states."""
+        return self in FINISHED_STATES
+
+
+FINISHED_STATES = frozenset({RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.CANCELLED})
+
+ROLLOUT_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
+    RolloutState.QUEUED: frozenset({RolloutState.RUNNING, RolloutState.CANCELLED, RolloutState.FAILED}),
+    # running -> queued: an attempt died for infrastructure reasons and the rollout waits for a retry.
+    RolloutState.RUNNING: frozenset(
+        {RolloutState.QUEUED, RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.CANCELLED}
+    ),
+    RolloutState.SUCCEEDED: frozenset(),
+    RolloutState.FAILED: frozenset(),
+    RolloutState.CANCELLED: frozenset(),
+}
+
+
+class InvalidTransition(ValueError):
+    """A state change that the transition table does not allow."""
+
+
+def check_transition(current: RolloutState, target: RolloutState) -> None:
+    """Raise `InvalidTransition` unless `current -> target` is in `ROLLOUT_TRANSITIONS`."""
+    if target not in ROLLOUT_TRANSITIONS[current]:
+        allowed = ", ".join(sorted(ROLLOUT_TRANSITIONS[current])) or "none (terminal state)"
+        raise InvalidTransition(f"rollout cannot move from {current} to {target}; allowed: {allowed}")
+
+
+class AttemptStatus(StrEnum):
+    """Outcome of one attempt. `infra_error` is the only retryable one."""
+
+    RUNNING = "running"
+    EXITED = "exited"  # the harness exited on its own (any exit code: the result is graded)
+    TIMEOUT = "timeout"  # the harness ran past its time limit; graded like any result
+    INFRA_ERROR = "infra_error"  # the machinery failed (could not start, runner lost): retryable
+    CANCELLED = "cancelled"
+
+
+class CallStatus(StrEnum):
+    """Whether a call produced a response for the harness."""
+
+    OK = "ok"
+    FAILED = "failed"
+
+
+class Strict(BaseModel):
+    """Base for request bodies: unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Task(BaseModel):
+    """One dataset item: `input` goes to the harness, `reference` only to the grader."""
+
+    task_id: str
+    input: dict[str, Any]
+    reference: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingOverrides(Strict):
+    """Sampling parameters the gateway imposes on every call of a rollout (None: keep the harness's)."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+
+
+class RolloutCreate(Strict):
+    """Control API: create a rollout. Idempotent by `client_id`."""
+
+    client_id: str = Field(min_length=1, max_length=200)
+    task_id: str = Field(min_length=1, max_length=200)
+    input: dict[str, Any] = Field(default_factory=dict)
+    group_id: str | None = Field(default=None, max_length=200)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
+
+
+class Rollout(BaseModel):
+    """One complete try of a task by the harness."""
+
+    rollout_id: str
+    client_id: str
+    task_id: str
+    group_id: str | None = None
+    state: RolloutState = RolloutState.QUEUED
+    input: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
+    created_at: float
+    updated_at: float
+    n_attempts: int = 0
+
+
+class RolloutCreated(BaseModel):
+    """Answer to a create: the rollout, its scoped API key, and whether it was new."""
+
+    rollout: Rollout
+    api_key: str
+    created: bool
+
+
+class Attempt(BaseModel):
+    """One run of the harness for a rollout."""
+
+    rollout_id: str
+    attempt: int
+    status: AttemptStatus = AttemptStatus.RUNNING
+    started_at: float
+    ended_at: float | None = None
+    exit_code: int | None = None
+    error: str | None = None
+
+
+class AttemptFinish(Strict):
+    """Control API: how an attempt ended."""
+
+    status: AttemptStatus
+    exit_code: int | None = None
+    error: str | None = Field(default=None, max_length=20_000)
+
+
+class StateChange(Strict):
+    """Control API: move a rollout to another state."""
+
+    state: RolloutState
+
+
+class Call(BaseModel):
+    """One model request/response through the gateway, with the exact tokens the engine used."""
+
+    call_id: str
+    rollout_id: str
+    attempt: int
+    index: int  # order of the call within its rollout
+    created_at: float
+    latency_s: float
+    status: CallStatus
+    model: str
+    upstream: str
+    request: dict[str, Any]
+    response: dict[str, Any] | None = None
+    prompt_ids: list[int] = Field(default_factory=list)
+    completion_ids: list[int] = Field(default_factory=list)
+    completion_logprobs: list[float] = Field(default_factory=list)
+    weight_version: int | None = None
+    finish_reason: str | None = None
+    temperature: float = 1.0  # the temperature the logprobs were computed at
+    error: str | None = None
+
+
+class RewardIn(Strict):
+    """Control API: the grader's verdict for a rollout. The last write wins."""
+
+    value: float
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class Reward(BaseModel):
+    """A rollout's stored reward."""
+
+    rollout_id: str
+    value: float
+    details: dict[str, Any] = Field(default_factory=dict)
+    updated_at: float
+
+
+class RolloutDetail(BaseModel):
+    """A rollout with everything recorded for it: the unit the trainer consumes."""
+
+    rollout: Rollout
+    attempts: list[Attempt]
+    calls: list[Call]
+    reward: Reward | None = None
+
+
+class RolloutPage(BaseModel):
+    """One page of a rollout listing; pass `next_cursor` back as `cursor` for the next page."""
+
+    rollouts: list[Rollout]
+    next_cursor: str | None = None
