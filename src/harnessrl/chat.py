@@ -66,7 +66,11 @@ def tools_block(tools: list[dict[str, Any]]) -> str:
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ChatFormatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
-        spec = {"name": fn["name"], "description": fn.get("description", ""), "parameters": fn.get("parameters", {})}
+        spec = {
+            "name": fn["name"],
+            "description": fn.get("description", ""),
+            "parameters": fn.get("parameters", {}),
+        }
         lines.append(json.dumps(spec, ensure_ascii=False))
     return (
         "# Tools\nYou can call these functions (JSON schemas):\n"

@@ -168,7 +168,7 @@ class Call(BaseModel):
     call_id: str
     rollout_id: str
     attempt: int
-    index: int  # order of the call within its rollout
+    index: int = -1  # order of the call within its rollout; assigned by the store
     created_at: float
     latency_s: float
     status: CallStatus

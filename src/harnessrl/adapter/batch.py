@@ -1,0 +1,71 @@
+"""From finished rollouts to a training batch: merge → advantages → loss weights. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from harnessrl.adapter.advantage import Estimator, rollout_advantages, sample_level_advantages
+from harnessrl.adapter.loss_weights import LossMode, loss_weights
+from harnessrl.adapter.merge import MergeStats, Row, merge_calls
+from harnessrl.schema import RolloutDetail, RolloutState
+
+
+class AdvantageLevel(StrEnum):
+    """Where group statistics are taken: over rollouts (correct) or over rows (ablation)."""
+
+    ROLLOUT = "rollout"
+    SAMPLE = "sample"
+
+
+@dataclass
+class Batch:
+    """Rows ready for the policy update, each with its advantage and per-token loss weights."""
+
+    rows: list[Row]
+    advantages: list[float]
+    weights: list[list[float]]
+    rewards: dict[str, float]
+    stats: MergeStats = field(default_factory=MergeStats)
+
+    @property
+    def n_trainable_tokens(self) -> int:
+        """Tokens with loss mask 1 in the batch."""
+        return sum(r.n_trainable for r in self.rows)
+
+
+def build_batch(
+    details: Sequence[RolloutDetail],
+    level: AdvantageLevel = AdvantageLevel.ROLLOUT,
+    estimator: Estimator = Estimator.GRPO,
+    loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN,
+) -> Batch:
+    """Turn graded rollouts into a batch. Rollouts without a reward are left out; only the calls of a
+    rollout's last attempt are used (earlier attempts died for infrastructure reasons)."""
+    stats = MergeStats()
+    rows_of: dict[str, list[Row]] = {}
+    rewards: dict[str, float] = {}
+    groups: dict[str, str] = {}
+    for d in details:
+        if d.reward is None or d.rollout.state != RolloutState.SUCCEEDED:
+            continue
+        rid = d.rollout.rollout_id
+        last = max((a.attempt for a in d.attempts), default=0)
+        result = merge_calls([c for c in d.calls if c.attempt == last])
+        stats.add(result)
+        rows_of[rid] = result.rows
+        rewards[rid] = d.reward.value
+        groups[rid] = d.rollout.group_id or rid
+    if level == AdvantageLevel.ROLLOUT:
+        adv = rollout_advantages(rewards, groups, estimator)
+    else:
+        adv = sample_level_advantages(rewards, groups, {r: len(v) for r, v in rows_of.items()})
+    rows = [row for rid in rows_of for row in rows_of[rid]]
+    return Batch(
+        rows=rows,
+        advantages=[adv[r.rollout_id] for r in rows],
+        weights=loss_weights(rows, loss_mode),
+        rewards=rewards,
+        stats=stats,
+    )

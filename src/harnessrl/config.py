@@ -1,0 +1,130 @@
+"""Typed run configuration: YAML files plus dotted overrides (`train.lr=2e-5`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from harnessrl.adapter import AdvantageLevel, Estimator, LossMode
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineSection(_Section):
+    """The builtin engine process."""
+
+    model: str = "smollm2"  # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct
+    port: int = 0  # 0: pick a free port
+    max_batch: int = 32
+    max_model_len: int = 2048
+    threads: int | None = None
+
+
+class GatewaySection(_Section):
+    """The gateway process."""
+
+    port: int = 0
+    default_max_tokens: int = 256
+
+
+class ControllerSection(_Section):
+    """Running harnesses."""
+
+    concurrency: int = 16
+    harness_timeout_s: float = 300.0
+    max_attempts: int = 2
+    grader_timeout_s: float = 60.0
+
+
+class TrainSection(_Section):
+    """The sync RL schedule and the PPO update."""
+
+    steps: int = 20
+    batch_groups: int = 4  # tasks per step
+    group_size: int = 8  # rollouts per task (GRPO siblings)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    temperature: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 4096
+    epochs: int = 1
+    estimator: Estimator = Estimator.GRPO
+    advantage_level: AdvantageLevel = AdvantageLevel.ROLLOUT
+    loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 2
+    seed: int = 0
+    threads: int | None = None
+
+
+class EvalSection(_Section):
+    """Held-out evaluation before and after training."""
+
+    n_heldout: int = 100
+    temperature: float = 0.0
+
+
+class DataSection(_Section):
+    """Task data of the example."""
+
+    n_train: int = 1000
+    seed: int = 0
+
+
+class RunConfig(_Section):
+    """Everything one run needs."""
+
+    example: str = "calc"
+    run_dir: str = "runs/demo"
+    engine: EngineSection = Field(default_factory=EngineSection)
+    gateway: GatewaySection = Field(default_factory=GatewaySection)
+    controller: ControllerSection = Field(default_factory=ControllerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    data: DataSection = Field(default_factory=DataSection)
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says which and why."""
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one `a.b.c=value` override (value parsed as YAML) to a nested dict in place."""
+    if "=" not in override:
+        raise ConfigError(f"override '{override}' must look like section.key=value")
+    path, raw = override.split("=", 1)
+    keys = path.strip().split(".")
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{override}': '{k}' is not a section")
+    node[keys[-1]] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the defaults) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping of sections")
+        data = loaded
+    for o in overrides or []:
+        apply_override(data, o)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"config error at '{where}': {first['msg']}") from e

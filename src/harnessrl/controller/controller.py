@@ -1,0 +1,164 @@
+"""The controller: tasks in, graded rollouts out. Creates rollouts at the gateway, runs attempts
+under a concurrency limit, retries infrastructure failures, grades outside the harness."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harnessrl.controller.grader import Grader, GraderError, grade
+from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner
+from harnessrl.gateway.client import ControlClient, ControlError
+from harnessrl.schema import (
+    AttemptFinish,
+    AttemptStatus,
+    RolloutCreate,
+    RolloutState,
+    SamplingOverrides,
+    Task,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One rollout to run: a task, its group, an idempotency id and the sampling to impose."""
+
+    task: Task
+    client_id: str
+    group_id: str | None = None
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutOutcome:
+    """How a rollout ended: its final state and reward (None when it could not be graded)."""
+
+    rollout_id: str
+    task_id: str
+    group_id: str | None
+    state: RolloutState
+    reward: float | None
+    error: str | None = None
+
+
+class Controller:
+    """Runs rollouts of tasks through a harness and grades them."""
+
+    def __init__(
+        self,
+        client: ControlClient,
+        gateway_url: str,
+        harness: HarnessSpec,
+        grader: Grader,
+        run_dir: Path,
+        concurrency: int = 8,
+        max_attempts: int = 2,
+        grader_timeout_s: float = 60.0,
+        runner: LocalRunner | None = None,
+    ) -> None:
+        self.client = client
+        self.gateway_url = gateway_url
+        self.harness = harness
+        self.grader = grader
+        self.run_dir = run_dir
+        self.max_attempts = max_attempts
+        self.grader_timeout_s = grader_timeout_s
+        self.runner = runner or LocalRunner()
+        self._slots = asyncio.Semaphore(concurrency)
+
+    async def run(
+        self, requests: list[RolloutRequest], on_done: Callable[[RolloutOutcome], None] | None = None
+    ) -> list[RolloutOutcome]:
+        """Run every request to a final state; outcomes come back in request order."""
+
+        async def one(req: RolloutRequest) -> RolloutOutcome:
+            async with self._slots:
+                outcome = await self.run_one(req)
+            if on_done is not None:
+                on_done(outcome)
+            return outcome
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    async def run_one(self, req: RolloutRequest) -> RolloutOutcome:
+        """Create (or find) the rollout, run attempts until one yields a gradable result, grade it."""
+        created = await self.client.create_rollout(
+            RolloutCreate(
+                client_id=req.client_id,
+                task_id=req.task.task_id,
+                input=req.task.input,
+                group_id=req.group_id,
+                metadata=req.metadata,
+                sampling=req.sampling,
+            )
+        )
+        rid = created.rollout.rollout_id
+        if created.rollout.state.finished:  # an idempotent re-run: report what is stored
+            detail = await self.client.rollout(rid)
+            value = detail.reward.value if detail.reward else None
+            return RolloutOutcome(rid, req.task.task_id, req.group_id, detail.rollout.state, value)
+        try:
+            return await self._attempts(req, rid, created.api_key)
+        except asyncio.CancelledError:
+            await self._final(rid, RolloutState.CANCELLED)
+            raise
+        except (ControlError, OSError) as e:
+            log.error("rollout_error rollout=%s error=%s", rid, e)
+            await self._final(rid, RolloutState.FAILED)
+            return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, str(e))
+
+    async def _attempts(self, req: RolloutRequest, rid: str, api_key: str) -> RolloutOutcome:
+        error = "no attempt was made"
+        for _ in range(self.max_attempts):
+            attempt = await self.client.start_attempt(rid)
+            spec = AttemptSpec(
+                rollout_id=rid,
+                attempt=attempt.attempt,
+                api_key=api_key,
+                gateway_url=self.gateway_url,
+                task_input=req.task.input,
+                workdir=self.run_dir / "rollouts" / rid / f"attempt-{attempt.attempt}",
+            )
+            result = await self.runner.run(spec, self.harness)
+            if result.infra_error is not None:
+                error = result.infra_error
+                await self.client.finish_attempt(rid, attempt.attempt, _finish(result))
+                log.warning("attempt_infra_error rollout=%s attempt=%d error=%s", rid, attempt.attempt, error)
+                await self.client.set_state(rid, RolloutState.QUEUED)
+                continue
+            await self.client.finish_attempt(rid, attempt.attempt, _finish(result))
+            return await self._grade(req, rid, result)
+        await self.client.set_state(rid, RolloutState.FAILED)
+        return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error)
+
+    async def _grade(self, req: RolloutRequest, rid: str, result: AttemptResult) -> RolloutOutcome:
+        try:
+            reward = await grade(self.grader, req.task, result, self.grader_timeout_s)
+        except GraderError as e:
+            log.error("grader_error rollout=%s error=%s", rid, e)
+            await self.client.set_state(rid, RolloutState.FAILED)
+            return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, str(e))
+        await self.client.set_reward(rid, reward)
+        await self.client.set_state(rid, RolloutState.SUCCEEDED)
+        return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, reward.value)
+
+    async def _final(self, rid: str, state: RolloutState) -> None:
+        try:
+            await self.client.set_state(rid, state)
+        except (ControlError, OSError) as e:
+            log.error("state_update_failed rollout=%s state=%s error=%s", rid, state, e)
+
+
+def _finish(result: AttemptResult) -> AttemptFinish:
+    if result.infra_error is not None:
+        return AttemptFinish(status=AttemptStatus.INFRA_ERROR, error=result.infra_error)
+    if result.timed_out:
+        return AttemptFinish(status=AttemptStatus.TIMEOUT, error="harness ran past its time limit")
+    return AttemptFinish(status=AttemptStatus.EXITED, exit_code=result.exit_code)

@@ -1,0 +1,136 @@
+"""The local runner: one subprocess per attempt, the harness contract in its environment, a timeout
+that kills the whole process group."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Variables a harness may inherit from the controller's environment; everything else is scrubbed.
+DEFAULT_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "HF_HUB_OFFLINE")
+
+
+@dataclass(frozen=True)
+class HarnessSpec:
+    """How to start a harness: the command, its time limit and extra environment."""
+
+    command: list[str]
+    timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+    passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH
+    max_output_bytes: int = 1_000_000  # stdout/stderr kept per attempt
+
+
+@dataclass(frozen=True)
+class AttemptSpec:
+    """One attempt to run: which rollout, its key, its task input, where to put its files."""
+
+    rollout_id: str
+    attempt: int
+    api_key: str
+    gateway_url: str
+    task_input: dict[str, Any]
+    workdir: Path
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """What happened: exit code (None if killed), whether it timed out, the output directory."""
+
+    exit_code: int | None
+    timed_out: bool
+    output_dir: Path
+    stdout_tail: str
+    stderr_tail: str
+    infra_error: str | None = None
+
+
+def contract_env(
+    spec: AttemptSpec, harness: HarnessSpec, task_file: Path, output_dir: Path
+) -> dict[str, str]:
+    """The harness contract: base URLs and the rollout's key for both APIs, task file, output dir."""
+    env = {k: os.environ[k] for k in harness.passthrough if k in os.environ}
+    base = spec.gateway_url.rstrip("/")
+    env.update(
+        {
+            "HOME": str(spec.workdir),
+            "OPENAI_BASE_URL": f"{base}/v1",
+            "OPENAI_API_KEY": spec.api_key,
+            "ANTHROPIC_BASE_URL": base,
+            "ANTHROPIC_API_KEY": spec.api_key,
+            "ANTHROPIC_AUTH_TOKEN": spec.api_key,
+            "HARNESSRL_ROLLOUT_ID": spec.rollout_id,
+            "HARNESSRL_TASK": str(task_file),
+            "HARNESSRL_OUTPUT": str(output_dir),
+        }
+    )
+    env.update(harness.env)
+    return env
+
+
+class LocalRunner:
+    """Runs each attempt as a local subprocess in its own process group."""
+
+    async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
+        """Run one attempt to its end (exit, timeout, or failure to start)."""
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        output_dir = spec.workdir / "output"
+        output_dir.mkdir(exist_ok=True)
+        task_file = spec.workdir / "task.json"
+        task_file.write_text(json.dumps(spec.task_input))
+        env = contract_env(spec, harness, task_file, output_dir)
+        out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *harness.command,
+                    cwd=spec.workdir,
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                return AttemptResult(
+                    None, False, output_dir, "", "", infra_error=f"could not start harness: {e}"
+                )
+            timed_out = False
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
+            except TimeoutError:
+                timed_out = True
+                log.info("attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
+            finally:
+                kill_group(proc.pid)  # also reaps anything the harness left running
+                if proc.returncode is None:
+                    await proc.wait()
+        return AttemptResult(
+            exit_code=None if timed_out else proc.returncode,
+            timed_out=timed_out,
+            output_dir=output_dir,
+            stdout_tail=_tail(out_path, harness.max_output_bytes),
+            stderr_tail=_tail(err_path, harness.max_output_bytes),
+        )
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a whole process group; a group that is already gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _tail(path: Path, limit: int) -> str:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if size > limit:
+            f.seek(size - limit)
+        return f.read().decode("utf-8", errors="replace")

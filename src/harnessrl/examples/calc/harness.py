@@ -1,0 +1,110 @@
+"""The `calc` harness: a plain agent loop on the official `openai` SDK with a calculator tool.
+
+It knows nothing of harnessrl: it reads the harness contract (`OPENAI_BASE_URL`, `OPENAI_API_KEY`,
+`HARNESSRL_TASK`, `HARNESSRL_OUTPUT`), loops model → tool → model until the model answers without a
+tool call (or `MAX_TURNS`), and writes `answer.json` to the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+
+from harnessrl.examples.calc.calculator import CalcError, evaluate, format_number
+
+MAX_TURNS = 4
+MODEL = "gpt-4o-mini"  # any name: the gateway maps it to the served model
+SYSTEM = (
+    "You are a math assistant with a calculator. To use it, reply with exactly:\n"
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>\n'
+    "After you get the result, reply with the final answer."
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+# One worked example, shown to the model as earlier turns of the conversation.
+EXAMPLE: list[dict[str, Any]] = [
+    {"role": "user", "content": "Calculate 12 + 7 * 3."},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_example",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": "12 + 7 * 3"})},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_example", "content": "33"},
+    {"role": "assistant", "content": "The answer is 33."},
+]
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def run_tool(name: str, arguments: str) -> str:
+    """Execute one tool call and return its result as text (errors included, as a tool would)."""
+    if name != "calculator":
+        return f"error: unknown tool {name!r}"
+    try:
+        args = json.loads(arguments)
+        return format_number(evaluate(str(args["expression"])))
+    except (json.JSONDecodeError, KeyError, TypeError, CalcError) as e:
+        return f"error: {e}"
+
+
+def final_number(text: str | None) -> str | None:
+    """The last number in the model's final message, which the harness reports as its answer."""
+    found = _NUMBER.findall(text or "")
+    return found[-1] if found else None
+
+
+def solve(client: OpenAI, question: str) -> dict[str, Any]:
+    """Run the agent loop on one question."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *EXAMPLE]
+    messages.append({"role": "user", "content": question})
+    tool_calls = 0
+    text: str | None = None
+    for _ in range(MAX_TURNS):
+        resp = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=96)  # type: ignore[arg-type]
+        msg = resp.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        text = msg.content
+        if not msg.tool_calls:
+            break
+        for tc in msg.tool_calls:
+            tool_calls += 1
+            fn = getattr(tc, "function", None)
+            result = run_tool(fn.name, fn.arguments) if fn else "error: unsupported tool call"
+            messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
+    return {"answer": final_number(text), "text": text, "tool_calls": tool_calls}
+
+
+def main() -> int:
+    """Entry point: solve the task in $HARNESSRL_TASK and write $HARNESSRL_OUTPUT/answer.json."""
+    task = json.loads(Path(os.environ["HARNESSRL_TASK"]).read_text())
+    client = OpenAI(max_retries=5, timeout=600)
+    out = solve(client, task["question"])
+    Path(os.environ["HARNESSRL_OUTPUT"], "answer.json").write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""`python -m harnessrl.gateway`: run the gateway over a SQLite store."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvicorn
+
+from harnessrl.gateway.app import GatewayConfig, create_app
+from harnessrl.store import SQLiteStore
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY."""
+    p = argparse.ArgumentParser(prog="harnessrl gateway", description=__doc__)
+    p.add_argument("--store", required=True, help="SQLite file of the store (created if missing)")
+    p.add_argument("--upstream", default="http://127.0.0.1:8100", help="engine base URL")
+    p.add_argument("--served-model", default="smollm2", help="model name sent to the engine")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--default-max-tokens", type=int, default=512)
+    p.add_argument("--synchronous", choices=["NORMAL", "FULL"], default="NORMAL")
+    args = p.parse_args(argv)
+    admin_key = os.environ.get("HARNESSRL_ADMIN_KEY", "")
+    if len(admin_key) < 8:
+        print("error: set HARNESSRL_ADMIN_KEY to an admin key of at least 8 characters", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = GatewayConfig(
+        admin_key=admin_key,
+        upstream_url=args.upstream,
+        served_model=args.served_model,
+        default_max_tokens=args.default_max_tokens,
+    )
+    app = create_app(config, SQLiteStore(args.store, synchronous=args.synchronous))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

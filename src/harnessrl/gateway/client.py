@@ -1,0 +1,115 @@
+"""An async client for the gateway's control API, used by the controller and the trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from harnessrl.schema import (
+    Attempt,
+    AttemptFinish,
+    Reward,
+    RewardIn,
+    Rollout,
+    RolloutCreate,
+    RolloutCreated,
+    RolloutDetail,
+    RolloutPage,
+    RolloutState,
+)
+
+
+class ControlError(Exception):
+    """The control API answered with an error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class ControlClient:
+    """Typed access to `/control/*` with the admin key."""
+
+    def __init__(self, base_url: str, admin_key: str, timeout_s: float = 700.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {admin_key}"},
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+        )
+
+    async def _req(self, method: str, path: str, json: Any = None, params: Any = None) -> Any:
+        resp = await self._http.request(method, path, json=json, params=params)
+        if resp.status_code >= 400:
+            try:
+                msg = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = resp.text[:500]
+            raise ControlError(resp.status_code, msg)
+        return resp.json()
+
+    async def create_rollout(self, req: RolloutCreate) -> RolloutCreated:
+        """Create (or fetch, by client id) a rollout and its key."""
+        return RolloutCreated.model_validate(
+            await self._req("POST", "/control/rollouts", json=req.model_dump(mode="json"))
+        )
+
+    async def start_attempt(self, rollout_id: str) -> Attempt:
+        """Open the rollout's next attempt."""
+        return Attempt.model_validate(await self._req("POST", f"/control/rollouts/{rollout_id}/attempts"))
+
+    async def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:
+        """Record how an attempt ended."""
+        data = await self._req(
+            "POST",
+            f"/control/rollouts/{rollout_id}/attempts/{attempt}/finish",
+            json=finish.model_dump(mode="json"),
+        )
+        return Attempt.model_validate(data)
+
+    async def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
+        """Move a rollout to another state."""
+        data = await self._req("POST", f"/control/rollouts/{rollout_id}/state", json={"state": state.value})
+        return Rollout.model_validate(data)
+
+    async def set_reward(self, rollout_id: str, reward: RewardIn) -> Reward:
+        """Write a rollout's reward."""
+        data = await self._req(
+            "PUT", f"/control/rollouts/{rollout_id}/reward", json=reward.model_dump(mode="json")
+        )
+        return Reward.model_validate(data)
+
+    async def rollout(self, rollout_id: str) -> RolloutDetail:
+        """A rollout with its attempts, calls and reward."""
+        return RolloutDetail.model_validate(await self._req("GET", f"/control/rollouts/{rollout_id}"))
+
+    async def list_rollouts(
+        self, state: RolloutState | None = None, limit: int = 100, cursor: str | None = None
+    ) -> RolloutPage:
+        """One page of rollouts, optionally filtered by state."""
+        params: dict[str, Any] = {"limit": limit}
+        if state is not None:
+            params["state"] = state.value
+        if cursor is not None:
+            params["cursor"] = cursor
+        return RolloutPage.model_validate(await self._req("GET", "/control/rollouts", params=params))
+
+    async def pause(self, drain_timeout_s: float = 600.0) -> dict[str, Any]:
+        """Hold new calls and wait for in-flight ones to finish."""
+        result: dict[str, Any] = await self._req(
+            "POST", "/control/pause", json={"drain_timeout_s": drain_timeout_s}
+        )
+        return result
+
+    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
+        """Admit calls again, telling the gateway the engine's weight version."""
+        result: dict[str, Any] = await self._req(
+            "POST", "/control/resume", json={"weight_version": weight_version}
+        )
+        return result
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self._http.aclose()

@@ -1,0 +1,183 @@
+"""The control API (admin key): rollouts, attempts, rewards, pause and resume."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from pydantic import BaseModel, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from harnessrl.gateway.errors import APIError, from_validation_error
+from harnessrl.gateway.http import read_json
+from harnessrl.gateway.keys import new_rollout_id, valid_rollout_id
+from harnessrl.schema import (
+    AttemptFinish,
+    RewardIn,
+    RolloutCreate,
+    RolloutCreated,
+    RolloutPage,
+    RolloutState,
+    StateChange,
+)
+from harnessrl.store import Conflict, NotFound, StoreError
+
+if TYPE_CHECKING:
+    from harnessrl.gateway.app import Gateway
+
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class PauseRequest(BaseModel):
+    """Body of `POST /control/pause`."""
+
+    model_config = {"extra": "forbid"}
+    drain_timeout_s: float = Field(default=600.0, ge=0.0)
+
+
+class ResumeRequest(BaseModel):
+    """Body of `POST /control/resume`: optionally the weight version the engine now serves."""
+
+    model_config = {"extra": "forbid"}
+    weight_version: int | None = None
+
+
+async def _body(request: Request, model: type[M], gw: Gateway) -> M:
+    data = await read_json(request, gw.config.max_body_bytes, empty={})
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def _rollout_id(request: Request) -> str:
+    rid = str(request.path_params["rollout_id"])
+    if not valid_rollout_id(rid):
+        raise APIError(404, f"rollout '{rid}' not found")
+    return rid
+
+
+def _store_error(e: StoreError) -> APIError:
+    if isinstance(e, NotFound):
+        return APIError(404, str(e))
+    if isinstance(e, Conflict):
+        return APIError(409, str(e))
+    return APIError(400, str(e))
+
+
+def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
+    """(path, method, handler) for every control route."""
+
+    async def create(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        req = await _body(request, RolloutCreate, g)
+        try:
+            rollout, created = g.store.create_rollout(req, new_rollout_id())
+        except StoreError as e:
+            raise _store_error(e) from None
+        out = RolloutCreated(rollout=rollout, api_key=g.keys.issue(rollout.rollout_id), created=created)
+        return JSONResponse(out.model_dump(mode="json"), status_code=201 if created else 200)
+
+    async def list_(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        q = request.query_params
+        try:
+            state = RolloutState(q["state"]) if "state" in q else None
+            limit = int(q.get("limit", "100"))
+            after = int(q.get("cursor", "0"))
+        except ValueError:
+            raise APIError(400, "state must be a rollout state; limit and cursor must be integers") from None
+        if not 1 <= limit <= 1000:
+            raise APIError(400, "limit must be between 1 and 1000", param="limit")
+        page, nxt = g.store.list_rollouts(state=state, limit=limit, after=after)
+        body = RolloutPage(rollouts=page, next_cursor=None if nxt is None else str(nxt))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def read(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        try:
+            detail = g.store.detail(_rollout_id(request))
+        except StoreError as e:
+            raise _store_error(e) from None
+        return JSONResponse(detail.model_dump(mode="json"))
+
+    async def start_attempt(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        try:
+            attempt = g.store.start_attempt(_rollout_id(request))
+        except StoreError as e:
+            raise _store_error(e) from None
+        return JSONResponse(attempt.model_dump(mode="json"), status_code=201)
+
+    async def finish_attempt(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        finish = await _body(request, AttemptFinish, g)
+        try:
+            n = int(request.path_params["attempt"])
+            attempt = g.store.finish_attempt(_rollout_id(request), n, finish)
+        except ValueError:
+            raise APIError(404, "attempt must be an integer") from None
+        except StoreError as e:
+            raise _store_error(e) from None
+        return JSONResponse(attempt.model_dump(mode="json"))
+
+    async def set_state(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        change = await _body(request, StateChange, g)
+        try:
+            rollout = g.store.set_state(_rollout_id(request), change.state)
+        except StoreError as e:
+            raise _store_error(e) from None
+        return JSONResponse(rollout.model_dump(mode="json"))
+
+    async def reward(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        value = await _body(request, RewardIn, g)
+        try:
+            stored = g.store.set_reward(_rollout_id(request), value)
+        except StoreError as e:
+            raise _store_error(e) from None
+        return JSONResponse(stored.model_dump(mode="json"))
+
+    async def pause(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        req = await _body(request, PauseRequest, g)
+        drained = await g.pause(req.drain_timeout_s)
+        return JSONResponse({"paused": True, "drained": drained, "in_flight": g.in_flight})
+
+    async def resume(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        req = await _body(request, ResumeRequest, g)
+        g.resume(req.weight_version)
+        return JSONResponse({"paused": False, "weight_version": g.weight_version})
+
+    async def status(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        return JSONResponse(
+            {"paused": g.paused, "in_flight": g.in_flight, "weight_version": g.weight_version}
+        )
+
+    return [
+        ("/control/rollouts", "POST", create),
+        ("/control/rollouts", "GET", list_),
+        ("/control/rollouts/{rollout_id}", "GET", read),
+        ("/control/rollouts/{rollout_id}/attempts", "POST", start_attempt),
+        ("/control/rollouts/{rollout_id}/attempts/{attempt}/finish", "POST", finish_attempt),
+        ("/control/rollouts/{rollout_id}/state", "POST", set_state),
+        ("/control/rollouts/{rollout_id}/reward", "PUT", reward),
+        ("/control/pause", "POST", pause),
+        ("/control/resume", "POST", resume),
+        ("/control/status", "GET", status),
+    ]

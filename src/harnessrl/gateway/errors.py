@@ -1,0 +1,67 @@
+"""Errors in the shape OpenAI clients understand: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error that becomes an HTTP response with a clear message."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        """The error as an OpenAI-shaped JSON response."""
+        body = {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "api_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def from_validation_error(err: ValidationError, prefix: str = "") -> APIError:
+    """Turn a pydantic validation error into a 400 naming the first offending field."""
+    first: Any = err.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    param = f"{prefix}{loc}" if loc else prefix.rstrip(".") or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    n = len(err.errors())
+    more = f" (and {n - 1} more problem{'s' if n > 2 else ''})" if n > 1 else ""
+    return APIError(
+        400, f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param, code="invalid_value"
+    )

@@ -1,0 +1,56 @@
+"""Small HTTP helpers shared by the gateway's faces: key extraction, bounded JSON bodies, guards."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from harnessrl.gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def bearer(request: Request) -> str | None:
+    """The API key from `Authorization: Bearer` (OpenAI) or `x-api-key` (Anthropic)."""
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer " and auth[7:].strip():
+        return auth[7:].strip()
+    return request.headers.get("x-api-key") or None
+
+
+async def read_json(request: Request, max_bytes: int, empty: Any = None) -> Any:
+    """The body parsed as JSON: 413 when oversized, 400 when malformed; `empty` for an empty body."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {max_bytes}")
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {max_bytes}")
+    if empty is not None and not raw.strip():
+        return empty
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def guarded(handler: Handler) -> Handler:
+    """Turn `APIError` into its response and any other exception into a logged 500."""
+
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return e.response()
+        except Exception:
+            log.exception("unhandled_error path=%s", request.url.path)
+            return APIError(500, "internal error in the gateway; see its log").response()
+
+    return run

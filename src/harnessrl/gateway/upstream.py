@@ -1,0 +1,92 @@
+"""Clients for the engines behind the gateway, with retries and backoff."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class UpstreamClientError(Exception):
+    """The engine rejected the request as invalid (4xx other than 429): the client's fault."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+
+    @property
+    def message(self) -> str:
+        """The engine's error message, if it sent one."""
+        if isinstance(self.body, dict):
+            err = self.body.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                return err["message"]
+            if isinstance(err, str):
+                return err
+        return f"the engine rejected the request with status {self.status}"
+
+
+class UpstreamFailed(Exception):
+    """The engine could not answer after all retries."""
+
+
+class Upstream:
+    """One engine replica reached over HTTP (engine protocol: OpenAI routes + token-ID extensions)."""
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.25,
+    ) -> None:
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST JSON and return the JSON answer, retrying timeouts, 429 and 5xx with backoff."""
+        last = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = await self._client.post(path, json=body)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
+                continue
+            if resp.status_code in RETRYABLE_STATUS:
+                last = f"status {resp.status_code}: {resp.text[:300]}"
+                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
+                continue
+            try:
+                data = resp.json()
+            except ValueError as e:
+                raise UpstreamFailed(
+                    f"upstream {self.name} sent a non-JSON answer ({resp.status_code})"
+                ) from e
+            if resp.status_code >= 400:
+                raise UpstreamClientError(resp.status_code, data)
+            if not isinstance(data, dict):
+                raise UpstreamFailed(f"upstream {self.name} sent JSON that is not an object")
+            return data
+        raise UpstreamFailed(f"upstream {self.name} failed after {self.max_retries + 1} tries: {last}")
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()

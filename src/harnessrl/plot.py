@@ -1,0 +1,50 @@
+"""The reward-curve PNG of a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def reward_curve(metrics_path: Path, summary: dict[str, Any], out: Path) -> Path | None:
+    """Plot training reward per step and held-out reward before/after (with 95% intervals)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = []
+    if metrics_path.exists():
+        records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if records:
+        ax.plot(
+            [r["step"] for r in records],
+            [r["reward"] for r in records],
+            marker="o",
+            label="train reward (batch mean)",
+        )
+    steps = summary.get("train_steps", 0)
+    for x, key, ci in (
+        (0, "heldout_reward_before", "heldout_ci95_before"),
+        (steps, "heldout_reward_after", "heldout_ci95_after"),
+    ):
+        y = summary.get(key)
+        if y is None:
+            continue
+        lo, hi = summary.get(ci, [y, y])
+        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="s", color="black", capsize=4)
+    ax.plot([], [], "s", color="black", label=f"held-out reward, 95% CI (n={summary.get('n_heldout')})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"harnessrl: {summary.get('example')} with {summary.get('model')}")
+    ax.legend(loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,95 @@
+"""Starting the engine and gateway as child processes, each with its own log, and stopping them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Service:
+    """A child process serving HTTP at `url`."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        """Block until `GET /health` answers 200; raise with the log's tail if the process dies."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        """The last lines of the service's log."""
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_service(
+    name: str, args: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None
+) -> Service:
+    """Start `python -m <args...>` with its output in `<log_dir>/<name>.log`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    full_env = {**os.environ, **(env or {})}
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env
+        )
+    return Service(name=name, proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path)
+
+
+def start_engine(
+    model_dir: Path, port: int, log_dir: Path, max_batch: int, max_model_len: int, threads: int | None
+) -> Service:
+    """The builtin engine serving `model_dir`."""
+    args = ["harnessrl.engine", "--model", str(model_dir), "--port", str(port)]
+    args += ["--max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
+    if threads:
+        args += ["--threads", str(threads)]
+    return start_service("engine", args, port, log_dir)
+
+
+def start_gateway(
+    store_path: Path, upstream_url: str, port: int, admin_key: str, log_dir: Path, default_max_tokens: int
+) -> Service:
+    """The gateway over the SQLite store at `store_path`."""
+    args = ["harnessrl.gateway", "--store", str(store_path), "--upstream", upstream_url, "--port", str(port)]
+    args += ["--default-max-tokens", str(default_max_tokens)]
+    return start_service("gateway", args, port, log_dir, env={"HARNESSRL_ADMIN_KEY": admin_key})

@@ -1,0 +1,107 @@
+"""The `Store` interface: everything the gateway records, behind one small contract."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from harnessrl.schema import (
+    Attempt,
+    AttemptFinish,
+    Call,
+    Reward,
+    RewardIn,
+    Rollout,
+    RolloutCreate,
+    RolloutDetail,
+    RolloutState,
+)
+
+
+class StoreError(Exception):
+    """Base for store errors that map to a client error (4xx)."""
+
+
+class NotFound(StoreError):
+    """The rollout (or attempt) does not exist."""
+
+
+class Conflict(StoreError):
+    """The write conflicts with the stored state (illegal transition, finished rollout...)."""
+
+
+class Store(ABC):
+    """Durable record of rollouts, attempts, calls and rewards. Every write is committed on return."""
+
+    @abstractmethod
+    def create_rollout(self, req: RolloutCreate, rollout_id: str) -> tuple[Rollout, bool]:
+        """Create a rollout, or return the existing one with the same `client_id` (created=False)."""
+
+    @abstractmethod
+    def get_rollout(self, rollout_id: str) -> Rollout | None:
+        """The rollout, or None."""
+
+    @abstractmethod
+    def list_rollouts(
+        self, state: RolloutState | None = None, limit: int = 100, after: int = 0
+    ) -> tuple[list[Rollout], int | None]:
+        """Rollouts in creation order after cursor `after`; returns (page, next cursor or None)."""
+
+    @abstractmethod
+    def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
+        """Move a rollout to `state`, checking the transition table."""
+
+    @abstractmethod
+    def start_attempt(self, rollout_id: str) -> Attempt:
+        """Open the next attempt of a queued rollout and mark the rollout running."""
+
+    @abstractmethod
+    def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:
+        """Record how an attempt ended."""
+
+    @abstractmethod
+    def attempts(self, rollout_id: str) -> list[Attempt]:
+        """All attempts of a rollout, oldest first."""
+
+    @abstractmethod
+    def add_call(self, call: Call) -> Call:
+        """Record one call (its `index` is assigned here); durable when this returns."""
+
+    @abstractmethod
+    def calls(self, rollout_id: str) -> list[Call]:
+        """All calls of a rollout in the order they were made."""
+
+    @abstractmethod
+    def count_calls(self, rollout_id: str) -> int:
+        """Number of calls recorded for a rollout (the next call's index)."""
+
+    @abstractmethod
+    def set_reward(self, rollout_id: str, reward: RewardIn) -> Reward:
+        """Write the rollout's reward; the last write wins."""
+
+    @abstractmethod
+    def get_reward(self, rollout_id: str) -> Reward | None:
+        """The rollout's reward, or None."""
+
+    @abstractmethod
+    def get_meta(self, key: str) -> str | None:
+        """A store-level setting (for example the key-signing secret)."""
+
+    @abstractmethod
+    def set_meta_if_absent(self, key: str, value: str) -> str:
+        """Set a store-level setting unless present; returns the stored value."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the store's resources."""
+
+    def detail(self, rollout_id: str) -> RolloutDetail:
+        """The rollout with its attempts, calls and reward."""
+        rollout = self.get_rollout(rollout_id)
+        if rollout is None:
+            raise NotFound(f"rollout '{rollout_id}' not found")
+        return RolloutDetail(
+            rollout=rollout,
+            attempts=self.attempts(rollout_id),
+            calls=self.calls(rollout_id),
+            reward=self.get_reward(rollout_id),
+        )

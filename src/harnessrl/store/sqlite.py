@@ -1,0 +1,352 @@
+"""SQLite store in WAL mode: the embedded default, a single file.
+
+Durability: every write commits before the method returns. With `synchronous=NORMAL` (the default) a
+committed write survives a crash or `kill -9` of the process; `synchronous=FULL` also survives power
+loss at the price of an fsync per commit.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from harnessrl.schema import (
+    Attempt,
+    AttemptFinish,
+    AttemptStatus,
+    Call,
+    InvalidTransition,
+    Reward,
+    RewardIn,
+    Rollout,
+    RolloutCreate,
+    RolloutState,
+    SamplingOverrides,
+    check_transition,
+    now,
+)
+from harnessrl.store.base import Conflict, NotFound, Store
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rollouts (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  rollout_id TEXT NOT NULL UNIQUE,
+  client_id TEXT NOT NULL UNIQUE,
+  task_id TEXT NOT NULL,
+  group_id TEXT,
+  state TEXT NOT NULL,
+  input TEXT NOT NULL,
+  metadata TEXT NOT NULL,
+  sampling TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  updated_at REAL NOT NULL,
+  n_attempts INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS rollouts_state ON rollouts (state, seq);
+CREATE TABLE IF NOT EXISTS attempts (
+  rollout_id TEXT NOT NULL,
+  attempt INTEGER NOT NULL,
+  status TEXT NOT NULL,
+  started_at REAL NOT NULL,
+  ended_at REAL,
+  exit_code INTEGER,
+  error TEXT,
+  PRIMARY KEY (rollout_id, attempt)
+);
+CREATE TABLE IF NOT EXISTS calls (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  call_id TEXT NOT NULL UNIQUE,
+  rollout_id TEXT NOT NULL,
+  attempt INTEGER NOT NULL,
+  idx INTEGER NOT NULL,
+  body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS calls_rollout ON calls (rollout_id, idx);
+CREATE TABLE IF NOT EXISTS rewards (
+  rollout_id TEXT PRIMARY KEY,
+  value REAL NOT NULL,
+  details TEXT NOT NULL,
+  updated_at REAL NOT NULL
+);
+"""
+
+_ROLLOUT_COLS = (
+    "rollout_id, client_id, task_id, group_id, state, input, metadata, sampling, "
+    "created_at, updated_at, n_attempts, seq"
+)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+class SQLiteStore(Store):
+    """`Store` on one SQLite file in WAL mode; safe to share between threads of one process."""
+
+    def __init__(self, path: str | Path, synchronous: Literal["NORMAL", "FULL"] = "NORMAL") -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
+        self._db.execute("PRAGMA busy_timeout=10000")
+        self._db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # rollouts -------------------------------------------------------------------------------------
+    def create_rollout(self, req: RolloutCreate, rollout_id: str) -> tuple[Rollout, bool]:
+        """Create a rollout, or return the existing one with the same `client_id`."""
+        with self._tx() as db:
+            row = db.execute(
+                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = ?", (req.client_id,)
+            ).fetchone()
+            if row is not None:
+                existing = _rollout(row)
+                if existing.task_id != req.task_id:
+                    raise Conflict(
+                        f"client_id '{req.client_id}' already names a rollout of task '{existing.task_id}'"
+                    )
+                return existing, False
+            t = now()
+            db.execute(
+                "INSERT INTO rollouts (rollout_id, client_id, task_id, group_id, state, input, metadata,"
+                " sampling, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (
+                    rollout_id,
+                    req.client_id,
+                    req.task_id,
+                    req.group_id,
+                    RolloutState.QUEUED.value,
+                    _dumps(req.input),
+                    _dumps(req.metadata),
+                    req.sampling.model_dump_json(),
+                    t,
+                    t,
+                ),
+            )
+            row = db.execute(
+                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+            ).fetchone()
+            return _rollout(row), True
+
+    def get_rollout(self, rollout_id: str) -> Rollout | None:
+        """The rollout, or None."""
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+            ).fetchone()
+        return None if row is None else _rollout(row)
+
+    def list_rollouts(
+        self, state: RolloutState | None = None, limit: int = 100, after: int = 0
+    ) -> tuple[list[Rollout], int | None]:
+        """Rollouts in creation order after cursor `after`; returns (page, next cursor or None)."""
+        sql = f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE seq > ?"
+        args: list[Any] = [after]
+        if state is not None:
+            sql += " AND state = ?"
+            args.append(state.value)
+        sql += " ORDER BY seq LIMIT ?"
+        args.append(limit + 1)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        page = rows[:limit]
+        next_cursor = int(page[-1][-1]) if len(rows) > limit else None
+        return [_rollout(r) for r in page], next_cursor
+
+    def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
+        """Move a rollout to `state`, checking the transition table."""
+        with self._tx() as db:
+            current = self._state(db, rollout_id)
+            if current == state:
+                pass  # idempotent repeat of the same transition
+            else:
+                try:
+                    check_transition(current, state)
+                except InvalidTransition as e:
+                    raise Conflict(str(e)) from e
+                db.execute(
+                    "UPDATE rollouts SET state = ?, updated_at = ? WHERE rollout_id = ?",
+                    (state.value, now(), rollout_id),
+                )
+            row = db.execute(
+                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+            ).fetchone()
+        return _rollout(row)
+
+    @staticmethod
+    def _state(db: sqlite3.Connection, rollout_id: str) -> RolloutState:
+        row = db.execute("SELECT state FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"rollout '{rollout_id}' not found")
+        return RolloutState(row[0])
+
+    # attempts -------------------------------------------------------------------------------------
+    def start_attempt(self, rollout_id: str) -> Attempt:
+        """Open the next attempt of a queued rollout and mark the rollout running."""
+        with self._tx() as db:
+            current = self._state(db, rollout_id)
+            try:
+                check_transition(current, RolloutState.RUNNING)
+            except InvalidTransition as e:
+                raise Conflict(f"cannot start an attempt: {e}") from e
+            n = db.execute("SELECT n_attempts FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()[
+                0
+            ]
+            t = now()
+            db.execute(
+                "INSERT INTO attempts (rollout_id, attempt, status, started_at) VALUES (?,?,?,?)",
+                (rollout_id, n, AttemptStatus.RUNNING.value, t),
+            )
+            db.execute(
+                "UPDATE rollouts SET state = ?, n_attempts = ?, updated_at = ? WHERE rollout_id = ?",
+                (RolloutState.RUNNING.value, n + 1, t, rollout_id),
+            )
+        return Attempt(rollout_id=rollout_id, attempt=n, started_at=t)
+
+    def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:
+        """Record how an attempt ended (a repeat of the same finish is a no-op)."""
+        if finish.status == AttemptStatus.RUNNING:
+            raise Conflict("an attempt cannot be finished with status 'running'")
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT status FROM attempts WHERE rollout_id = ? AND attempt = ?", (rollout_id, attempt)
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"attempt {attempt} of rollout '{rollout_id}' not found")
+            if row[0] == AttemptStatus.RUNNING.value:
+                db.execute(
+                    "UPDATE attempts SET status = ?, ended_at = ?, exit_code = ?, error = ?"
+                    " WHERE rollout_id = ? AND attempt = ?",
+                    (finish.status.value, now(), finish.exit_code, finish.error, rollout_id, attempt),
+                )
+            elif row[0] != finish.status.value:
+                raise Conflict(f"attempt {attempt} of rollout '{rollout_id}' already ended as {row[0]}")
+        return next(a for a in self.attempts(rollout_id) if a.attempt == attempt)
+
+    def attempts(self, rollout_id: str) -> list[Attempt]:
+        """All attempts of a rollout, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT rollout_id, attempt, status, started_at, ended_at, exit_code, error FROM attempts"
+                " WHERE rollout_id = ? ORDER BY attempt",
+                (rollout_id,),
+            ).fetchall()
+        return [
+            Attempt(
+                rollout_id=r[0],
+                attempt=r[1],
+                status=AttemptStatus(r[2]),
+                started_at=r[3],
+                ended_at=r[4],
+                exit_code=r[5],
+                error=r[6],
+            )
+            for r in rows
+        ]
+
+    # calls ----------------------------------------------------------------------------------------
+    def add_call(self, call: Call) -> Call:
+        """Record one call, numbering it after the rollout's previous calls; durable on return."""
+        with self._tx() as db:
+            idx = db.execute(
+                "SELECT COALESCE(MAX(idx) + 1, 0) FROM calls WHERE rollout_id = ?", (call.rollout_id,)
+            ).fetchone()[0]
+            call = call.model_copy(update={"index": int(idx)})
+            db.execute(
+                "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)",
+                (call.call_id, call.rollout_id, call.attempt, call.index, call.model_dump_json()),
+            )
+        return call
+
+    def calls(self, rollout_id: str) -> list[Call]:
+        """All calls of a rollout in the order they were made."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT body FROM calls WHERE rollout_id = ? ORDER BY idx, seq", (rollout_id,)
+            ).fetchall()
+        return [Call.model_validate_json(r[0]) for r in rows]
+
+    def count_calls(self, rollout_id: str) -> int:
+        """Number of calls recorded for a rollout."""
+        with self._lock:
+            return int(
+                self._db.execute("SELECT COUNT(*) FROM calls WHERE rollout_id = ?", (rollout_id,)).fetchone()[
+                    0
+                ]
+            )
+
+    # rewards --------------------------------------------------------------------------------------
+    def set_reward(self, rollout_id: str, reward: RewardIn) -> Reward:
+        """Write the rollout's reward; the last write wins."""
+        t = now()
+        with self._tx() as db:
+            self._state(db, rollout_id)
+            db.execute(
+                "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)"
+                " ON CONFLICT (rollout_id) DO UPDATE SET value = excluded.value,"
+                " details = excluded.details, updated_at = excluded.updated_at",
+                (rollout_id, reward.value, _dumps(reward.details), t),
+            )
+        return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details, updated_at=t)
+
+    def get_reward(self, rollout_id: str) -> Reward | None:
+        """The rollout's reward, or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT value, details, updated_at FROM rewards WHERE rollout_id = ?", (rollout_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        return Reward(rollout_id=rollout_id, value=row[0], details=json.loads(row[1]), updated_at=row[2])
+
+    # meta -----------------------------------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        """A store-level setting."""
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta_if_absent(self, key: str, value: str) -> str:
+        """Set a store-level setting unless present; returns the stored value."""
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
+            return str(db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
+
+    def close(self) -> None:
+        """Close the database connection."""
+        with self._lock:
+            self._db.close()
+
+
+def _rollout(row: tuple[Any, ...]) -> Rollout:
+    return Rollout(
+        rollout_id=row[0],
+        client_id=row[1],
+        task_id=row[2],
+        group_id=row[3],
+        state=RolloutState(row[4]),
+        input=json.loads(row[5]),
+        metadata=json.loads(row[6]),
+        sampling=SamplingOverrides.model_validate_json(row[7]),
+        created_at=row[8],
+        updated_at=row[9],
+        n_attempts=row[10],
+    )

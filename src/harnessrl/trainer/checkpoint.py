@@ -1,0 +1,77 @@
+"""Checkpoints of the training state: model weights, optimizer, step, RNG states, loop bookkeeping.
+
+Layout: `<dir>/step-<n>/{model.safetensors, config.json, optimizer.pt, state.json}`; a checkpoint is
+written into a temporary directory and renamed, so a crash never leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.loading import load_state_dict_file, load_weights_into, save_model
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    model: LlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+) -> Path:
+    """Write the checkpoint of `step` (the number of completed updates) atomically."""
+    final = ckpt_dir / f"step-{step}"
+    tmp = ckpt_dir / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tmp)
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+            "python_rng": random.getstate(),
+        },
+        tmp / "optimizer.pt",
+    )
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The checkpoint with the highest step, or None."""
+    if not ckpt_dir.exists():
+        return None
+    steps = [
+        (int(p.name.split("-")[1]), p) for p in ckpt_dir.glob("step-*") if p.name.split("-")[1].isdigit()
+    ]
+    return max(steps)[1] if steps else None
+
+
+def load_checkpoint(path: Path, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore model, optimizer and RNG states in place; return the saved loop state (with `step`)."""
+    load_weights_into(model, load_state_dict_file(path))
+    blob = torch.load(path / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(blob["optimizer"])
+    torch.set_rng_state(blob["torch_rng"])
+    np.random.set_state(blob["numpy_rng"])
+    random.setstate(blob["python_rng"])
+    state: dict[str, Any] = json.loads((path / "state.json").read_text())
+    return state
+
+
+def prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints."""
+    steps = sorted(
+        (int(p.name.split("-")[1]), p) for p in ckpt_dir.glob("step-*") if p.name.split("-")[1].isdigit()
+    )
+    for _, p in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)

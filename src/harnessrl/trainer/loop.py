@@ -1,0 +1,202 @@
+"""The sync schedule: roll out a batch → pause → update → load weights → resume. And evaluation.
+
+for step in range(start, steps):
+    outcomes = controller.run(batch_groups tasks × group_size rollouts)   # harness + grader
+    batch    = build_batch(rollout details)                              # merge, advantage, weights
+    gateway.pause(); ppo_update(batch); engine.load_weights(step + 1); gateway.resume()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harnessrl.adapter import Batch, build_batch
+from harnessrl.config import RunConfig
+from harnessrl.controller import Controller, RolloutOutcome, RolloutRequest
+from harnessrl.gateway.client import ControlClient
+from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.schema import RolloutDetail, RolloutState, SamplingOverrides, Task
+from harnessrl.trainer.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from harnessrl.trainer.metrics import MetricsLogger, mean_ci95
+from harnessrl.trainer.ppo import PPOConfig, ppo_update
+from harnessrl.trainer.weights import EngineAdmin, publish_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    """Held-out reward: mean, 95% interval, number of tasks."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    rewards: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"mean": self.mean, "ci95": [self.lo, self.hi], "n": self.n}
+
+
+@dataclass
+class TrainContext:
+    """Everything the schedule talks to."""
+
+    cfg: RunConfig
+    run_id: str
+    run_dir: Path
+    client: ControlClient
+    controller: Controller
+    engine: EngineAdmin
+    model: LlamaForCausalLM
+    optimizer: torch.optim.Optimizer
+    metrics: MetricsLogger
+    progress: Callable[[str, int, int], None] = lambda label, done, total: None
+
+    @property
+    def ppo(self) -> PPOConfig:
+        """The update's hyperparameters."""
+        t = self.cfg.train
+        return PPOConfig(t.clip_low, t.clip_high, t.max_grad_norm, t.micro_batch_tokens, t.epochs)
+
+
+async def run_rollouts(ctx: TrainContext, requests: list[RolloutRequest], label: str) -> list[RolloutOutcome]:
+    """Run rollouts through the controller, reporting progress as they finish."""
+    done = 0
+
+    def on_done(_: RolloutOutcome) -> None:
+        nonlocal done
+        done += 1
+        ctx.progress(label, done, len(requests))
+
+    return await ctx.controller.run(requests, on_done=on_done)
+
+
+async def evaluate(ctx: TrainContext, tasks: list[Task], label: str) -> EvalResult:
+    """Held-out reward of the current weights (one rollout per task at the eval temperature)."""
+    sampling = SamplingOverrides(temperature=ctx.cfg.eval.temperature)
+    requests = [
+        RolloutRequest(
+            task=t, client_id=f"{ctx.run_id}-{label}-{t.task_id}", sampling=sampling, metadata={"eval": label}
+        )
+        for t in tasks
+    ]
+    outcomes = await run_rollouts(ctx, requests, label)
+    rewards = [o.reward if o.reward is not None else 0.0 for o in outcomes]
+    mean, lo, hi = mean_ci95(rewards)
+    return EvalResult(mean, lo, hi, len(rewards), rewards)
+
+
+def step_requests(ctx: TrainContext, train_tasks: list[Task], step: int) -> list[RolloutRequest]:
+    """The rollouts of one step: `batch_groups` tasks (seeded by step) × `group_size` siblings."""
+    t = ctx.cfg.train
+    rng = random.Random(t.seed * 1_000_003 + step)
+    tasks = rng.sample(train_tasks, min(t.batch_groups, len(train_tasks)))
+    sampling = SamplingOverrides(temperature=t.temperature)
+    return [
+        RolloutRequest(
+            task=task,
+            client_id=f"{ctx.run_id}-s{step}-{task.task_id}-{k}",
+            group_id=f"{ctx.run_id}-s{step}-{task.task_id}",
+            sampling=sampling,
+            metadata={"step": step},
+        )
+        for task in tasks
+        for k in range(t.group_size)
+    ]
+
+
+async def fetch_details(client: ControlClient, outcomes: list[RolloutOutcome]) -> list[RolloutDetail]:
+    """The recorded calls and rewards of the rollouts that were graded."""
+    ok = [o for o in outcomes if o.state == RolloutState.SUCCEEDED]
+    return list(await asyncio.gather(*(client.rollout(o.rollout_id) for o in ok)))
+
+
+async def train_step(ctx: TrainContext, train_tasks: list[Task], step: int) -> dict[str, Any]:
+    """One sync step; returns its metrics. The engine serves version `step + 1` afterwards."""
+    t0 = time.perf_counter()
+    outcomes = await run_rollouts(ctx, step_requests(ctx, train_tasks, step), f"step {step + 1} rollouts")
+    details = await fetch_details(ctx.client, outcomes)
+    t = ctx.cfg.train
+    batch = build_batch(details, t.advantage_level, t.estimator, t.loss_mode)
+    t1 = time.perf_counter()
+    await ctx.client.pause()
+    update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo)
+    t2 = time.perf_counter()
+    await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", step + 1)
+    await ctx.client.resume(weight_version=step + 1)
+    t3 = time.perf_counter()
+    return {
+        **batch_metrics(batch, outcomes),
+        **update,
+        "time_rollout_s": t1 - t0,
+        "time_update_s": t2 - t1,
+        "time_weight_sync_s": t3 - t2,
+        "weight_version": step + 1,
+    }
+
+
+def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any]:
+    """Reward, token and merge statistics of a step."""
+    rewards = list(batch.rewards.values())
+    stats = batch.stats.as_dict()
+    return {
+        "reward": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "rollouts": len(outcomes),
+        "rollouts_failed": sum(o.state != RolloutState.SUCCEEDED for o in outcomes),
+        "rows": len(batch.rows),
+        "rows_per_rollout": stats["rows_per_rollout"],
+        "calls": stats["calls"],
+        "merge_rate": stats["merge_rate"],
+        "breaks": stats["breaks"],
+        "tokens": sum(len(r.tokens) for r in batch.rows),
+        "trainable_tokens": batch.n_trainable_tokens,
+        "zero_adv_rows": sum(a == 0.0 for a in batch.advantages),
+    }
+
+
+async def restore(ctx: TrainContext) -> int:
+    """Resume from the newest checkpoint, if any; returns the first step to run."""
+    ckpt = latest_checkpoint(ctx.run_dir / "checkpoints")
+    if ckpt is None:
+        return 0
+    state = load_checkpoint(ckpt, ctx.model, ctx.optimizer)
+    step = int(state["step"])
+    await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", step)
+    await ctx.client.resume(weight_version=step)
+    log.info("resumed step=%d checkpoint=%s", step, ckpt)
+    return step
+
+
+async def run_sync(
+    ctx: TrainContext, train_tasks: list[Task], on_step: Callable[[int, dict[str, Any]], None] | None = None
+) -> int:
+    """Train from the last checkpoint to `train.steps`; returns the number of steps done in total."""
+    start = await restore(ctx)
+    t = ctx.cfg.train
+    for step in range(start, t.steps):
+        metrics = await train_step(ctx, train_tasks, step)
+        ctx.metrics.log(step + 1, metrics)
+        if on_step is not None:
+            on_step(step + 1, metrics)
+        if t.checkpoint_every and ((step + 1) % t.checkpoint_every == 0 or step + 1 == t.steps):
+            save_checkpoint(
+                ctx.run_dir / "checkpoints", step + 1, ctx.model, ctx.optimizer, {"run_id": ctx.run_id}
+            )
+            prune_checkpoints(ctx.run_dir / "checkpoints", t.keep_checkpoints)
+    return t.steps

@@ -1,0 +1,62 @@
+"""Training metrics to a JSONL file and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            except ImportError:
+                self._tb = None
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Record the metrics of one step."""
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def read(self) -> list[dict[str, Any]]:
+        """All records logged so far (also those of earlier runs in the same directory)."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def close(self) -> None:
+        """Flush and close TensorBoard."""
+        if self._tb is not None:
+            self._tb.close()
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float, float]:
+    """Mean and a 95% interval: Wilson score for 0/1 values, normal approximation otherwise."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    m = sum(values) / n
+    if all(v in (0.0, 1.0) for v in values):
+        z = 1.959964
+        denom = 1 + z * z / n
+        centre = (m + z * z / (2 * n)) / denom
+        half = z * math.sqrt(m * (1 - m) / n + z * z / (4 * n * n)) / denom
+        return m, centre - half, centre + half
+    var = sum((v - m) ** 2 for v in values) / max(n - 1, 1)
+    half = 1.959964 * math.sqrt(var / n)
+    return m, m - half, m + half

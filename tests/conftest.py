@@ -1,0 +1,106 @@
+"""Shared fixtures: a tiny random model with the real SmolLM2 tokenizer, a real engine process,
+and gateways on loopback over real SQLite files."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from harnessrl.gateway.app import GatewayConfig, create_app  # noqa: E402
+from harnessrl.services import Service, free_port, start_engine  # noqa: E402
+from harnessrl.store import SQLiteStore  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny Llama with SmolLM2's real tokenizer."""
+    from harnessrl.modeling.loading import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """A real builtin engine process serving the tiny model."""
+    svc = start_engine(tiny_model_dir, free_port(), tmp_path_factory.mktemp("engine-logs"), 16, 2048, 1)
+    try:
+        svc.wait_healthy(120)
+        yield svc
+    finally:
+        svc.stop()
+
+
+class ThreadServer:
+    """uvicorn serving an ASGI app in a background thread on a free loopback port."""
+
+    def __init__(self, app: object) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)  # type: ignore[arg-type]
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ThreadServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@dataclass
+class GatewayHandle:
+    """A running gateway: its URL, admin key and store."""
+
+    url: str
+    admin_key: str
+    store: SQLiteStore
+
+    def admin(self) -> httpx.Client:
+        """An HTTP client carrying the admin key."""
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=120)
+
+    def new_rollout(self, client_id: str | None = None, **body: object) -> tuple[str, str]:
+        """Create a rollout (and start its attempt); returns (rollout_id, api_key)."""
+        with self.admin() as c:
+            r = c.post("/control/rollouts", json={"client_id": client_id or secrets.token_hex(4), "task_id": "t", **body})
+            r.raise_for_status()
+            rid = r.json()["rollout"]["rollout_id"]
+            c.post(f"/control/rollouts/{rid}/attempts").raise_for_status()
+            return rid, r.json()["api_key"]
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path, engine: Service) -> Iterator[Callable[..., GatewayHandle]]:
+    """Factory for gateways in this process over a fresh SQLite store, upstream = the engine."""
+    servers: list[ThreadServer] = []
+
+    def make(**overrides: object) -> GatewayHandle:
+        admin_key = "admin-" + secrets.token_hex(8)
+        store = SQLiteStore(tmp_path / f"store-{len(servers)}.sqlite")
+        cfg = GatewayConfig(admin_key=admin_key, upstream_url=engine.url, **overrides)  # type: ignore[arg-type]
+        srv = ThreadServer(create_app(cfg, store)).__enter__()
+        servers.append(srv)
+        return GatewayHandle(srv.url, admin_key, store)
+
+    yield make
+    for s in servers:
+        s.__exit__()
