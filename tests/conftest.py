@@ -73,6 +73,7 @@ class GatewayHandle:
     url: str
     admin_key: str
     store: SQLiteStore
+    engine_url: str
 
     def admin(self) -> httpx.Client:
         """An HTTP client carrying the admin key."""
@@ -96,10 +97,10 @@ def make_gateway(tmp_path: Path, engine: Service) -> Iterator[Callable[..., Gate
     def make(**overrides: object) -> GatewayHandle:
         admin_key = "admin-" + secrets.token_hex(8)
         store = SQLiteStore(tmp_path / f"store-{len(servers)}.sqlite")
-        cfg = GatewayConfig(admin_key=admin_key, upstream_url=engine.url, **overrides)  # type: ignore[arg-type]
+        cfg = GatewayConfig.model_validate({"admin_key": admin_key, "upstream_url": engine.url, **overrides})
         srv = ThreadServer(create_app(cfg, store)).__enter__()
         servers.append(srv)
-        return GatewayHandle(srv.url, admin_key, store)
+        return GatewayHandle(srv.url, admin_key, store, engine.url)
 
     yield make
     for s in servers:

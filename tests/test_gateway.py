@@ -1,0 +1,183 @@
+"""The gateway over a real engine (tiny model, real tokenizer), driven by the official openai SDK."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from harnessrl.chat import render_chat
+from harnessrl.modeling.loading import load_tokenizer
+from harnessrl.schema import CallStatus, RolloutState
+from tests.conftest import GatewayHandle
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+
+
+def sdk(gw: GatewayHandle, key: str, prefix: str = "") -> OpenAI:
+    return OpenAI(base_url=f"{gw.url}{prefix}/v1", api_key=key, max_retries=0)
+
+
+def test_call_is_recorded_with_the_engines_exact_tokens(make_gateway: Callable[..., GatewayHandle], tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    gw = make_gateway()
+    rid, key = gw.new_rollout(sampling={"temperature": 0.7})
+    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+    resp = sdk(gw, key).chat.completions.create(model="gpt-4o", messages=messages, tools=TOOLS, max_tokens=12)  # type: ignore[arg-type]
+    assert resp.model == "gpt-4o" and resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    (call,) = gw.store.calls(rid)
+    assert call.status == CallStatus.OK and call.weight_version == 0 and call.temperature == 0.7
+    tok = load_tokenizer(tiny_model_dir)
+    rendered = render_chat(messages, tools=TOOLS, add_generation_prompt=True)
+    assert call.prompt_ids == tok.encode(rendered, add_special_tokens=False).ids
+    engine_tokens = httpx.post(f"{gw.engine_url}/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    assert call.prompt_ids == engine_tokens["tokens"]
+    assert len(call.completion_ids) == len(call.completion_logprobs) == resp.usage.completion_tokens  # type: ignore[union-attr]
+    text_ids = [t for t in call.completion_ids if t != 2]  # <|im_end|> is sampled but not shown
+    assert tok.decode(text_ids, skip_special_tokens=False) == (resp.choices[0].message.content or "")
+    assert call.request["messages"] == messages and call.response is not None
+    assert "prompt_token_ids" not in resp.model_dump() or resp.model_dump().get("prompt_token_ids") is None
+
+
+def test_keys_are_scoped_to_their_rollout(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway()
+    rid_a, key_a = gw.new_rollout()
+    rid_b, key_b = gw.new_rollout()
+    msgs = [{"role": "user", "content": "hi"}]
+    sdk(gw, key_a).chat.completions.create(model="m", messages=msgs, max_tokens=3)  # type: ignore[arg-type]
+    sdk(gw, key_b, prefix=f"/r/{rid_b}").chat.completions.create(model="m", messages=msgs, max_tokens=3)  # type: ignore[arg-type]
+    assert [c.rollout_id for c in gw.store.calls(rid_a)] == [rid_a]
+    assert [c.rollout_id for c in gw.store.calls(rid_b)] == [rid_b]
+    with pytest.raises(openai.PermissionDeniedError):  # A's key on B's URL
+        sdk(gw, key_a, prefix=f"/r/{rid_b}").chat.completions.create(model="m", messages=msgs, max_tokens=3)  # type: ignore[arg-type]
+    with pytest.raises(openai.AuthenticationError):
+        sdk(gw, key_a[:-4] + "0000").chat.completions.create(model="m", messages=msgs, max_tokens=3)  # type: ignore[arg-type]
+    # a rollout key cannot read or write anything on the control API, its own rollout included
+    for method, path in [("GET", f"/control/rollouts/{rid_b}"), ("GET", f"/control/rollouts/{rid_a}"),
+                         ("PUT", f"/control/rollouts/{rid_a}/reward"), ("GET", "/control/rollouts")]:  # fmt: skip
+        r = httpx.request(method, gw.url + path, headers={"Authorization": f"Bearer {key_a}"}, json={"value": 1.0})
+        assert r.status_code == 403, (method, path)
+    assert httpx.get(f"{gw.url}/control/rollouts").status_code == 401
+    assert gw.store.get_reward(rid_a) is None
+    assert len(gw.store.calls(rid_a)) == 1 and len(gw.store.calls(rid_b)) == 1
+
+
+BAD_BODIES = [
+    (b"{not json", 400, None),
+    (b'{"model": "m", "messages": "hello"}', 400, "messages"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, "temperature"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true}', 400, "stream"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temprature": 1}', 400, "temprature"),
+    (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
+    (b'{"model": "m", "messages": []}', 400, "messages"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "bad name!"}}]}', 400, "tools.0.function.name"),
+    (b"[1, 2, 3]", 400, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_BODIES)
+def test_bad_input_gets_a_clear_4xx_and_records_nothing(
+    make_gateway: Callable[..., GatewayHandle], body: bytes, status: int, param: str | None
+) -> None:
+    gw = make_gateway()
+    rid, key = gw.new_rollout()
+    r = httpx.post(f"{gw.url}/v1/chat/completions", content=body, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    assert gw.store.calls(rid) == []
+
+
+def test_missing_key_unknown_rollout_and_oversized_body(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway(max_body_bytes=2000)
+    rid, key = gw.new_rollout()
+    ok = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(f"{gw.url}/v1/chat/completions", json=ok).json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{gw.url}/r/ro0000/v1/chat/completions", json=ok, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 403
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=big, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 413 and gw.store.calls(rid) == []
+    with gw.admin() as c:
+        assert c.get("/control/rollouts/ro0000").status_code == 404
+        assert c.put("/control/rollouts/ro0000/reward", json={"value": 1}).status_code == 404
+
+
+def test_finished_rollout_accepts_no_calls(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway()
+    rid, key = gw.new_rollout()
+    with gw.admin() as c:
+        c.post(f"/control/rollouts/{rid}/state", json={"state": "succeeded"}).raise_for_status()
+        r = c.post(f"/control/rollouts/{rid}/state", json={"state": "running"})
+        assert r.status_code == 409 and "succeeded" in r.json()["error"]["message"]
+    with pytest.raises(openai.ConflictError):
+        sdk(gw, key).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+
+
+def test_control_api_create_is_idempotent_and_lists_by_state(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway()
+    with gw.admin() as c:
+        first = c.post("/control/rollouts", json={"client_id": "job-1", "task_id": "t1", "input": {"q": 1}})
+        again = c.post("/control/rollouts", json={"client_id": "job-1", "task_id": "t1"})
+        assert (first.status_code, again.status_code) == (201, 200)
+        assert first.json()["api_key"] == again.json()["api_key"]
+        rid = first.json()["rollout"]["rollout_id"]
+        assert c.post("/control/rollouts", json={"client_id": "job-1", "task_id": "t2"}).status_code == 409
+        assert c.post("/control/rollouts", json={"client_id": "x", "task_id": "t", "bogus": 1}).status_code == 400
+        for i in range(4):
+            c.post("/control/rollouts", json={"client_id": f"job-q{i}", "task_id": "t"}).raise_for_status()
+        c.post(f"/control/rollouts/{rid}/attempts").raise_for_status()
+        running = c.get("/control/rollouts", params={"state": "running"}).json()
+        assert [r["rollout_id"] for r in running["rollouts"]] == [rid]
+        page = c.get("/control/rollouts", params={"state": "queued", "limit": 3}).json()
+        assert len(page["rollouts"]) == 3 and page["next_cursor"]
+        rest = c.get("/control/rollouts", params={"state": "queued", "cursor": page["next_cursor"]}).json()
+        assert len(rest["rollouts"]) == 1 and rest["next_cursor"] is None
+        assert c.get("/control/rollouts", params={"state": "sideways"}).status_code == 400
+        c.put(f"/control/rollouts/{rid}/reward", json={"value": 0.25}).raise_for_status()
+        c.put(f"/control/rollouts/{rid}/reward", json={"value": 1.0, "details": {"k": 1}}).raise_for_status()
+        detail = c.get(f"/control/rollouts/{rid}").json()
+        assert detail["reward"]["value"] == 1.0 and detail["rollout"]["state"] == RolloutState.RUNNING
+        assert c.put(f"/control/rollouts/{rid}/reward", json={"value": "high"}).status_code == 400
+
+
+def test_pause_holds_calls_then_429_and_resume_records_the_version(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway(pause_wait_s=0.3)
+    rid, key = gw.new_rollout()
+    msgs = [{"role": "user", "content": "x"}]
+    with gw.admin() as c:
+        assert c.post("/control/pause", json={"drain_timeout_s": 5}).json()["drained"] is True
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "messages": msgs},
+                       headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["code"] == "paused"
+        assert gw.store.calls(rid) == []
+        c.post("/control/resume", json={"weight_version": 0}).raise_for_status()
+        assert c.get("/control/status").json() == {"paused": False, "in_flight": 0, "weight_version": 0}
+    sdk(gw, key).chat.completions.create(model="m", messages=msgs, max_tokens=2)  # type: ignore[arg-type]
+    assert len(gw.store.calls(rid)) == 1
+
+
+def test_upstream_failure_is_recorded_as_a_failed_call(make_gateway: Callable[..., GatewayHandle]) -> None:
+    from harnessrl.services import free_port
+
+    gw = make_gateway(upstream_url=f"http://127.0.0.1:{free_port()}", upstream_retries=1)
+    rid, key = gw.new_rollout()
+    with pytest.raises(openai.APIStatusError) as e:
+        sdk(gw, key).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 502
+    (call,) = gw.store.calls(rid)
+    assert call.status == CallStatus.FAILED and call.error and "ConnectError" in call.error
