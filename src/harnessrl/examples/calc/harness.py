@@ -39,23 +39,25 @@ TOOLS = [
         },
     }
 ]
-# One worked example, shown to the model as earlier turns of the conversation.
-EXAMPLE: list[dict[str, Any]] = [
-    {"role": "user", "content": "Calculate 12 + 7 * 3."},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": "call_example",
-                "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": "12 + 7 * 3"})},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_example", "content": "33"},
-    {"role": "assistant", "content": "The answer is 33."},
-]
+def worked_example(question: str, expression: str, result: str) -> list[dict[str, Any]]:
+    """A solved exchange (question → tool call → result → answer), shown to the model as earlier turns."""
+    call = {
+        "id": f"call_example_{len(expression)}",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+    }
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": result},
+        {"role": "assistant", "content": f"The answer is {result}."},
+    ]
+
+
+# Two worked examples: with one, SmolLM2-135M calls the tool ~3% of the time; with two, about half.
+EXAMPLES = worked_example("What is 12 + 7 * 3?", "12 + 7 * 3", "33") + worked_example(
+    "Compute 45 - 18.", "45 - 18", "27"
+)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -78,7 +80,7 @@ def final_number(text: str | None) -> str | None:
 
 def solve(client: OpenAI, question: str) -> dict[str, Any]:
     """Run the agent loop on one question."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *EXAMPLE]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *EXAMPLES]
     messages.append({"role": "user", "content": question})
     tool_calls = 0
     text: str | None = None
