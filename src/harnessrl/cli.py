@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: services and harnesses are stopped
+
+
 def _run(cfg: Any, fresh: bool) -> int:
     from tqdm import tqdm
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     from harnessrl.run import run
 
