@@ -18,6 +18,8 @@ import uvicorn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+pytest_plugins = ["tests.engine_fixtures"]  # the engine and modeling fixtures (engine_*)
+
 from harnessrl.gateway.app import GatewayConfig, create_app  # noqa: E402
 from harnessrl.services import Service, free_port, start_engine  # noqa: E402
 from harnessrl.store import SQLiteStore  # noqa: E402
@@ -77,12 +79,17 @@ class GatewayHandle:
 
     def admin(self) -> httpx.Client:
         """An HTTP client carrying the admin key."""
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=120)
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=120
+        )
 
     def new_rollout(self, client_id: str | None = None, **body: object) -> tuple[str, str]:
         """Create a rollout (and start its attempt); returns (rollout_id, api_key)."""
         with self.admin() as c:
-            r = c.post("/control/rollouts", json={"client_id": client_id or secrets.token_hex(4), "task_id": "t", **body})
+            r = c.post(
+                "/control/rollouts",
+                json={"client_id": client_id or secrets.token_hex(4), "task_id": "t", **body},
+            )
             r.raise_for_status()
             rid = r.json()["rollout"]["rollout_id"]
             c.post(f"/control/rollouts/{rid}/attempts").raise_for_status()

@@ -33,7 +33,9 @@ def ref_advantages(r: list[float], est: Estimator) -> np.ndarray:
 @settings(max_examples=200, deadline=None)
 @given(rewards_st, st.sampled_from(list(Estimator)))
 def test_group_advantages_match_reference(rewards: list[float], est: Estimator) -> None:
-    np.testing.assert_allclose(group_advantages(rewards, est), ref_advantages(rewards, est), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        group_advantages(rewards, est), ref_advantages(rewards, est), rtol=1e-9, atol=1e-9
+    )
 
 
 @pytest.mark.parametrize("est", list(Estimator))
@@ -64,7 +66,9 @@ def test_rollout_level_statistics_count_each_rollout_once(b: tuple, est: Estimat
     adv = rollout_advantages(rewards, groups, est)
     for g in set(groups.values()):
         rids = [r for r in rewards if groups[r] == g]
-        np.testing.assert_allclose([adv[r] for r in rids], ref_advantages([rewards[r] for r in rids], est), atol=1e-9)
+        np.testing.assert_allclose(
+            [adv[r] for r in rids], ref_advantages([rewards[r] for r in rids], est), atol=1e-9
+        )
     # every row of a rollout gets that rollout's single advantage
     per_row = [adv[r.rollout_id] for r in rows]
     for rid in rewards:
@@ -95,7 +99,9 @@ def ref_loss(rows: list[Row], per_token: list[list[float]], mode: LossMode) -> f
         vals = [x for r, lt in trainable for x, m in zip(lt, r.loss_mask, strict=True) if m]
         return float(np.mean(vals))
     if mode == LossMode.SAMPLE_MEAN:
-        return float(np.mean([np.mean([x for x, m in zip(lt, r.loss_mask, strict=True) if m]) for r, lt in trainable]))
+        return float(
+            np.mean([np.mean([x for x, m in zip(lt, r.loss_mask, strict=True) if m]) for r, lt in trainable])
+        )
     by_rollout: dict[str, list[float]] = {}
     for r, lt in trainable:
         by_rollout.setdefault(r.rollout_id, []).extend(x for x, m in zip(lt, r.loss_mask, strict=True) if m)

@@ -30,7 +30,7 @@ def conversations(draw: st.DrawFn, allow_breaks: bool) -> tuple[list[Call], int]
     for i in range(draw(st.integers(min_value=1, max_value=8))):
         if i and allow_breaks and draw(st.booleans()):
             pos = draw(st.integers(min_value=0, max_value=len(context) - 1))
-            context = context[:pos] + [1] + context[pos + 1 :]  # token id 1 never occurs otherwise
+            context = [*context[:pos], 1, *context[pos + 1 :]]  # token id 1 never occurs otherwise
             n_breaks += 1
         completion = draw(tokens)
         calls.append(make_call(i, list(context), completion))
@@ -116,7 +116,9 @@ def test_break_causes_are_classified_from_messages_and_tokens() -> None:
     assert classify_break(prev, make_call(1, [9], [9], request=extends)) == BreakCause.RETOKENIZED
     tools = {**extends, "tools": [{"type": "function", "function": {"name": "f"}}]}
     assert classify_break(prev, make_call(1, [9], [9], request=tools)) == BreakCause.TEMPLATE_CHANGE
-    cut = make_call(0, [1, 2], [3], request={"messages": _msgs("q1")}, response=answer, finish_reason="length")
+    cut = make_call(
+        0, [1, 2], [3], request={"messages": _msgs("q1")}, response=answer, finish_reason="length"
+    )
     assert classify_break(cut, make_call(1, [9], [9], request=extends)) == BreakCause.TRUNCATION
 
 

@@ -26,7 +26,9 @@ def hf_template(model_dir: Path) -> jinja2.Template:
 
 @settings(max_examples=100, deadline=None)
 @given(st.booleans(), st.lists(text, min_size=1, max_size=5))
-def test_render_matches_the_models_own_template(tiny_model_dir: Path, with_system: bool, turns: list[str]) -> None:
+def test_render_matches_the_models_own_template(
+    tiny_model_dir: Path, with_system: bool, turns: list[str]
+) -> None:
     msgs = [{"role": "system", "content": "be brief"}] if with_system else []
     msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
     ours = render_chat(msgs, add_generation_prompt=True)
@@ -35,13 +37,23 @@ def test_render_matches_the_models_own_template(tiny_model_dir: Path, with_syste
 
 
 @settings(max_examples=100, deadline=None)
-@given(text, st.lists(st.tuples(st.from_regex(r"[a-z_]{1,10}", fullmatch=True), st.dictionaries(
-    st.from_regex(r"[a-z]{1,5}", fullmatch=True), st.integers() | text, max_size=3)), max_size=3))
+@given(
+    text,
+    st.lists(
+        st.tuples(
+            st.from_regex(r"[a-z_]{1,10}", fullmatch=True),
+            st.dictionaries(st.from_regex(r"[a-z]{1,5}", fullmatch=True), st.integers() | text, max_size=3),
+        ),
+        max_size=3,
+    ),
+)
 def test_tool_calls_round_trip_through_render_and_parse(content: str, calls: list[tuple[str, dict]]) -> None:  # type: ignore[type-arg]
     generated = content + "".join(render_tool_call(n, a) for n, a in calls) + "<|im_end|>"
     parsed = parse_completion(generated)
     assert parsed.content == content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == calls
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls
+    ] == calls
     # an assistant message carrying these calls renders back to exactly the generated text
     msg = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
     rendered = render_chat([{"role": "system", "content": "s"}, msg], add_generation_prompt=False)
@@ -98,7 +110,7 @@ def test_grader_on_known_good_and_bad_answers(tmp_path: Path) -> None:
 
 def test_splits_are_disjoint_and_deterministic() -> None:
     train, held = build_splits(300, 50, seed=0)
-    train2, held2 = build_splits(300, 50, seed=0)
+    _train2, held2 = build_splits(300, 50, seed=0)
     assert [t.input for t in held] == [t.input for t in held2] and len(held) == 50
     assert not {t.input["question"] for t in train} & {t.input["question"] for t in held}
     assert all("answer" not in t.input for t in train + held)  # the harness never sees the answer

@@ -52,7 +52,10 @@ async def _run(gw: GatewayHandle, tmp_path: Path, harness: HarnessSpec, modes: l
     client = ControlClient(gw.url, gw.admin_key)
     ctl = Controller(client, gw.url, harness, grader, tmp_path / "run", concurrency=4, max_attempts=2,
                      grader_timeout_s=10, runner=runner)  # fmt: skip
-    reqs = [RolloutRequest(Task(task_id=f"t{i}", input={"mode": m}), client_id=f"c{i}") for i, m in enumerate(modes)]
+    reqs = [
+        RolloutRequest(Task(task_id=f"t{i}", input={"mode": m}), client_id=f"c{i}")
+        for i, m in enumerate(modes)
+    ]
     try:
         return await ctl.run(reqs)
     finally:
@@ -68,7 +71,9 @@ async def test_results_crashes_and_grader_failures(make_gateway: Callable[..., G
     assert (ok.state, ok.reward) == (RolloutState.SUCCEEDED, 1.0)
     assert (crash.state, crash.reward) == (RolloutState.SUCCEEDED, 0.0)  # a harness crash is a graded result
     assert gw.store.get_reward(crash.rollout_id).details["exit_code"] == 3  # type: ignore[union-attr]
-    assert gcrash.state == RolloutState.FAILED and gcrash.reward is None and "grader bug" in (gcrash.error or "")
+    assert (
+        gcrash.state == RolloutState.FAILED and gcrash.reward is None and "grader bug" in (gcrash.error or "")
+    )
     env = json.loads((tmp_path / "run/rollouts" / ok.rollout_id / "attempt-0/output/env.json").read_text())
     assert env["OPENAI_BASE_URL"] == f"{gw.url}/v1" and env["ANTHROPIC_BASE_URL"] == gw.url
     assert env["HARNESSRL_ROLLOUT_ID"] == ok.rollout_id and env["OPENAI_API_KEY"].startswith("hrl-")
@@ -118,7 +123,10 @@ async def test_infrastructure_failure_is_retried_as_a_new_attempt(make_gateway: 
     spec = HarnessSpec(command=[sys.executable, str(harness_file)], timeout_s=30)
     (ok,) = await _run(gw, tmp_path, spec, ["ok"], runner=FlakyRunner())
     assert (ok.state, ok.reward) == (RolloutState.SUCCEEDED, 1.0)
-    assert [a.status for a in gw.store.attempts(ok.rollout_id)] == [AttemptStatus.INFRA_ERROR, AttemptStatus.EXITED]
+    assert [a.status for a in gw.store.attempts(ok.rollout_id)] == [
+        AttemptStatus.INFRA_ERROR,
+        AttemptStatus.EXITED,
+    ]
     missing = HarnessSpec(command=["/nonexistent/harness"], timeout_s=5)
     (lost,) = await _run(gw, tmp_path, missing, ["ok"])
     assert lost.state == RolloutState.SUCCEEDED  # idempotent: client id c0 already finished

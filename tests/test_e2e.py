@@ -33,7 +33,14 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
     seen: list[int] = []
     summary = run(cfg, fresh=True, on_step=lambda step, m: seen.append(step))
     run_dir = tmp_path / "run"
-    for key in ("heldout_reward_before", "heldout_reward_after", "n_heldout", "train_steps", "wall_seconds", "merge_rate"):
+    for key in (
+        "heldout_reward_before",
+        "heldout_reward_after",
+        "n_heldout",
+        "train_steps",
+        "wall_seconds",
+        "merge_rate",
+    ):
         assert key in summary
     assert summary["n_heldout"] == 4 and summary["train_steps"] == 2 and seen == [1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["train_steps"] == 2

@@ -13,12 +13,10 @@ from harnessrl.engine.protocol import ChatCompletionRequest, chat_response
 from harnessrl.engine.scheduler import GenerationResult
 from harnessrl.engine.server import ServerThread
 from harnessrl.modeling.llama import LlamaForCausalLM
-from tests.engine_fixtures import (
+from tests.conftest_engine import (
     TINY_MAX_LEN,
     full_forward_logprobs,
 )
-
-pytest_plugins = ["tests.engine_fixtures"]  # engine_tiny_dir, engine_tiny_model, engine_server
 
 MESSAGES = [{"role": "user", "content": "What is 6 times 7?"}]
 TOOLS = [

@@ -16,8 +16,6 @@ from harnessrl.modeling.cache import KVCache
 from harnessrl.modeling.loading import load_tokenizer
 from harnessrl.modeling.logprobs import token_logprobs
 
-pytest_plugins = ["tests.engine_fixtures"]  # engine_tiny_dir, engine_tiny_model, engine_server
-
 
 @pytest.fixture(scope="module")
 def text(engine_tiny_dir: Path) -> TokenText:

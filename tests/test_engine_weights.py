@@ -17,9 +17,7 @@ from harnessrl.engine.sampling import SamplingParams
 from harnessrl.engine.scheduler import GenerationResult, Scheduler, Sequence
 from harnessrl.engine.server import ServerThread
 from harnessrl.modeling.loading import load_model, load_tokenizer
-from tests.engine_fixtures import full_forward_logprobs, start_server, tiny_dir
-
-pytest_plugins = ["tests.engine_fixtures"]  # engine_tiny_dir, engine_tiny_model, engine_server
+from tests.conftest_engine import full_forward_logprobs, start_server, tiny_dir
 
 LONG = {"max_tokens": 300, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}
 
@@ -142,3 +140,21 @@ def test_eos_is_in_token_ids_and_logprobs_not_in_text(engine_tiny_dir: Path) -> 
     assert res.token_ids == free.token_ids[:n] and len(res.logprobs) == n
     text = TokenText(load_tokenizer(engine_tiny_dir))
     assert res.text == text.decode(free.token_ids[: n - 1])
+
+
+def test_client_disconnect_aborts_the_sequence(reload_server: ServerThread) -> None:
+    url = reload_server.url
+    before = httpx.get(url + "/admin/stats").json()
+    httpx.post(url + "/admin/pause")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 50}, timeout=0.5)
+    time.sleep(0.6)  # the server notices the disconnect within its poll interval (0.25 s)
+    httpx.post(url + "/admin/resume")
+    deadline = time.monotonic() + 30
+    while (
+        httpx.get(url + "/admin/stats").json()["aborted"] == before["aborted"] and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    after = httpx.get(url + "/admin/stats").json()
+    assert after["aborted"] == before["aborted"] + 1
+    assert after["generated_tokens"] == before["generated_tokens"]

@@ -30,10 +30,15 @@ def sdk(gw: GatewayHandle, key: str, prefix: str = "") -> OpenAI:
     return OpenAI(base_url=f"{gw.url}{prefix}/v1", api_key=key, max_retries=0)
 
 
-def test_call_is_recorded_with_the_engines_exact_tokens(make_gateway: Callable[..., GatewayHandle], tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_call_is_recorded_with_the_engines_exact_tokens(
+    make_gateway: Callable[..., GatewayHandle], tiny_model_dir
+) -> None:  # type: ignore[no-untyped-def]
     gw = make_gateway()
     rid, key = gw.new_rollout(sampling={"temperature": 0.7})
-    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+    messages = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
     resp = sdk(gw, key).chat.completions.create(model="gpt-4o", messages=messages, tools=TOOLS, max_tokens=12)  # type: ignore[arg-type]
     assert resp.model == "gpt-4o" and resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
     (call,) = gw.store.calls(rid)
@@ -41,7 +46,9 @@ def test_call_is_recorded_with_the_engines_exact_tokens(make_gateway: Callable[.
     tok = load_tokenizer(tiny_model_dir)
     rendered = render_chat(messages, tools=TOOLS, add_generation_prompt=True)
     assert call.prompt_ids == tok.encode(rendered, add_special_tokens=False).ids
-    engine_tokens = httpx.post(f"{gw.engine_url}/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    engine_tokens = httpx.post(
+        f"{gw.engine_url}/tokenize", json={"messages": messages, "tools": TOOLS}
+    ).json()
     assert call.prompt_ids == engine_tokens["tokens"]
     assert len(call.completion_ids) == len(call.completion_logprobs) == resp.usage.completion_tokens  # type: ignore[union-attr]
     text_ids = [t for t in call.completion_ids if t != 2]  # <|im_end|> is sampled but not shown
@@ -66,7 +73,9 @@ def test_keys_are_scoped_to_their_rollout(make_gateway: Callable[..., GatewayHan
     # a rollout key cannot read or write anything on the control API, its own rollout included
     for method, path in [("GET", f"/control/rollouts/{rid_b}"), ("GET", f"/control/rollouts/{rid_a}"),
                          ("PUT", f"/control/rollouts/{rid_a}/reward"), ("GET", "/control/rollouts")]:  # fmt: skip
-        r = httpx.request(method, gw.url + path, headers={"Authorization": f"Bearer {key_a}"}, json={"value": 1.0})
+        r = httpx.request(
+            method, gw.url + path, headers={"Authorization": f"Bearer {key_a}"}, json={"value": 1.0}
+        )
         assert r.status_code == 403, (method, path)
     assert httpx.get(f"{gw.url}/control/rollouts").status_code == 401
     assert gw.store.get_reward(rid_a) is None
@@ -106,8 +115,12 @@ def test_missing_key_unknown_rollout_and_oversized_body(make_gateway: Callable[.
     gw = make_gateway(max_body_bytes=2000)
     rid, key = gw.new_rollout()
     ok = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    assert httpx.post(f"{gw.url}/v1/chat/completions", json=ok).json()["error"]["type"] == "authentication_error"
-    r = httpx.post(f"{gw.url}/r/ro0000/v1/chat/completions", json=ok, headers={"Authorization": f"Bearer {key}"})
+    assert (
+        httpx.post(f"{gw.url}/v1/chat/completions", json=ok).json()["error"]["type"] == "authentication_error"
+    )
+    r = httpx.post(
+        f"{gw.url}/r/ro0000/v1/chat/completions", json=ok, headers={"Authorization": f"Bearer {key}"}
+    )
     assert r.status_code == 403
     big = {"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}
     r = httpx.post(f"{gw.url}/v1/chat/completions", json=big, headers={"Authorization": f"Bearer {key}"})
@@ -128,7 +141,9 @@ def test_finished_rollout_accepts_no_calls(make_gateway: Callable[..., GatewayHa
         sdk(gw, key).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
 
 
-def test_control_api_create_is_idempotent_and_lists_by_state(make_gateway: Callable[..., GatewayHandle]) -> None:
+def test_control_api_create_is_idempotent_and_lists_by_state(
+    make_gateway: Callable[..., GatewayHandle],
+) -> None:
     gw = make_gateway()
     with gw.admin() as c:
         first = c.post("/control/rollouts", json={"client_id": "job-1", "task_id": "t1", "input": {"q": 1}})
@@ -137,7 +152,10 @@ def test_control_api_create_is_idempotent_and_lists_by_state(make_gateway: Calla
         assert first.json()["api_key"] == again.json()["api_key"]
         rid = first.json()["rollout"]["rollout_id"]
         assert c.post("/control/rollouts", json={"client_id": "job-1", "task_id": "t2"}).status_code == 409
-        assert c.post("/control/rollouts", json={"client_id": "x", "task_id": "t", "bogus": 1}).status_code == 400
+        assert (
+            c.post("/control/rollouts", json={"client_id": "x", "task_id": "t", "bogus": 1}).status_code
+            == 400
+        )
         for i in range(4):
             c.post("/control/rollouts", json={"client_id": f"job-q{i}", "task_id": "t"}).raise_for_status()
         c.post(f"/control/rollouts/{rid}/attempts").raise_for_status()
@@ -155,7 +173,9 @@ def test_control_api_create_is_idempotent_and_lists_by_state(make_gateway: Calla
         assert c.put(f"/control/rollouts/{rid}/reward", json={"value": "high"}).status_code == 400
 
 
-def test_pause_holds_calls_then_429_and_resume_records_the_version(make_gateway: Callable[..., GatewayHandle]) -> None:
+def test_pause_holds_calls_then_429_and_resume_records_the_version(
+    make_gateway: Callable[..., GatewayHandle],
+) -> None:
     gw = make_gateway(pause_wait_s=0.3)
     rid, key = gw.new_rollout()
     msgs = [{"role": "user", "content": "x"}]

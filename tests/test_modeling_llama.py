@@ -11,9 +11,6 @@ import torch
 from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
 from harnessrl.modeling.loading import default_cache_dir, load_model, save_model
 
-pytest_plugins = ["tests.engine_fixtures"]  # engine_tiny_dir, engine_tiny_model, engine_server
-
-
 HF_KEYS_PER_LAYER = {
     "self_attn.q_proj.weight",
     "self_attn.k_proj.weight",
@@ -120,3 +117,14 @@ def test_smollm2_matches_transformers() -> None:
     model = load_model(d)
     assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
     _compare_with_hf(d, model, seq=24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_starts_zeroed(dtype: torch.dtype) -> None:
+    """Decode reads masked positions past a short sequence; they must be finite (0 * NaN = NaN)."""
+    from harnessrl.modeling.cache import KVCache
+
+    junk = [torch.full((4096,), float("nan"), dtype=dtype) for _ in range(8)]  # dirty the allocator
+    del junk
+    cache = KVCache(layers=2, max_batch=3, kv_heads=2, max_len=16, head_dim=8, dtype=dtype)
+    assert cache.kv.dtype == dtype and not cache.kv.any()

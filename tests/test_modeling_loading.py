@@ -20,8 +20,6 @@ from harnessrl.modeling.loading import (
     smollm2_dir,
 )
 
-pytest_plugins = ["tests.engine_fixtures"]  # engine_tiny_dir, engine_tiny_model, engine_server
-
 
 def test_default_cache_dir_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HARNESSRL_CACHE", str(tmp_path))

@@ -11,7 +11,17 @@ import torch
 
 from harnessrl.adapter import Batch, LossMode, Row, loss_weights
 from harnessrl.modeling.loading import load_model
-from harnessrl.trainer.ppo import PPOConfig, micro_batch_loss, micro_batches, ppo_token_loss, ppo_update
+from harnessrl.modeling.logprobs import next_token_logprobs
+from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
+from harnessrl.trainer.ppo import (
+    PPOConfig,
+    _pack,
+    first_trainable,
+    micro_batch_loss,
+    micro_batches,
+    ppo_token_loss,
+    ppo_update,
+)
 
 
 def test_token_loss_matches_the_formula() -> None:
@@ -26,52 +36,104 @@ def test_token_loss_matches_the_formula() -> None:
         assert float(got[i]) == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
-def test_micro_batches_respect_the_budget_and_cover_every_row() -> None:
-    lengths = [random.Random(i).randint(1, 300) for i in range(50)]
-    groups = micro_batches(lengths, 600)
-    assert sorted(i for g in groups for i in g) == list(range(50))
+def test_micro_batches_cover_every_row_and_respect_the_budget() -> None:
+    rnd = random.Random(0)
+    shared = [rnd.randint(3, 900) for _ in range(50)]
+    rows = [
+        shared[: rnd.randint(0, 50)] + [rnd.randint(3, 900) for _ in range(rnd.randint(1, 200))]
+        for _ in range(60)
+    ]
+    first = [len(r) // 2 for r in rows]
+    groups = micro_batches(rows, first, 600)
+    assert sorted(i for g in groups for i in g) == list(range(60))
     for g in groups:
-        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 600
+        p = shareable_prefix([rows[i] for i in g], [first[i] for i in g])
+        assert len(g) == 1 or p + len(g) * (max(len(rows[i]) for i in g) - p) <= 600
 
 
 def random_batch(n_rows: int, seed: int) -> Batch:
+    """Rows like a real step's: a shared system prefix, siblings sharing their whole prompt."""
     rnd = random.Random(seed)
+    system = [rnd.randint(3, 49000) for _ in range(12)]
     rows = []
     for i in range(n_rows):
-        n = rnd.randint(8, 40)
-        mask = [0] * (n // 2) + [1] * (n - n // 2)
-        rows.append(Row(f"r{i % 3}", [rnd.randint(3, 49000) for _ in range(n)], mask,
-                        [rnd.uniform(-6, -0.1) * m for m in mask], temperature=rnd.choice([1.0, 0.7])))  # fmt: skip
-    return Batch(rows, [rnd.uniform(-1, 1) for _ in rows], loss_weights(rows, LossMode.ROLLOUT_TOKEN_MEAN), {})
+        if i % 3 == 0:
+            prompt = system + [rnd.randint(3, 49000) for _ in range(rnd.randint(2, 10))]
+        completion = [rnd.randint(3, 49000) for _ in range(rnd.randint(1, 12))]
+        obs = [rnd.randint(3, 49000) for _ in range(rnd.randint(0, 5))]
+        second = [rnd.randint(3, 49000) for _ in range(rnd.randint(0, 6))]
+        tokens = prompt + completion + obs + second
+        mask = [0] * len(prompt) + [1] * len(completion) + [0] * len(obs) + [1] * len(second)
+        rows.append(Row(f"r{i // 3}", tokens, mask, [rnd.uniform(-6, -0.1) * m for m in mask],
+                        temperature=1.0 if i % 2 else 0.7))  # fmt: skip
+    return Batch(
+        rows, [rnd.uniform(-1, 1) for _ in rows], loss_weights(rows, LossMode.ROLLOUT_TOKEN_MEAN), {}
+    )
 
 
-def grads(model: torch.nn.Module, batch: Batch, budget: int) -> tuple[float, list[torch.Tensor]]:
+def reference_loss(model: torch.nn.Module, batch: Batch, cfg: PPOConfig) -> torch.Tensor:
+    """The loss straight from the formula: a full forward of each row alone, every position."""
+    total = torch.zeros(())
+    for row, adv, w in zip(batch.rows, batch.advantages, batch.weights, strict=True):
+        ids = torch.tensor([row.tokens])
+        new = next_token_logprobs(model(ids), ids, row.temperature)[0]
+        old = torch.tensor(row.old_logprobs[1:])
+        loss_t = ppo_token_loss(new, old, torch.tensor(adv), cfg.clip_low, cfg.clip_high)
+        total = total + (loss_t * torch.tensor(w[1:])).sum()
+    return total
+
+
+def grads(model: torch.nn.Module, batch: Batch, budget: int | None) -> tuple[float, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    cfg = PPOConfig(micro_batch_tokens=budget)
-    total = 0.0
-    for idx in micro_batches([len(r.tokens) for r in batch.rows], budget):
-        loss, _ = micro_batch_loss(model, batch, idx, cfg)  # type: ignore[arg-type]
+    cfg = PPOConfig(micro_batch_tokens=budget or 1)
+    if budget is None:
+        loss = reference_loss(model, batch, cfg)
         loss.backward()
-        total += float(loss.detach())
+        total = float(loss.detach())
+    else:
+        total = 0.0
+        firsts = [first_trainable(r.loss_mask) for r in batch.rows]
+        for idx in micro_batches([r.tokens for r in batch.rows], firsts, budget):
+            part, _ = micro_batch_loss(model, batch, idx, cfg)  # type: ignore[arg-type]
+            part.backward()
+            total += float(part.detach())
     return total, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def test_gradient_is_the_same_for_one_or_many_micro_batches(tiny_model_dir: Path) -> None:
+def test_gradient_equals_the_formula_for_one_or_many_micro_batches(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir)
-    batch = random_batch(9, seed=1)
-    loss_one, g_one = grads(model, batch, budget=10**6)
-    loss_many, g_many = grads(model, batch, budget=45)  # about one row per micro-batch
-    assert len(micro_batches([len(r.tokens) for r in batch.rows], 45)) >= 7
-    assert loss_many == pytest.approx(loss_one, rel=1e-5, abs=1e-7)
-    for a, b in zip(g_one, g_many, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    batch = random_batch(12, seed=1)
+    loss_ref, g_ref = grads(model, batch, budget=None)
+    loss_one, g_one = grads(model, batch, budget=10**6)  # one micro-batch, shared prefix
+    loss_many, g_many = grads(model, batch, budget=30)  # about one row per micro-batch
+    firsts = [first_trainable(r.loss_mask) for r in batch.rows]
+    assert len(micro_batches([r.tokens for r in batch.rows], firsts, 10**6)) == 1
+    assert len(micro_batches([r.tokens for r in batch.rows], firsts, 30)) >= 8
+    for loss, g in ((loss_one, g_one), (loss_many, g_many)):
+        assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-7)
+        for a, b in zip(g_ref, g, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_selected_logprobs_equal_a_full_forward(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    batch = random_batch(6, seed=3)
+    packed = _pack(batch, list(range(6)), torch.device("cpu"))
+    assert packed.prefix >= 12  # the system prompt is shared
+    with torch.no_grad():
+        sel = selected_logprobs(model, packed.tokens, packed.select, packed.temps, packed.prefix)
+        for lp, r, t in zip(sel.logprobs, sel.row, sel.pos, strict=True):
+            row = batch.rows[int(r)]
+            ids = torch.tensor([row.tokens])
+            full = next_token_logprobs(model(ids), ids, row.temperature)[0]
+            assert float(lp) == pytest.approx(float(full[int(t)]), abs=1e-5)
+    assert len(sel.logprobs) == sum(r.n_trainable for r in batch.rows)
 
 
 def test_update_moves_the_policy_toward_positive_advantage(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir)
     batch = random_batch(4, seed=2)
     batch.advantages = [1.0, 1.0, 1.0, 1.0]
-    from harnessrl.modeling.logprobs import next_token_logprobs
 
     def mean_lp() -> float:
         with torch.no_grad():

@@ -7,8 +7,9 @@ trainer at the row's sampling temperature) and old logprob μ_t (the engine's, r
     ℓ_t = −min(ρ_t · A, clip(ρ_t, 1 − ε_low, 1 + ε_high) · A)
     L   = Σ_t w_t · ℓ_t          (w_t: the adapter's loss weights, fixed for the whole batch)
 
-The batch is cut into micro-batches by a token budget; their losses are summed into the gradient,
-which therefore equals the whole batch's gradient. One optimizer step per epoch over the batch.
+The batch is cut into micro-batches by a token budget (rows with a common prefix together; see
+`trainer.forward`); their losses are summed into the gradient, which therefore equals the whole
+batch's gradient. One optimizer step per epoch over the batch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.llama import LlamaForCausalLM
-from harnessrl.modeling.logprobs import next_token_logprobs
+from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
 
 
 @dataclass(frozen=True)
@@ -42,17 +43,20 @@ def ppo_token_loss(new_lp: Tensor, old_lp: Tensor, adv: Tensor, clip_low: float,
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
-def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Group row indices (longest first) so each group's padded size B·max_len stays within budget."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+def micro_batches(rows: list[list[int]], first_trainable: list[int], token_budget: int) -> list[list[int]]:
+    """Group row indices so rows with common prefixes share a micro-batch (lexicographic order) and
+    each micro-batch's cost, shared prefix + B·(longest − prefix), stays within the budget."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > token_budget:
+        candidate = [*current, i]
+        prefix = shareable_prefix([rows[j] for j in candidate], [first_trainable[j] for j in candidate])
+        longest = max(len(rows[j]) for j in candidate)
+        if current and prefix + len(candidate) * (longest - prefix) > token_budget:
             groups.append(current)
-            current = []
-        current.append(i)
+            candidate = [i]
+        current = candidate
     if current:
         groups.append(current)
     return groups
@@ -60,36 +64,40 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 @dataclass
 class _Packed:
-    tokens: Tensor  # [B, L]
-    attention: Tensor  # [B, L]
-    old_lp: Tensor  # [B, L-1], aligned with targets tokens[:, 1:]
-    weights: Tensor  # [B, L-1]
-    adv: Tensor  # [B, 1]
+    tokens: Tensor  # [B, L] right-padded
+    select: Tensor  # [B, L-1] bool: position t predicts a trainable token t+1
+    old_lp: Tensor  # [B, L-1] the engine's logprob of token t+1
+    weights: Tensor  # [B, L-1] loss weight of token t+1
+    adv: Tensor  # [B]
     temps: Tensor  # [B]
+    prefix: int
+
+
+def first_trainable(mask: list[int]) -> int:
+    """Index of the first token with loss mask 1 (len(mask) if none)."""
+    return next((i for i, m in enumerate(mask) if m), len(mask))
 
 
 def _pack(batch: Batch, idx: list[int], device: torch.device) -> _Packed:
-    length = max(len(batch.rows[i].tokens) for i in idx)
-    b = len(idx)
-    tokens = torch.zeros(b, length, dtype=torch.long)
-    attention = torch.zeros(b, length, dtype=torch.long)
-    old_lp = torch.zeros(b, length)
-    weights = torch.zeros(b, length)
+    rows = [batch.rows[i] for i in idx]
+    length = max(len(r.tokens) for r in rows)
+    tokens = torch.zeros(len(idx), length, dtype=torch.long)
+    old_lp = torch.zeros(len(idx), length)
+    weights = torch.zeros(len(idx), length)
     for j, i in enumerate(idx):
-        row, n = batch.rows[i], len(batch.rows[i].tokens)
-        tokens[j, :n] = torch.tensor(row.tokens)
-        attention[j, :n] = 1
-        old_lp[j, :n] = torch.tensor(row.old_logprobs)
+        n = len(batch.rows[i].tokens)
+        tokens[j, :n] = torch.tensor(batch.rows[i].tokens)
+        old_lp[j, :n] = torch.tensor(batch.rows[i].old_logprobs)
         weights[j, :n] = torch.tensor(batch.weights[i])
-    adv = torch.tensor([batch.advantages[i] for i in idx]).unsqueeze(1)
-    temps = torch.tensor([batch.rows[i].temperature for i in idx])
+    prefix = shareable_prefix([r.tokens for r in rows], [first_trainable(r.loss_mask) for r in rows])
     return _Packed(
-        tokens.to(device),
-        attention.to(device),
-        old_lp[:, 1:].to(device),
-        weights[:, 1:].to(device),
-        adv.to(device),
-        temps.to(device),
+        tokens=tokens.to(device),
+        select=(weights[:, 1:] > 0).to(device),
+        old_lp=old_lp[:, 1:].to(device),
+        weights=weights[:, 1:].to(device),
+        adv=torch.tensor([batch.advantages[i] for i in idx], device=device),
+        temps=torch.tensor([r.temperature for r in rows], device=device),
+        prefix=prefix,
     )
 
 
@@ -98,17 +106,16 @@ def micro_batch_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Σ w_t ℓ_t over the rows `idx` (a differentiable scalar) and statistics of those tokens."""
     p = _pack(batch, idx, next(model.parameters()).device)
-    logits = model(p.tokens, attention_mask=p.attention)
-    new_lp = next_token_logprobs(logits, p.tokens, p.temps)
-    loss_t = ppo_token_loss(new_lp, p.old_lp, p.adv, cfg.clip_low, cfg.clip_high)
-    loss = (loss_t * p.weights).sum()
+    sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix)
+    old = p.old_lp[sel.row, sel.pos]
+    loss_t = ppo_token_loss(sel.logprobs, old, p.adv[sel.row], cfg.clip_low, cfg.clip_high)
+    loss = (loss_t * p.weights[sel.row, sel.pos]).sum()
     with torch.no_grad():
-        mask = p.weights > 0
-        ratio = torch.exp(new_lp - p.old_lp)[mask]
+        ratio = torch.exp(sel.logprobs - old)
         stats = {
-            "tokens": float(mask.sum()),
+            "tokens": float(ratio.numel()),
             "clipped": float(((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)).sum()),
-            "logprob_diff_abs": float((new_lp - p.old_lp)[mask].abs().sum()),
+            "logprob_diff_abs": float((sel.logprobs - old).abs().sum()),
             "ratio_sum": float(ratio.sum()),
         }
     return loss, stats
@@ -120,7 +127,11 @@ def ppo_update(
     """Run `cfg.epochs` optimizer steps over the batch; returns loss and diagnostic metrics."""
     if not batch.rows or batch.n_trainable_tokens == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0}
-    groups = micro_batches([len(r.tokens) for r in batch.rows], cfg.micro_batch_tokens)
+    groups = micro_batches(
+        [r.tokens for r in batch.rows],
+        [first_trainable(r.loss_mask) for r in batch.rows],
+        cfg.micro_batch_tokens,
+    )
     model.train()
     metrics: dict[str, float] = {}
     for _ in range(cfg.epochs):

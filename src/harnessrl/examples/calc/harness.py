@@ -39,6 +39,8 @@ TOOLS = [
         },
     }
 ]
+
+
 def worked_example(question: str, expression: str, result: str) -> list[dict[str, Any]]:
     """A solved exchange (question → tool call → result → answer), shown to the model as earlier turns."""
     call = {

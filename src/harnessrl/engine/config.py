@@ -1,0 +1,45 @@
+"""Configuration of the builtin engine server."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Everything `python -m harnessrl.engine` accepts (field names match the CLI flags)."""
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    max_batch: int = 16
+    max_model_len: int = 8192
+    threads: int | None = None  # torch intra-op threads; None = all cores
+    served_model_name: str | None = None
+    prefix_cache: bool = True
+    weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        if self.max_batch < 1 or self.max_model_len < 2:
+            raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by `dtype`."""
+        return DTYPES[self.dtype]
+
+    @property
+    def num_threads(self) -> int:
+        """Threads for torch: `threads`, else every core this process may use."""
+        if self.threads:
+            return self.threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

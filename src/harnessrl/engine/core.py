@@ -1,0 +1,186 @@
+"""The engine: a model, its tokenizer and a scheduler thread, behind async methods for the HTTP layer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harnessrl.chat import render_chat
+from harnessrl.engine.config import EngineConfig
+from harnessrl.engine.detok import TokenText
+from harnessrl.engine.sampling import SamplingParams
+from harnessrl.engine.scheduler import GenerationResult, Scheduler, Sequence, WeightLoad
+from harnessrl.modeling.loading import (
+    check_state_dict,
+    load_model,
+    load_state_dict_file,
+    load_tokenizer,
+    resolve_model,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve as asked (HTTP 400); names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def _eos_ids(model_dir: Path, eos: int) -> set[int]:
+    """EOS ids from config.json plus generation_config.json, if present."""
+    ids = {eos}
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    return ids
+
+
+class Engine:
+    """Loads the model and runs generation; every method is safe to call from the event loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.model = load_model(self.model_dir, dtype=config.torch_dtype, device=config.device)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.text = TokenText(self.tokenizer)
+        self.served_model_name = config.served_model_name or config.model
+        self.max_model_len = min(config.max_model_len, self.model.config.max_position_embeddings)
+        self.eos_ids = _eos_ids(self.model_dir, self.model.config.eos_token_id)
+        self.scheduler = Scheduler(
+            self.model,
+            self.text,
+            max_batch=config.max_batch,
+            max_model_len=self.max_model_len,
+            eos_ids=self.eos_ids,
+            prefix_cache=config.prefix_cache,
+            weight_version=config.weight_version,
+            threads=config.num_threads,
+        )
+        log.info(
+            "event=engine_ready model=%s dir=%s threads=%d max_batch=%d max_model_len=%d",
+            config.model,
+            self.model_dir,
+            torch.get_num_threads(),
+            config.max_batch,
+            self.max_model_len,
+        )
+
+    def start(self) -> None:
+        """Start the scheduler thread."""
+        self.scheduler.start()
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread (unfinished requests end with finish_reason 'abort')."""
+        self.scheduler.shutdown()
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights serving new sequences."""
+        return self.scheduler.weight_version
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize raw text (special-token markup such as <|im_start|> maps to its id)."""
+        return list(self.tokenizer.encode(text).ids)
+
+    def chat_prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Render messages (+ tools) with the shared chat convention and tokenize the prompt."""
+        text = render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+        """Validate prompt + completion against max_model_len; return the effective max_tokens."""
+        limit = self.max_model_len
+        if n_prompt == 0:
+            raise EngineError("the prompt is empty; send at least one token", "prompt")
+        if max_tokens is None:
+            max_tokens = limit - n_prompt
+        if max_tokens < 1 or n_prompt + max_tokens > limit:
+            raise EngineError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the prompt, {max_tokens} for the "
+                f"completion). Reduce the prompt or {param}.",
+                param,
+                "context_length_exceeded",
+            )
+        return max_tokens
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Generate one completion; cancelling the await aborts the sequence."""
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise EngineError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        fut, on_done = self._future()
+        seq = Sequence(prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device)
+        self.scheduler.submit(seq)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            seq.cancelled = True
+            raise
+
+    async def load_weights(self, path: str, version: int) -> int:
+        """Read weights from disk, then swap them in between steps once no sequence is running."""
+        state = await asyncio.to_thread(self._read_weights, path)
+        fut, on_done = self._future()
+        self.scheduler.queue_weight_load(WeightLoad(state, version, on_done))
+        return await fut
+
+    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        p = Path(path)
+        if not p.exists():
+            raise EngineError(f"weights path {path} does not exist", "path")
+        try:
+            state = load_state_dict_file(p)
+            dtype = self.model.lm_head.weight.dtype
+            return check_state_dict(self.model, {k: v.to(dtype) for k, v in state.items()})
+        except (FileNotFoundError, ValueError) as exc:
+            raise EngineError(f"cannot load weights from {path}: {exc}", "path") from exc
+
+    def pause(self) -> None:
+        """Stop admitting new sequences; running ones finish."""
+        self.scheduler.set_paused(True)
+
+    def resume(self) -> None:
+        """Admit new sequences again."""
+        self.scheduler.set_paused(False)
+
+    def stats(self) -> dict[str, object]:
+        """Scheduler counters (batch sizes seen, tokens, queue sizes, version)."""
+        return self.scheduler.snapshot()
+
+    @staticmethod
+    def _future() -> tuple[asyncio.Future[Any], Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: object) -> None:
+            if fut.done():
+                return
+            if isinstance(value, BaseException):
+                fut.set_exception(value)
+            else:
+                fut.set_result(value)
+
+        def on_done(value: object) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, value)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting any more
+                pass
+
+        return fut, on_done

@@ -1,0 +1,246 @@
+"""HTTP handlers of the engine protocol: thin wrappers that parse, call the engine, and shape replies.
+
+Every request problem becomes a 400 in OpenAI's error shape naming the field; nothing a client sends
+can produce a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from harnessrl.chat import ChatFormatError
+from harnessrl.engine.core import Engine, EngineError
+from harnessrl.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadWeightsRequest,
+    TokenizeRequest,
+    chat_response,
+    completion_response,
+    error_body,
+)
+from harnessrl.engine.sampling import SamplingParams
+from harnessrl.engine.scheduler import GenerationResult
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[Request], Awaitable[Response]]
+DISCONNECT_POLL_S = 0.25
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    """Read the JSON body into `model`; any problem becomes an EngineError naming the field."""
+    try:
+        data = json.loads(await request.body() or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise EngineError("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise EngineError(f"{param}: {err['msg']}" if param else err["msg"], param) from exc
+
+
+def _guard(fn: Handler) -> Handler:
+    """Turn request errors into OpenAI-shaped 400s and anything unexpected into a logged 500."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except EngineError as exc:
+            return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=400)
+        except ChatFormatError as exc:
+            return JSONResponse(error_body(str(exc), "messages"), status_code=400)
+        except Exception as exc:
+            log.exception("event=request_failed path=%s", request.url.path)
+            return JSONResponse(error_body(f"internal error: {exc}", kind="server_error"), status_code=500)
+
+    return wrapped
+
+
+def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.n not in (None, 1):
+        raise EngineError("only n=1 is supported; send one request per sample", "n")
+    if req.stream:
+        raise EngineError("stream=true is not supported by the builtin engine", "stream")
+
+
+def _sampling(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, top_logprobs: int
+) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=req.stop_list(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        top_logprobs=top_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _completion_prompt(engine: Engine, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    if isinstance(prompt, str):
+        return engine.encode(prompt)
+    if prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise EngineError("batched prompts are not supported; send one prompt per request", "prompt")
+        one = prompt[0]
+        return engine.encode(one) if isinstance(one, str) else list(one)
+    return [int(t) for t in prompt]  # type: ignore[arg-type]
+
+
+async def _generate(
+    request: Request, engine: Engine, prompt_ids: list[int], params: SamplingParams
+) -> GenerationResult:
+    """Generate; if the client disconnects first, abort the sequence so it stops using the engine."""
+    task = asyncio.ensure_future(engine.generate(prompt_ids, params))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            log.info("event=client_disconnected path=%s", request.url.path)
+            return GenerationResult(prompt_ids, [], [], [], "", "abort", None, engine.weight_version, 0)
+
+
+def _aborted() -> JSONResponse:
+    return JSONResponse(error_body("the engine is shutting down", kind="server_error"), status_code=503)
+
+
+class EngineRoutes:
+    """The engine's routes, one method each; `routes()` wraps them with the error guard."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.name = engine.served_model_name
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        engine = self.engine
+        req = await _parse(request, CompletionRequest)
+        _check_common(req)
+        if req.echo:
+            raise EngineError("echo=true is not supported by the builtin engine", "echo")
+        prompt_ids = _completion_prompt(engine, req.prompt)
+        max_tokens = engine.check_length(len(prompt_ids), req.max_tokens)
+        result = await _generate(request, engine, prompt_ids, _sampling(req, max_tokens, req.logprobs or 0))
+        if result.finish_reason == "abort":
+            return _aborted()
+        return JSONResponse(completion_response(result, self.name, engine.text, req))
+
+    async def chat(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        engine = self.engine
+        req = await _parse(request, ChatCompletionRequest)
+        _check_common(req)
+        tools = None if req.tool_choice == "none" else req.tools
+        prompt_ids = engine.chat_prompt_ids(req.messages, tools)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = engine.check_length(len(prompt_ids), req.max_completion_tokens or req.max_tokens, param)
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        result = await _generate(request, engine, prompt_ids, _sampling(req, max_tokens, top))
+        if result.finish_reason == "abort":
+            return _aborted()
+        return JSONResponse(chat_response(result, self.name, engine.text, req))
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize: text or chat messages (+ tools) to the exact prompt ids."""
+        req = await _parse(request, TokenizeRequest)
+        if req.messages is not None:
+            tokens = self.engine.chat_prompt_ids(req.messages, req.tools, req.add_generation_prompt)
+        elif req.prompt is not None:
+            tokens = self.engine.encode(req.prompt)
+        else:
+            raise EngineError("send either 'prompt' (text) or 'messages'", "prompt")
+        return JSONResponse(
+            {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize."""
+        req = await _parse(request, DetokenizeRequest)
+        return JSONResponse({"prompt": self.engine.text.decode(req.tokens, skip_special_tokens=False)})
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models."""
+        card: dict[str, Any] = {"id": self.name, "object": "model", "owned_by": "harnessrl"}
+        card.update(root=str(self.engine.model_dir), max_model_len=self.engine.max_model_len)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        """GET /health."""
+        return JSONResponse({"status": "ok", "weight_version": self.engine.weight_version})
+
+    async def pause(self, request: Request) -> Response:
+        """POST /admin/pause: stop admitting new sequences (running ones finish)."""
+        self.engine.pause()
+        return JSONResponse({"paused": True, "running": self.engine.stats()["running"]})
+
+    async def resume(self, request: Request) -> Response:
+        """POST /admin/resume."""
+        self.engine.resume()
+        return JSONResponse({"paused": False})
+
+    async def load_weights(self, request: Request) -> Response:
+        """POST /admin/load_weights: returns after the swap, with the new version."""
+        req = await _parse(request, LoadWeightsRequest)
+        version = await self.engine.load_weights(req.path, req.version)
+        return JSONResponse({"weight_version": version})
+
+    async def weight_version(self, request: Request) -> Response:
+        """GET /admin/weight_version."""
+        return JSONResponse({"weight_version": self.engine.weight_version})
+
+    async def stats(self, request: Request) -> Response:
+        """GET /admin/stats: scheduler counters (max batch seen, tokens, queue sizes)."""
+        return JSONResponse(self.engine.stats())
+
+    def routes(self) -> list[Route]:
+        """All routes, each behind the error guard."""
+        table: list[tuple[str, Handler, str]] = [
+            ("/v1/completions", self.completions, "POST"),
+            ("/v1/chat/completions", self.chat, "POST"),
+            ("/tokenize", self.tokenize, "POST"),
+            ("/detokenize", self.detokenize, "POST"),
+            ("/v1/models", self.models, "GET"),
+            ("/health", self.health, "GET"),
+            ("/admin/pause", self.pause, "POST"),
+            ("/admin/resume", self.resume, "POST"),
+            ("/admin/load_weights", self.load_weights, "POST"),
+            ("/admin/weight_version", self.weight_version, "GET"),
+            ("/admin/stats", self.stats, "GET"),
+        ]
+        return [Route(path, _guard(fn), methods=[method]) for path, fn, method in table]
+
+
+def build_app(engine: Engine) -> Starlette:
+    """The Starlette app serving `engine`; its lifespan starts and stops the scheduler thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    return Starlette(routes=EngineRoutes(engine).routes(), lifespan=lifespan)

@@ -1,0 +1,342 @@
+"""Continuous batching: one thread owns the model and the KV cache and runs decode steps.
+
+Between two decode steps the scheduler (1) applies a queued weight load once no sequence is running,
+(2) admits waiting sequences (prefill into a free slot, first token sampled), then (3) runs one batched
+decode step over every running sequence. Running sequences occupy KV slots 0..B-1 (kept packed, so the
+step works on a view); finished sequences leave their KV behind as a prefix cache that a later prompt
+starting with the same tokens reuses (multi-turn agent calls extend the previous call's tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from harnessrl.engine.detok import StopChecker, TokenText
+from harnessrl.engine.sampling import SamplingParams, StepSample, make_generator, sample_step
+from harnessrl.engine.slots import SlotTable
+from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.loading import load_weights_into
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens prefilled between two decode steps while sequences are running (fairness, not a limit).
+PREFILL_BUDGET = 2048
+
+
+@dataclass
+class GenerationResult:
+    """A finished sequence: exact token ids, their logprobs, and the text."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_reason: str | int | None
+    weight_version: int
+    cached_tokens: int
+
+
+class Sequence:
+    """One request being generated; `on_done` is called from the scheduler thread."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_done: Callable[[GenerationResult | BaseException], None],
+        text: TokenText,
+        device: torch.device,
+    ) -> None:
+        self.prompt_ids, self.params, self.on_done = prompt_ids, params, on_done
+        self.generator = make_generator(params.seed, device)
+        self.stop_checker = StopChecker(text, params.stop, params.skip_special_tokens)
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.stop_text: str | None = None
+        self.cached_tokens = 0
+        self.kv_len = 0  # positions of this sequence's slot holding valid K/V
+        self.cancelled = False
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """Tokens whose K/V are in the cache (the last sampled token is not fed yet)."""
+        return (self.prompt_ids + self.output_ids)[: self.kv_len]
+
+
+@dataclass
+class WeightLoad:
+    """A queued weight swap, applied when no sequence is running."""
+
+    state: dict[str, torch.Tensor]
+    version: int
+    on_done: Callable[[int | BaseException], None]
+
+
+@dataclass
+class Stats:
+    """Counters exposed at GET /admin/stats."""
+
+    max_batch_seen: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    weight_loads: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    started_at: float = field(default_factory=time.time)
+
+
+class Scheduler:
+    """Owns the model, the KV cache and the batch; all model calls happen on its thread."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        text: TokenText,
+        max_batch: int,
+        max_model_len: int,
+        eos_ids: set[int],
+        prefix_cache: bool = True,
+        weight_version: int = 0,
+        threads: int | None = None,
+    ) -> None:
+        self.model, self.text, self.eos_ids = model, text, eos_ids
+        self.threads = threads
+        self.device = model.lm_head.weight.device
+        self.cache = model.new_cache(max_batch, max_model_len)
+        self.slots = SlotTable(self.cache, prefix_cache)
+        self.weight_version = weight_version
+        self.stats = Stats()
+        self.paused = False
+        self._waiting: deque[Sequence] = deque()
+        self._loads: deque[WeightLoad] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # --- called from other threads -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the scheduler thread."""
+        self._thread = threading.Thread(target=self._run, name="harnessrl-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; waiting and running sequences end with finish_reason 'abort'."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; it joins the batch at the next step boundary."""
+        with self._cond:
+            self._waiting.append(seq)
+            self._cond.notify_all()
+
+    def queue_weight_load(self, load: WeightLoad) -> None:
+        """Queue a weight swap: admission stops until running sequences finish and the swap is done."""
+        with self._cond:
+            self._loads.append(load)
+            self._cond.notify_all()
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause (stop admitting; running sequences finish) or resume admission."""
+        with self._cond:
+            self.paused = paused
+            self._cond.notify_all()
+
+    def snapshot(self) -> dict[str, object]:
+        """Current counters and queue sizes."""
+        with self._cond:
+            return {
+                **self.stats.__dict__,
+                "running": self.slots.n_active,
+                "waiting": len(self._waiting),
+                "pending_weight_loads": len(self._loads),
+                "paused": self.paused,
+                "weight_version": self.weight_version,
+            }
+
+    # --- the scheduler thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # OpenMP's thread count is per calling thread
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._stop and not self._has_work():
+                        self._cond.wait(0.5)
+                    if self._stop:
+                        break
+                try:
+                    self._step()
+                except Exception as exc:  # a model failure must not kill the server: fail the batch
+                    log.exception("event=step_failed running=%d", self.slots.n_active)
+                    self._fail_running(exc)
+        self._abort_all()
+
+    def _has_work(self) -> bool:
+        return bool(self.slots.n_active or self._loads or (self._waiting and self._may_admit()))
+
+    def _may_admit(self) -> bool:
+        return not self.paused and not self._loads
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        if self._loads and self.slots.n_active == 0:
+            self._apply_weight_load(self._loads.popleft())
+            return
+        self._admit()
+        if self.slots.n_active:
+            self._decode()
+
+    def _admit(self) -> None:
+        """Prefill waiting sequences into free slots; yield to a decode step once PREFILL_BUDGET tokens are
+        prefilled while others are mid-generation (long prompts must not starve running sequences)."""
+        had_running, prefilled = self.slots.n_active > 0, 0
+        while self.slots.n_active < self.cache.max_batch and not (
+            had_running and prefilled >= PREFILL_BUDGET
+        ):
+            with self._cond:
+                if not self._waiting or not self._may_admit():
+                    return
+                seq = self._waiting.popleft()
+            if seq.cancelled:
+                self._finish(seq, "abort", None, leave=False)
+                continue
+            try:
+                prefilled += self._prefill(seq)
+            except Exception as exc:
+                log.exception("event=prefill_failed prompt_tokens=%d", len(seq.prompt_ids))
+                self.slots.release(seq, keep=False)
+                seq.on_done(exc)
+
+    def _prefill(self, seq: Sequence) -> int:
+        """Run the uncached part of the prompt into a slot and sample the first token; returns tokens run."""
+        slot, start = self.slots.admit(seq, seq.prompt_ids)
+        seq.cached_tokens = start
+        t0 = time.perf_counter()
+        tokens = torch.tensor(seq.prompt_ids[start:], dtype=torch.long, device=self.device)
+        logits = self.model.prefill(tokens, self.cache, slot, start)
+        seq.kv_len = len(seq.prompt_ids)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_tokens += len(seq.prompt_ids) - start
+        self.stats.cached_prompt_tokens += start
+        self._accept([seq], self._sample(logits.unsqueeze(0), [seq]))
+        return len(seq.prompt_ids) - start
+
+    def _decode(self) -> None:
+        seqs = self.slots.active()
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(seqs))
+        tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        lengths = torch.tensor([s.kv_len for s in seqs], device=self.device)
+        t0 = time.perf_counter()
+        logits = self.model.decode(tokens, self.cache, lengths)
+        for s in seqs:
+            s.kv_len += 1
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        self._accept(seqs, self._sample(logits, seqs))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSample:
+        t0 = time.perf_counter()
+        out = sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        self.stats.sample_seconds += time.perf_counter() - t0
+        return out
+
+    def _accept(self, seqs: list[Sequence], sample: StepSample) -> None:
+        """Append each sequence's new token, then finish those that hit a stop condition."""
+        for i, seq in enumerate(seqs):
+            tok = sample.tokens[i]
+            seq.output_ids.append(tok)
+            seq.logprobs.append(sample.logprobs[i])
+            seq.top.append(sample.top[i])
+            self.stats.generated_tokens += 1
+            p = seq.params
+            hit = seq.stop_checker.add(tok)
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                self._finish(seq, "stop", tok if tok in p.stop_token_ids else None)
+            elif hit is not None:
+                seq.stop_text = hit[0]
+                self._finish(seq, "stop", hit[1])
+            elif len(seq.output_ids) >= p.max_tokens:
+                self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, leave: bool = True) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if leave:
+            self.slots.release(seq)
+        self.stats.finished += 1
+        self.stats.aborted += reason == "abort"
+        p = seq.params
+        # EOS / a stop token id ends the text but stays in token_ids (it was sampled: the trainer needs it).
+        token_end = reason == "stop" and not isinstance(stop_reason, str)
+        text_ids = seq.output_ids[:-1] if token_end else seq.output_ids
+        text = (
+            seq.stop_text if seq.stop_text is not None else self.text.decode(text_ids, p.skip_special_tokens)
+        )
+        seq.on_done(
+            GenerationResult(
+                prompt_ids=seq.prompt_ids,
+                token_ids=list(seq.output_ids),
+                logprobs=list(seq.logprobs),
+                top_logprobs=list(seq.top),
+                text=text,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+                weight_version=self.weight_version,
+                cached_tokens=seq.cached_tokens,
+            )
+        )
+
+    def _drop_cancelled(self) -> None:
+        for seq in self.slots.active():
+            if seq.cancelled:
+                self._finish(seq, "abort", None)
+
+    def _apply_weight_load(self, load: WeightLoad) -> None:
+        t0 = time.monotonic()
+        try:
+            load_weights_into(self.model, load.state)
+        except Exception as exc:
+            log.exception("event=weight_load_failed version=%d", load.version)
+            load.on_done(exc)
+            return
+        self.slots.clear_cache()  # cached K/V were computed by the old weights
+        self.weight_version = load.version
+        self.stats.weight_loads += 1
+        log.info("event=weights_swapped version=%d seconds=%.2f", load.version, time.monotonic() - t0)
+        load.on_done(load.version)
+
+    def _fail_running(self, exc: BaseException) -> None:
+        for seq in self.slots.active():
+            self.slots.release(seq, keep=False)
+            seq.on_done(exc)
+        self.slots.clear_cache()
+
+    def _abort_all(self) -> None:
+        for seq in self.slots.active():
+            self._finish(seq, "abort", None)
+        while self._waiting:
+            self._finish(self._waiting.popleft(), "abort", None, leave=False)
+        while self._loads:
+            self._loads.popleft().on_done(RuntimeError("engine is shutting down"))

