@@ -102,18 +102,19 @@ def _run(cfg: Any, fresh: bool) -> int:
 
 
 def _print_summary(s: dict[str, Any], run_dir: Path) -> None:
-    def ci(key: str) -> str:
-        lo, hi = s[key]
-        return f"[{lo:.3f}, {hi:.3f}]"
+    def cell(r: dict[str, Any]) -> str:
+        lo, hi = r["ci95"]
+        return f"{r['mean']:.3f} [{lo:.2f}, {hi:.2f}]"
 
     rate = s.get("merge_rate")
     print()
-    print(f"{'':24}{'before':>10}{'after':>10}")
-    print(f"{'held-out reward':24}{s['heldout_reward_before']:>10.3f}{s['heldout_reward_after']:>10.3f}")
-    print(f"{'95% interval':24}{ci('heldout_ci95_before'):>18}  {ci('heldout_ci95_after')}")
+    print(f"held-out reward on {s['n_heldout']} tasks (95% interval)")
+    print(f"{'eval temperature':<18}{'before':>22}{'after':>22}")
+    for t, r in s["heldout_by_temperature"].items():
+        print(f"{t:<18}{cell(r['before']):>22}{cell(r['after']):>22}")
     print(
-        f"n_heldout={s['n_heldout']}  train_steps={s['train_steps']}  wall={s['wall_seconds']:.0f}s  "
-        f"merge_rate={'n/a' if rate is None else f'{rate:.3f}'}"
+        f"train_steps={s['train_steps']}  wall={s['wall_seconds']:.0f}s  "
+        f"merge_rate={'n/a' if rate is None else f'{rate:.3f}'}  rows/rollout={s['rows_per_rollout'] or 0:.2f}"
     )
     print(f"summary: {run_dir / 'summary.json'}")
     print(f"reward curve: {run_dir / 'reward_curve.png'}")

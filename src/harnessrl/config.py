@@ -68,7 +68,8 @@ class EvalSection(_Section):
     """Held-out evaluation before and after training."""
 
     n_heldout: int = 100
-    temperature: float = 0.0
+    temperature: float = 0.0  # the reported held-out reward (0: greedy)
+    extra_temperatures: list[float] = Field(default_factory=list)  # also evaluated and reported
 
 
 class DataSection(_Section):

@@ -164,9 +164,10 @@ async def _run_async(
         cfg, run_id_for(run_dir), run_dir, client, controller, engine, model, optimizer, metrics, progress
     )
     try:
-        before = await evaluate(ctx, heldout, "eval-before")
+        temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
+        before = [await evaluate(ctx, heldout, f"eval-before-t{t:g}", t) for t in temps]
         steps = await run_sync(ctx, train_tasks, on_step)
-        after = await evaluate(ctx, heldout, f"eval-after-{steps}")
+        after = [await evaluate(ctx, heldout, f"eval-after-{steps}-t{t:g}", t) for t in temps]
     finally:
         metrics.close()
         await client.aclose()
@@ -175,9 +176,19 @@ async def _run_async(
 
 
 def summarise(
-    cfg: RunConfig, before: EvalResult, after: EvalResult, steps: int, records: list[dict[str, Any]]
+    cfg: RunConfig,
+    before_all: list[EvalResult],
+    after_all: list[EvalResult],
+    steps: int,
+    records: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The run's summary: held-out reward before/after with intervals, merge statistics, timings."""
+    before, after = before_all[0], after_all[0]
+    temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
+    by_temp = {
+        f"{t:g}": {"before": b.as_dict(), "after": a.as_dict()}
+        for t, b, a in zip(temps, before_all, after_all, strict=True)
+    }
     multi = sum(r.get("calls", 0) > r.get("rollouts", 0) for r in records)
     rates = [r["merge_rate"] for r in records if r.get("merge_rate") is not None]
     return {
@@ -188,6 +199,8 @@ def summarise(
         "heldout_ci95_before": [before.lo, before.hi],
         "heldout_ci95_after": [after.lo, after.hi],
         "n_heldout": before.n,
+        "eval_temperature": cfg.eval.temperature,
+        "heldout_by_temperature": by_temp,
         "train_steps": steps,
         "rollouts_per_step": cfg.train.batch_groups * cfg.train.group_size,
         "merge_rate": sum(rates) / len(rates) if rates else None,

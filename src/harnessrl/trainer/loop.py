@@ -87,9 +87,9 @@ async def run_rollouts(ctx: TrainContext, requests: list[RolloutRequest], label:
     return await ctx.controller.run(requests, on_done=on_done)
 
 
-async def evaluate(ctx: TrainContext, tasks: list[Task], label: str) -> EvalResult:
-    """Held-out reward of the current weights (one rollout per task at the eval temperature)."""
-    sampling = SamplingOverrides(temperature=ctx.cfg.eval.temperature)
+async def evaluate(ctx: TrainContext, tasks: list[Task], label: str, temperature: float) -> EvalResult:
+    """Held-out reward of the current weights: one rollout per task at `temperature`."""
+    sampling = SamplingOverrides(temperature=temperature)
     requests = [
         RolloutRequest(
             task=t, client_id=f"{ctx.run_id}-{label}-{t.task_id}", sampling=sampling, metadata={"eval": label}
