@@ -28,6 +28,8 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
         "eval.n_heldout=4",
         "data.n_train=30",
         "gateway.default_max_tokens=16",
+        "eval.temperature=0.0",
+        "eval.extra_temperatures=[1.0]",
     ]
     cfg = load_config(get_example("calc").config_path, overrides)
     seen: list[int] = []
@@ -60,7 +62,8 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
                 versions_by_step.setdefault(ro.metadata["step"], set()).add(call.weight_version)
     assert versions_by_step == {0: {0}, 1: {1}}
     harness_runs = list((run_dir / "rollouts").glob("*/attempt-0/output/answer.json"))
-    assert len(harness_runs) == 2 * 6 + 2 * 4  # every rollout ran the real harness
+    assert len(harness_runs) == 2 * 6 + 2 * 2 * 4  # every rollout ran the real harness
+    assert set(summary["heldout_by_temperature"]) == {"0", "1"}
     store.close()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1", "step-2"]
 
