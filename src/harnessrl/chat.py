@@ -104,6 +104,25 @@ def _message_body(msg: dict[str, Any], i: int, template: ChatTemplate) -> str:
     return text
 
 
+def _role(msg: Any, i: int) -> str:
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+        raise ChatFormatError(f"messages[{i}] must be an object with a string 'role'")
+    role = msg["role"]
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise ChatFormatError(f"messages[{i}].role '{role}' is not one of system, user, assistant, tool")
+    return "system" if role == "developer" else str(role)
+
+
+def render_turn(msg: dict[str, Any], i: int, template: ChatTemplate = SMOLLM2) -> str:
+    """One message (at index `i > 0`, or a system message) as `<|im_start|>role\nbody<|im_end|>\n`."""
+    return f"{template.im_start}{_role(msg, i)}\n{_message_body(msg, i, template)}{template.im_end}\n"
+
+
+def generation_prompt(template: ChatTemplate = SMOLLM2) -> str:
+    """The text that opens the assistant's turn."""
+    return f"{template.im_start}assistant\n"
+
+
 def render_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
@@ -115,24 +134,57 @@ def render_chat(
         raise ChatFormatError("messages must be a non-empty list")
     out: list[str] = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise ChatFormatError(f"messages[{i}] must be an object with a string 'role'")
-        role = msg["role"]
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise ChatFormatError(f"messages[{i}].role '{role}' is not one of system, user, assistant, tool")
-        role = "system" if role == "developer" else role
-        body = _message_body(msg, i, template)
-        if i == 0 and role != "system" and (template.default_system is not None or tools):
-            system = template.default_system or ""
-            if tools:
-                system = f"{system}\n\n{tools_block(tools)}" if system else tools_block(tools)
-            out.append(f"{template.im_start}system\n{system}{template.im_end}\n")
-        elif i == 0 and tools:
-            body = f"{body}\n\n{tools_block(tools)}"
-        out.append(f"{template.im_start}{role}\n{body}{template.im_end}\n")
+        role = _role(msg, i)
+        if i == 0:
+            out.append(_first_turn(msg, role, tools, template))
+            continue
+        out.append(render_turn(msg, i, template))
     if add_generation_prompt:
-        out.append(f"{template.im_start}assistant\n")
+        out.append(generation_prompt(template))
     return "".join(out)
+
+
+def _first_turn(
+    msg: dict[str, Any], role: str, tools: list[dict[str, Any]] | None, template: ChatTemplate
+) -> str:
+    body = _message_body(msg, 0, template)
+    if role == "system":
+        if tools:
+            body = f"{body}\n\n{tools_block(tools)}"
+        return f"{template.im_start}system\n{body}{template.im_end}\n"
+    head = ""
+    if template.default_system is not None or tools:
+        system = template.default_system or ""
+        if tools:
+            system = f"{system}\n\n{tools_block(tools)}" if system else tools_block(tools)
+        head = f"{template.im_start}system\n{system}{template.im_end}\n"
+    return f"{head}{template.im_start}{role}\n{body}{template.im_end}\n"
+
+
+def normalize_message(m: Any) -> tuple[Any, ...]:
+    """A comparable form of a message: role, text content, and tool calls with parsed arguments.
+
+    Two messages that render to the same prompt normalise equal (SDKs echo extra keys such as
+    `refusal` or `annotations`, and may re-serialise tool-call arguments).
+    """
+    if not isinstance(m, dict):
+        return (repr(m),)
+    role = "system" if m.get("role") == "developer" else m.get("role")
+    try:
+        text = content_text(m.get("content"))
+    except ChatFormatError:
+        text = repr(m.get("content"))
+    calls = []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function", {}) if isinstance(c, dict) else {}
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+    return (role, text, tuple(calls))
 
 
 @dataclass

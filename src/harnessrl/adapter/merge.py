@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from harnessrl.chat import normalize_message
 from harnessrl.schema import Call, CallStatus
 
 
@@ -132,36 +133,8 @@ def classify_break(prev: Call, call: Call) -> BreakCause:
     return BreakCause.RETOKENIZED
 
 
-def _norm_content(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
-
-
-def _norm_calls(calls: Any) -> list[tuple[Any, Any]]:
-    out = []
-    for c in calls or []:
-        fn = c.get("function", {}) if isinstance(c, dict) else {}
-        args = fn.get("arguments")
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            pass
-        out.append((fn.get("name"), args))
-    return out
-
-
-def _norm_message(m: Any) -> tuple[Any, ...]:
-    if not isinstance(m, dict):
-        return (repr(m),)
-    role = "system" if m.get("role") == "developer" else m.get("role")
-    return (role, _norm_content(m.get("content")), _norm_calls(m.get("tool_calls")))
-
-
 def _messages(request: dict[str, Any]) -> list[tuple[Any, ...]]:
-    return [_norm_message(m) for m in request.get("messages", []) or []]
+    return [normalize_message(m) for m in request.get("messages", []) or []]
 
 
 def _answer_message(response: dict[str, Any] | None) -> tuple[Any, ...] | None:
@@ -169,7 +142,7 @@ def _answer_message(response: dict[str, Any] | None) -> tuple[Any, ...] | None:
         msg = (response or {})["choices"][0]["message"]
     except (KeyError, IndexError, TypeError):
         return None
-    return _norm_message(msg)
+    return normalize_message(msg)
 
 
 def _tools(request: dict[str, Any]) -> Any:

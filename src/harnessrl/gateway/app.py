@@ -7,15 +7,19 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tokenizers import Tokenizer
 
+from harnessrl.chat import ChatFormatError
 from harnessrl.gateway import control
 from harnessrl.gateway.errors import APIError, from_validation_error
 from harnessrl.gateway.http import bearer, guarded, read_json
@@ -23,11 +27,16 @@ from harnessrl.gateway.keys import KeyRing, new_secret
 from harnessrl.gateway.openai_chat import (
     BadUpstreamResponse,
     ChatCompletionRequest,
+    TokenRecord,
+    chat_from_completion,
     client_response,
+    completion_token_record,
     effective_temperature,
+    tito_upstream_request,
     token_record,
     upstream_request,
 )
+from harnessrl.gateway.tito import TitoPrompt, build_prompt
 from harnessrl.gateway.upstream import Upstream, UpstreamClientError, UpstreamFailed
 from harnessrl.schema import Call, CallStatus, Rollout, now
 from harnessrl.store import Store
@@ -47,6 +56,8 @@ class GatewayConfig(BaseModel):
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     upstream_retries: int = 3
+    mode: Literal["passthrough", "tito"] = "passthrough"
+    tokenizer_path: str | None = None  # model directory with tokenizer.json; required for tito
 
 
 class Gateway:
@@ -63,6 +74,11 @@ class Gateway:
             max_retries=config.upstream_retries,
         )
         self.weight_version: int | None = None
+        self.tito: TitoTokenizer | None = None
+        if config.mode == "tito":
+            if not config.tokenizer_path:
+                raise ValueError("tito mode needs tokenizer_path (a model directory with tokenizer.json)")
+            self.tito = TitoTokenizer.from_dir(config.tokenizer_path)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._idle = asyncio.Event()
@@ -140,7 +156,7 @@ class Gateway:
 
     # the chat face --------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        """`POST /v1/chat/completions`: forward, record the call with its tokens, answer."""
+        """`POST /v1/chat/completions`: build the engine request, record the call with its tokens, answer."""
         rollout = self.rollout_for(request, request.path_params.get("rollout_id"))
         body = await read_json(request, self.config.max_body_bytes)
         try:
@@ -148,23 +164,58 @@ class Gateway:
         except ValidationError as e:
             raise from_validation_error(e) from None
         served = self.config.model_map.get(req.model, self.config.served_model)
-        up_body = upstream_request(req, served, rollout.sampling, self.config.default_max_tokens)
         await self._admit()
         try:
-            return await self._forward(rollout, req, body, up_body)
+            if self.tito is None:
+                up_body = upstream_request(req, served, rollout.sampling, self.config.default_max_tokens)
+                return await self._forward(
+                    rollout, req, body, "/v1/chat/completions", up_body, _passthrough_shape
+                )
+            prompt = self._tito_prompt(rollout, req)
+            up_body = tito_upstream_request(
+                req,
+                served,
+                rollout.sampling,
+                self.config.default_max_tokens,
+                prompt.prompt_ids,
+                [self.tito.eos_id],
+            )
+            return await self._forward(
+                rollout, req, body, "/v1/completions", up_body, _tito_shape(prompt.prompt_ids)
+            )
         finally:
             self._release()
 
+    def _tito_prompt(self, rollout: Rollout, req: ChatCompletionRequest) -> TitoPrompt:
+        assert self.tito is not None
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = (
+            [t.model_dump(exclude_none=True) for t in req.tools]
+            if req.tools and req.tool_choice != "none"
+            else None
+        )
+        attempt = max(rollout.n_attempts - 1, 0)
+        history = [c for c in self.store.calls(rollout.rollout_id) if c.attempt == attempt]
+        try:
+            return build_prompt(messages, tools, history, self.tito.encode, self.tito.eos_id)
+        except ChatFormatError as e:
+            raise APIError(400, str(e)) from None
+
     async def _forward(
-        self, rollout: Rollout, req: ChatCompletionRequest, body: dict[str, Any], up_body: dict[str, Any]
+        self,
+        rollout: Rollout,
+        req: ChatCompletionRequest,
+        body: dict[str, Any],
+        path: str,
+        up_body: dict[str, Any],
+        shape: Shape,
     ) -> Response:
-        started = now()
         t0 = time.perf_counter()
         call = Call(
             call_id="call" + uuid.uuid4().hex,
             rollout_id=rollout.rollout_id,
             attempt=max(rollout.n_attempts - 1, 0),
-            created_at=started,
+            created_at=now(),
             latency_s=0.0,
             status=CallStatus.FAILED,
             model=up_body["model"],
@@ -173,8 +224,8 @@ class Gateway:
             temperature=effective_temperature(req, rollout.sampling),
         )
         try:
-            resp = await self.upstream.post("/v1/chat/completions", up_body)
-            record = token_record(resp)
+            resp = await self.upstream.post(path, up_body)
+            out, record = shape(resp, req)
         except UpstreamClientError as e:
             raise APIError(400, f"the model rejected the request: {e.message}") from None
         except (UpstreamFailed, BadUpstreamResponse) as e:
@@ -182,7 +233,6 @@ class Gateway:
             self.store.add_call(call)
             log.error("call_failed rollout=%s error=%s", rollout.rollout_id, e)
             raise APIError(502, f"the model failed to answer: {e}", code="upstream_failed") from None
-        out = client_response(resp, req)
         version = record.weight_version if record.weight_version is not None else self.weight_version
         call = call.model_copy(
             update={
@@ -198,6 +248,46 @@ class Gateway:
         )
         self.store.add_call(call)  # committed before the harness sees the answer
         return JSONResponse(out)
+
+
+Shape = Callable[[dict[str, Any], ChatCompletionRequest], tuple[dict[str, Any], TokenRecord]]
+
+
+def _passthrough_shape(
+    resp: dict[str, Any], req: ChatCompletionRequest
+) -> tuple[dict[str, Any], TokenRecord]:
+    return client_response(resp, req), token_record(resp)
+
+
+def _tito_shape(sent: list[int]) -> Shape:
+    def shape(resp: dict[str, Any], req: ChatCompletionRequest) -> tuple[dict[str, Any], TokenRecord]:
+        record = completion_token_record(resp)
+        if record.prompt_ids != sent:
+            raise BadUpstreamResponse("the engine reports prompt token ids other than those the gateway sent")
+        return chat_from_completion(resp, req, record), record
+
+    return shape
+
+
+@dataclass(frozen=True)
+class TitoTokenizer:
+    """What tito needs of the served model: its tokenizer and end-of-turn token."""
+
+    tokenizer: Tokenizer
+    eos_id: int
+
+    @classmethod
+    def from_dir(cls, path: str, eos_token: str = "<|im_end|>") -> TitoTokenizer:
+        """Load `tokenizer.json` from a model directory."""
+        tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        eos = tok.token_to_id(eos_token)
+        if eos is None:
+            raise ValueError(f"tokenizer in {path} has no token {eos_token!r}")
+        return cls(tok, eos)
+
+    def encode(self, text: str) -> list[int]:
+        """Token IDs of `text` (special tokens such as <|im_start|> recognised, nothing added)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = None) -> Starlette:

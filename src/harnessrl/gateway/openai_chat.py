@@ -7,11 +7,14 @@ The gateway forwards a validated request to the engine with the token-ID extensi
 from __future__ import annotations
 
 import copy
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from harnessrl.chat import parse_completion
 from harnessrl.schema import SamplingOverrides
 
 _TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -198,4 +201,92 @@ def client_response(resp: dict[str, Any], req: ChatCompletionRequest) -> dict[st
             choice.pop("token_ids", None)
         if not req.logprobs:
             choice["logprobs"] = None
+    return out
+
+
+# token in, token out ---------------------------------------------------------------------------------
+def tito_upstream_request(
+    req: ChatCompletionRequest,
+    served_model: str,
+    sampling: SamplingOverrides,
+    default_max_tokens: int,
+    prompt_ids: list[int],
+    stop_token_ids: list[int],
+) -> dict[str, Any]:
+    """The `/v1/completions` body of a tito call: the gateway's token IDs as the prompt."""
+    chat_body = upstream_request(req, served_model, sampling, default_max_tokens)
+    body: dict[str, Any] = {
+        "model": served_model,
+        "prompt": prompt_ids,
+        "max_tokens": chat_body["max_tokens"],
+        "temperature": chat_body["temperature"],
+        "stop_token_ids": stop_token_ids,
+        "return_token_ids": True,
+        "logprobs": req.top_logprobs or 1,
+    }
+    for key in ("top_p", "seed", "stop"):
+        if key in chat_body:
+            body[key] = chat_body[key]
+    return body
+
+
+def completion_token_record(resp: dict[str, Any]) -> TokenRecord:
+    """Read token IDs and logprobs from an engine's `/v1/completions` answer."""
+    try:
+        choice = resp["choices"][0]
+        prompt_ids = [int(t) for t in resp["prompt_token_ids"]]
+        completion_ids = [int(t) for t in choice["token_ids"]]
+        logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        text = choice["text"]
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise BadUpstreamResponse(f"engine answer lacks token ids, text or logprobs: {e!r}") from e
+    if not isinstance(text, str) or len(logprobs) != len(completion_ids):
+        raise BadUpstreamResponse(
+            f"engine sent {len(completion_ids)} completion tokens but {len(logprobs)} logprobs"
+        )
+    version = resp.get("weight_version")
+    return TokenRecord(
+        prompt_ids=prompt_ids,
+        completion_ids=completion_ids,
+        completion_logprobs=logprobs,
+        finish_reason=choice.get("finish_reason"),
+        weight_version=int(version) if isinstance(version, int) else None,
+    )
+
+
+def chat_from_completion(
+    resp: dict[str, Any], req: ChatCompletionRequest, record: TokenRecord
+) -> dict[str, Any]:
+    """The chat-completions answer for a tito call: the engine's text parsed into content + tool calls."""
+    choice = resp["choices"][0]
+    parsed = parse_completion(choice["text"])
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    finish = record.finish_reason or "stop"
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+        message["content"] = parsed.content or None
+        finish = "tool_calls"
+    out: dict[str, Any] = {
+        "id": "chatcmpl-" + uuid.uuid4().hex,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": {
+            "prompt_tokens": len(record.prompt_ids),
+            "completion_tokens": len(record.completion_ids),
+            "total_tokens": len(record.prompt_ids) + len(record.completion_ids),
+        },
+    }
+    if req.logprobs:
+        tokens = (choice.get("logprobs") or {}).get("tokens") or []
+        out["choices"][0]["logprobs"] = {
+            "content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, record.completion_logprobs, strict=False)
+            ]
+        }
+    if req.return_token_ids:
+        out["prompt_token_ids"] = record.prompt_ids
+        out["choices"][0]["token_ids"] = record.completion_ids
     return out

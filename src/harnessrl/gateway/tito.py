@@ -1,0 +1,99 @@
+"""Token in, token out: the gateway builds the prompt's token IDs itself. Pure functions.
+
+When the new messages extend an earlier call of the rollout — that call's messages, then the answer
+the harness received — the prompt starts with that call's exact `prompt_ids + completion_ids`, and
+only the new turns are rendered and tokenized. So a merged row holds exactly the tokens the model
+saw and sampled, however the harness echoed the answer back (parsed tool calls, re-serialised JSON).
+
+For ChatML models the boundary is clean: a turn ends with the special token `<|im_end|>`, after
+which the rendered text continues with `\\n` and the next turn, and no BPE merge crosses a special
+token, so tokenizing the suffix alone gives the same IDs as tokenizing the whole text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from harnessrl.chat import (
+    SMOLLM2,
+    ChatTemplate,
+    generation_prompt,
+    normalize_message,
+    render_chat,
+    render_turn,
+)
+from harnessrl.schema import Call, CallStatus
+
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class TitoPrompt:
+    """The prompt's token IDs and which earlier call (if any) they extend."""
+
+    prompt_ids: list[int]
+    extends_call: str | None = None
+    reused_tokens: int = 0
+
+
+def tools_key(tools: Any) -> str:
+    """A canonical form of a request's tools, to tell whether two calls render the same system turn."""
+    return json.dumps(tools or [], sort_keys=True)
+
+
+def answer_message(call: Call) -> dict[str, Any] | None:
+    """The assistant message a call returned to the harness (OpenAI chat shape), if any."""
+    try:
+        msg = (call.response or {})["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def find_extended_call(
+    messages: Sequence[dict[str, Any]], tools: Any, history: Sequence[Call]
+) -> tuple[Call, int] | None:
+    """The most recent call whose messages + answer are a prefix of `messages` (same tools), and how
+    many messages that prefix covers."""
+    norm = [normalize_message(m) for m in messages]
+    key = tools_key(tools)
+    for call in reversed(history):
+        if call.status != CallStatus.OK or not call.completion_ids:
+            continue
+        answer = answer_message(call)
+        prev = call.request.get("messages")
+        if answer is None or not isinstance(prev, list) or tools_key(call.request.get("tools")) != key:
+            continue
+        covered = len(prev) + 1
+        if covered <= len(norm) and norm[:covered] == [
+            *map(normalize_message, prev),
+            normalize_message(answer),
+        ]:
+            return call, covered
+    return None
+
+
+def build_prompt(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    history: Sequence[Call],
+    encode: Encode,
+    eos_id: int,
+    template: ChatTemplate = SMOLLM2,
+) -> TitoPrompt:
+    """Prompt IDs for `messages`: an earlier call's exact tokens plus the rendered new turns, or the
+    whole conversation rendered and tokenized when it extends no earlier call."""
+    found = find_extended_call(messages, tools, history)
+    if found is None:
+        return TitoPrompt(encode(render_chat(messages, tools=tools, template=template)))
+    call, covered = found
+    ids = list(call.prompt_ids) + list(call.completion_ids)
+    reused = len(ids)
+    if call.completion_ids[-1] != eos_id:  # the answer was cut short: close its turn as rendering would
+        ids += encode(template.im_end)
+    rest = "".join(render_turn(m, covered + i, template) for i, m in enumerate(messages[covered:]))
+    ids += encode("\n" + rest + generation_prompt(template))
+    return TitoPrompt(ids, extends_call=call.call_id, reused_tokens=reused)
