@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from harnessrl.chat import ChatFormatError, parse_completion, render_chat, render_tool_call
 from harnessrl.controller.runner import AttemptResult
-from harnessrl.examples.calc.calculator import CalcError, evaluate, format_number
-from harnessrl.examples.calc.harness import final_number, run_tool
+from harnessrl.examples.calc.harness import CalcError, evaluate, final_number, format_number, run_tool
 from harnessrl.examples.calc.task import build_splits, grade
 from harnessrl.schema import Task
 

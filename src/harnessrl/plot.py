@@ -28,16 +28,19 @@ def reward_curve(metrics_path: Path, summary: dict[str, Any], out: Path) -> Path
             label="train reward (batch mean)",
         )
     steps = summary.get("train_steps", 0)
-    for x, key, ci in (
-        (0, "heldout_reward_before", "heldout_ci95_before"),
-        (steps, "heldout_reward_after", "heldout_ci95_after"),
-    ):
-        y = summary.get(key)
-        if y is None:
-            continue
-        lo, hi = summary.get(ci, [y, y])
-        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="s", color="black", capsize=4)
-    ax.plot([], [], "s", color="black", label=f"held-out reward, 95% CI (n={summary.get('n_heldout')})")
+    markers = iter(["s", "D", "^", "v", "o"])
+    for temp, r in summary.get("heldout_by_temperature", {}).items():
+        marker = next(markers, "s")
+        for x, key in ((0, "before"), (steps, "after")):
+            y, (lo, hi) = r[key]["mean"], r[key]["ci95"]
+            ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt=marker, color="black", capsize=4)
+        ax.plot(
+            [],
+            [],
+            marker,
+            color="black",
+            label=f"held-out reward at T={temp}, 95% CI (n={summary.get('n_heldout')})",
+        )
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +38,3 @@ def write_tasks(tasks: list[Task], path: Path) -> None:
     """Write tasks as JSONL (one `Task` per line)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(t.model_dump_json() + "\n" for t in tasks))
-
-
-def python_module_command(module: str) -> list[str]:
-    """Command that runs `module` with this interpreter (so the harness sees the same packages)."""
-    return [sys.executable, "-m", module]

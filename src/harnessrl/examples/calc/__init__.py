@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from harnessrl.examples import ExampleSpec, python_module_command
+from harnessrl.examples import ExampleSpec
 
 
 def spec() -> ExampleSpec:
@@ -15,6 +16,6 @@ def spec() -> ExampleSpec:
         name="calc",
         build_splits=task.build_splits,
         grader=task.grade,
-        harness_command=python_module_command("harnessrl.examples.calc.harness"),
+        harness_command=[sys.executable, str(Path(__file__).with_name("harness.py"))],
         config_path=Path(__file__).with_name("config.yaml"),
     )

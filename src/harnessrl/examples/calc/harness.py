@@ -1,22 +1,24 @@
 """The `calc` harness: a plain agent loop on the official `openai` SDK with a calculator tool.
 
-It knows nothing of harnessrl: it reads the harness contract (`OPENAI_BASE_URL`, `OPENAI_API_KEY`,
+It knows nothing of harnessrl (it imports only the standard library and `openai`, and runs as a plain
+script): it reads the harness contract (`OPENAI_BASE_URL`, `OPENAI_API_KEY`,
 `HARNESSRL_TASK`, `HARNESSRL_OUTPUT`), loops model → tool → model until the model answers without a
 tool call (or `MAX_TURNS`), and writes `answer.json` to the output directory.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from openai import OpenAI
-
-from harnessrl.examples.calc.calculator import CalcError, evaluate, format_number
 
 MAX_TURNS = 4
 MODEL = "gpt-4o-mini"  # any name: the gateway maps it to the served model
@@ -63,6 +65,61 @@ EXAMPLES = worked_example("What is 12 + 7 * 3?", "12 + 7 * 3", "33") + worked_ex
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+# The calculator tool: a safe arithmetic evaluator (no `eval`).
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+
+
+class CalcError(ValueError):
+    """The expression is not plain arithmetic or cannot be computed."""
+
+
+def evaluate(expression: str) -> float:
+    """Evaluate `+ - * / // % **` over numbers and parentheses."""
+    if len(expression) > 200:
+        raise CalcError("expression too long")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise CalcError(f"not an arithmetic expression: {expression!r}") from e
+    return float(_eval(tree.body))
+
+
+def _eval(node: ast.AST) -> float:
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int | float)
+        and not isinstance(node.value, bool)
+    ):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        v = _eval(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise CalcError("exponent too large")
+        try:
+            return float(_BINOPS[type(node.op)](left, right))
+        except (ZeroDivisionError, OverflowError) as e:
+            raise CalcError(str(e)) from e
+    raise CalcError("only numbers, + - * / // % ** and parentheses are allowed")
+
+
+def format_number(x: float) -> str:
+    """Print integers without a decimal point and other numbers to 6 decimals."""
+    if x == int(x) and abs(x) < 1e15:
+        return str(int(x))
+    return f"{x:.6f}".rstrip("0").rstrip(".")
+
+
 def run_tool(name: str, arguments: str) -> str:
     """Execute one tool call and return its result as text (errors included, as a tool would)."""
     if name != "calculator":
@@ -103,6 +160,9 @@ def solve(client: OpenAI, question: str) -> dict[str, Any]:
 
 def main() -> int:
     """Entry point: solve the task in $HARNESSRL_TASK and write $HARNESSRL_OUTPUT/answer.json."""
+    if "HARNESSRL_TASK" not in os.environ:
+        print("error: HARNESSRL_TASK is not set; the controller starts this harness", file=sys.stderr)
+        return 2
     task = json.loads(Path(os.environ["HARNESSRL_TASK"]).read_text())
     client = OpenAI(max_retries=5, timeout=600)
     out = solve(client, task["question"])
