@@ -87,7 +87,7 @@ BAD_BODIES = [
     (b'{"model": "m", "messages": "hello"}', 400, "messages"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, "temperature"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true}', 400, "stream"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": "yes"}', 400, "stream_options"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temprature": 1}', 400, "temprature"),
     (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
     (b'{"model": "m", "messages": []}', 400, "messages"),
@@ -201,3 +201,26 @@ def test_upstream_failure_is_recorded_as_a_failed_call(make_gateway: Callable[..
     assert e.value.status_code == 502
     (call,) = gw.store.calls(rid)
     assert call.status == CallStatus.FAILED and call.error and "ConnectError" in call.error
+
+
+def test_streaming_delivers_the_recorded_answer(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway()
+    rid, key = gw.new_rollout()
+    msgs = [{"role": "user", "content": "Count to three."}]
+    stream = sdk(gw, key).chat.completions.create(
+        model="m",
+        messages=msgs,
+        tools=TOOLS,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = [c.usage for c in chunks if c.usage]
+    (call,) = gw.store.calls(rid)
+    assert text == call.response["choices"][0]["message"]["content"]  # type: ignore[index]
+    assert finish == [call.response["choices"][0]["finish_reason"]]  # type: ignore[index]
+    assert usage and usage[0].completion_tokens == len(call.completion_ids)
+    assert call.chat is not None and call.chat["messages"] == msgs and call.face == "openai.chat"

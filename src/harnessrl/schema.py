@@ -182,7 +182,24 @@ class Call(BaseModel):
     weight_version: int | None = None
     finish_reason: str | None = None
     temperature: float = 1.0  # the temperature the logprobs were computed at
+    face: str = "openai.chat"  # the API the harness used: openai.chat | openai.completions | openai.responses | anthropic.messages
+    # The conversation in one canonical form (OpenAI chat messages and tools) whatever the face:
+    # {"messages": [...], "tools": [...] | None, "answer": {assistant message} | None}
+    chat: dict[str, Any] | None = None
     error: str | None = None
+
+    def conversation(self) -> tuple[list[dict[str, Any]], Any, dict[str, Any] | None]:
+        """(messages, tools, answer) of the call in canonical chat form; empty when it had none."""
+        if self.chat is not None:
+            return list(self.chat.get("messages") or []), self.chat.get("tools"), self.chat.get("answer")
+        messages = self.request.get("messages")
+        answer = None
+        try:
+            answer = (self.response or {})["choices"][0]["message"]
+        except (KeyError, IndexError, TypeError):
+            pass
+        msgs = messages if isinstance(messages, list) else []
+        return msgs, self.request.get("tools"), answer if isinstance(answer, dict) else None
 
 
 class RewardIn(Strict):

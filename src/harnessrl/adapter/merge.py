@@ -120,33 +120,22 @@ def merge_calls(calls: Sequence[Call]) -> MergeResult:
 
 def classify_break(prev: Call, call: Call) -> BreakCause:
     """The cause of a break between `prev` and `call`, read from their recorded messages and tokens."""
-    prev_msgs = _messages(prev.request)
-    new_msgs = _messages(call.request)
-    answer = _answer_message(prev.response)
-    expected = [*prev_msgs, answer] if answer is not None else prev_msgs
-    if new_msgs[: len(expected)] != expected:
+    prev_msgs, prev_tools, answer = prev.conversation()
+    new_msgs, new_tools, _ = call.conversation()
+    expected = [normalize_message(m) for m in prev_msgs]
+    if answer is not None:
+        expected.append(normalize_message(answer))
+    if [normalize_message(m) for m in new_msgs[: len(expected)]] != expected:
         return BreakCause.HISTORY_EDITED
-    if _tools(prev.request) != _tools(call.request) or prev.temperature != call.temperature:
+    if _tools(prev_tools) != _tools(new_tools) or prev.temperature != call.temperature:
         return BreakCause.TEMPLATE_CHANGE
     if prev.finish_reason == "length":
         return BreakCause.TRUNCATION
     return BreakCause.RETOKENIZED
 
 
-def _messages(request: dict[str, Any]) -> list[tuple[Any, ...]]:
-    return [normalize_message(m) for m in request.get("messages", []) or []]
-
-
-def _answer_message(response: dict[str, Any] | None) -> tuple[Any, ...] | None:
-    try:
-        msg = (response or {})["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError):
-        return None
-    return normalize_message(msg)
-
-
-def _tools(request: dict[str, Any]) -> Any:
-    return json.dumps(request.get("tools") or [], sort_keys=True)
+def _tools(tools: Any) -> str:
+    return json.dumps(tools or [], sort_keys=True)
 
 
 @dataclass

@@ -7,36 +7,24 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from tokenizers import Tokenizer
 
 from harnessrl.chat import ChatFormatError
-from harnessrl.gateway import control
-from harnessrl.gateway.errors import APIError, from_validation_error
+from harnessrl.gateway import control, inference
+from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord, effective_sampling
+from harnessrl.gateway.errors import APIError
+from harnessrl.gateway.faces import Face, ResponseIds
+from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
 from harnessrl.gateway.http import bearer, guarded, read_json
+from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
-from harnessrl.gateway.openai_chat import (
-    BadUpstreamResponse,
-    ChatCompletionRequest,
-    TokenRecord,
-    chat_from_completion,
-    client_response,
-    completion_token_record,
-    effective_temperature,
-    tito_upstream_request,
-    token_record,
-    upstream_request,
-)
-from harnessrl.gateway.tito import TitoPrompt, build_prompt
 from harnessrl.gateway.upstream import Upstream, UpstreamClientError, UpstreamFailed
 from harnessrl.schema import Call, CallStatus, Rollout, now
 from harnessrl.store import Store
@@ -154,87 +142,74 @@ class Gateway:
         if self.in_flight == 0:
             self._idle.set()
 
-    # the chat face --------------------------------------------------------------------------------
-    async def chat_completions(self, request: Request) -> Response:
-        """`POST /v1/chat/completions`: build the engine request, record the call with its tokens, answer."""
+    # model calls ----------------------------------------------------------------------------------
+    async def model_call(self, request: Request, face: Face) -> Response:
+        """One call on any chat face: validate, reach the engine, record the call, answer."""
         rollout = self.rollout_for(request, request.path_params.get("rollout_id"))
         body = await read_json(request, self.config.max_body_bytes)
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
-        served = self.config.model_map.get(req.model, self.config.served_model)
-        await self._admit()
-        try:
-            if self.tito is None:
-                up_body = upstream_request(req, served, rollout.sampling, self.config.default_max_tokens)
-                return await self._forward(
-                    rollout, req, body, "/v1/chat/completions", up_body, _passthrough_shape
-                )
-            prompt = self._tito_prompt(rollout, req)
-            up_body = tito_upstream_request(
-                req,
-                served,
-                rollout.sampling,
-                self.config.default_max_tokens,
-                prompt.prompt_ids,
-                [self.tito.eos_id],
-            )
-            return await self._forward(
-                rollout, req, body, "/v1/completions", up_body, _tito_shape(prompt.prompt_ids)
-            )
-        finally:
-            self._release()
-
-    def _tito_prompt(self, rollout: Rollout, req: ChatCompletionRequest) -> TitoPrompt:
-        assert self.tito is not None
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = (
-            [t.model_dump(exclude_none=True) for t in req.tools]
-            if req.tools and req.tool_choice != "none"
-            else None
-        )
+        req = face.parse(body)
         attempt = max(rollout.n_attempts - 1, 0)
         history = [c for c in self.store.calls(rollout.rollout_id) if c.attempt == attempt]
+        chat = face.to_chat_call(req, history)
+        sampling = effective_sampling(chat, rollout.sampling, self.config.default_max_tokens)
+        served = self.config.model_map.get(chat.model, self.config.served_model)
+        await self._admit()
         try:
-            return build_prompt(messages, tools, history, self.tito.encode, self.tito.eos_id)
+            call = self._new_call(rollout, attempt, served, body, sampling.temperature, face.name)
+            t0 = time.perf_counter()
+            gen = await self._engine(call, served, chat, sampling, history, t0)
+            out = face.render(gen, req, ResponseIds(uuid.uuid4().hex, int(time.time())))
+            answer = gen.answer_message()
+            chat_record = {"messages": chat.messages, "tools": chat.tools, "answer": answer}
+            self._record_ok(call, gen.record, out, t0, chat_record)
+        finally:
+            self._release()
+        frames = face.stream(out, req)
+        if frames is None:
+            return JSONResponse(out)
+        return StreamingResponse(iter(frames), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def _engine(
+        self, call: Call, served: str, chat: ChatCall, sampling: Sampling, history: list[Call], t0: float
+    ) -> Generation:
+        try:
+            if self.tito is None:
+                return await inference.passthrough(self.upstream, served, chat, sampling)
+            return await inference.tito(self.upstream, served, chat, sampling, self.tito, history)
         except ChatFormatError as e:
             raise APIError(400, str(e)) from None
-
-    async def _forward(
-        self,
-        rollout: Rollout,
-        req: ChatCompletionRequest,
-        body: dict[str, Any],
-        path: str,
-        up_body: dict[str, Any],
-        shape: Shape,
-    ) -> Response:
-        t0 = time.perf_counter()
-        call = Call(
-            call_id="call" + uuid.uuid4().hex,
-            rollout_id=rollout.rollout_id,
-            attempt=max(rollout.n_attempts - 1, 0),
-            created_at=now(),
-            latency_s=0.0,
-            status=CallStatus.FAILED,
-            model=up_body["model"],
-            upstream=self.upstream.name,
-            request=body,
-            temperature=effective_temperature(req, rollout.sampling),
-        )
-        try:
-            resp = await self.upstream.post(path, up_body)
-            out, record = shape(resp, req)
         except UpstreamClientError as e:
             raise APIError(400, f"the model rejected the request: {e.message}") from None
         except (UpstreamFailed, BadUpstreamResponse) as e:
-            call = call.model_copy(update={"latency_s": time.perf_counter() - t0, "error": str(e)})
-            self.store.add_call(call)
-            log.error("call_failed rollout=%s error=%s", rollout.rollout_id, e)
+            self._record_failed(call, str(e), t0)
             raise APIError(502, f"the model failed to answer: {e}", code="upstream_failed") from None
+
+    def _new_call(
+        self, rollout: Rollout, attempt: int, served: str, body: Any, temperature: float, face: str
+    ) -> Call:
+        return Call(
+            call_id="call" + uuid.uuid4().hex,
+            rollout_id=rollout.rollout_id,
+            attempt=attempt,
+            created_at=now(),
+            latency_s=0.0,
+            status=CallStatus.FAILED,
+            model=served,
+            upstream=self.upstream.name,
+            request=body if isinstance(body, dict) else {"body": body},
+            temperature=temperature,
+            face=face,
+        )
+
+    def _record_failed(self, call: Call, error: str, t0: float) -> None:
+        self.store.add_call(call.model_copy(update={"latency_s": time.perf_counter() - t0, "error": error}))
+        log.error("call_failed rollout=%s error=%s", call.rollout_id, error)
+
+    def _record_ok(
+        self, call: Call, record: TokenRecord, out: dict[str, Any], t0: float, chat: dict[str, Any] | None
+    ) -> None:
         version = record.weight_version if record.weight_version is not None else self.weight_version
-        call = call.model_copy(
+        done = call.model_copy(
             update={
                 "latency_s": time.perf_counter() - t0,
                 "status": CallStatus.OK,
@@ -244,50 +219,13 @@ class Gateway:
                 "completion_logprobs": record.completion_logprobs,
                 "weight_version": version,
                 "finish_reason": record.finish_reason,
+                "chat": chat,
             }
         )
-        self.store.add_call(call)  # committed before the harness sees the answer
-        return JSONResponse(out)
+        self.store.add_call(done)  # committed before the harness sees the answer
 
 
-Shape = Callable[[dict[str, Any], ChatCompletionRequest], tuple[dict[str, Any], TokenRecord]]
-
-
-def _passthrough_shape(
-    resp: dict[str, Any], req: ChatCompletionRequest
-) -> tuple[dict[str, Any], TokenRecord]:
-    return client_response(resp, req), token_record(resp)
-
-
-def _tito_shape(sent: list[int]) -> Shape:
-    def shape(resp: dict[str, Any], req: ChatCompletionRequest) -> tuple[dict[str, Any], TokenRecord]:
-        record = completion_token_record(resp)
-        if record.prompt_ids != sent:
-            raise BadUpstreamResponse("the engine reports prompt token ids other than those the gateway sent")
-        return chat_from_completion(resp, req, record), record
-
-    return shape
-
-
-@dataclass(frozen=True)
-class TitoTokenizer:
-    """What tito needs of the served model: its tokenizer and end-of-turn token."""
-
-    tokenizer: Tokenizer
-    eos_id: int
-
-    @classmethod
-    def from_dir(cls, path: str, eos_token: str = "<|im_end|>") -> TitoTokenizer:
-        """Load `tokenizer.json` from a model directory."""
-        tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-        eos = tok.token_to_id(eos_token)
-        if eos is None:
-            raise ValueError(f"tokenizer in {path} has no token {eos_token!r}")
-        return cls(tok, eos)
-
-    def encode(self, text: str) -> list[int]:
-        """Token IDs of `text` (special tokens such as <|im_start|> recognised, nothing added)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = None) -> Starlette:
@@ -297,8 +235,10 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
     def gw() -> Gateway:
         return holder["gw"]
 
+    chat_face = OpenAIChatFace()
+
     async def chat(request: Request) -> Response:
-        return await gw().chat_completions(request)
+        return await gw().model_call(request, chat_face)
 
     async def models(request: Request) -> Response:
         gw().rollout_for(request, request.path_params.get("rollout_id"))

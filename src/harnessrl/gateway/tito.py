@@ -44,15 +44,6 @@ def tools_key(tools: Any) -> str:
     return json.dumps(tools or [], sort_keys=True)
 
 
-def answer_message(call: Call) -> dict[str, Any] | None:
-    """The assistant message a call returned to the harness (OpenAI chat shape), if any."""
-    try:
-        msg = (call.response or {})["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError):
-        return None
-    return msg if isinstance(msg, dict) else None
-
-
 def find_extended_call(
     messages: Sequence[dict[str, Any]], tools: Any, history: Sequence[Call]
 ) -> tuple[Call, int] | None:
@@ -63,9 +54,8 @@ def find_extended_call(
     for call in reversed(history):
         if call.status != CallStatus.OK or not call.completion_ids:
             continue
-        answer = answer_message(call)
-        prev = call.request.get("messages")
-        if answer is None or not isinstance(prev, list) or tools_key(call.request.get("tools")) != key:
+        prev, prev_tools, answer = call.conversation()
+        if answer is None or not prev or tools_key(prev_tools) != key:
             continue
         covered = len(prev) + 1
         if covered <= len(norm) and norm[:covered] == [

@@ -1,0 +1,36 @@
+"""API faces of the gateway: each translates its wire format to and from the canonical chat call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from harnessrl.gateway.canonical import ChatCall, Generation
+from harnessrl.schema import Call
+
+
+class Face(Protocol):
+    """One model API (OpenAI chat, Responses, Anthropic messages) over the canonical call."""
+
+    name: str
+    error_style: str  # "openai" or "anthropic": the shape of error bodies on this face
+
+    def parse(self, body: Any) -> Any:
+        """Validate the body; raise `APIError(400)` naming the field."""
+
+    def to_chat_call(self, req: Any, history: list[Call]) -> ChatCall:
+        """The canonical call (`history`: this attempt's earlier calls, for stateful APIs)."""
+
+    def render(self, gen: Generation, req: Any, ids: ResponseIds) -> dict[str, Any]:
+        """The face's answer object."""
+
+    def stream(self, out: dict[str, Any], req: Any) -> list[str] | None:
+        """The SSE frames that deliver `out`, or None when the request did not ask to stream."""
+
+
+@dataclass(frozen=True)
+class ResponseIds:
+    """Ids and timestamp minted for one answer."""
+
+    response_id: str
+    created: int

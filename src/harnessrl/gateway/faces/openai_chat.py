@@ -1,0 +1,221 @@
+"""The OpenAI chat-completions face: request validation and translation, as pure functions.
+
+A validated request becomes a canonical `ChatCall`; a `Generation` becomes a `chat.completion`
+object or, for `stream: true`, the `chat.completion.chunk` server-sent events OpenAI clients expect.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from harnessrl.gateway.canonical import ChatCall, Generation
+from harnessrl.gateway.errors import from_validation_error
+from harnessrl.gateway.faces import ResponseIds
+from harnessrl.schema import Call
+
+_TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatMessage(_Loose):
+    """One message; extra keys that SDKs echo back (refusal, annotations, audio...) are allowed."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(BaseModel):
+    """A function a tool exposes."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=_TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError("parameters must be a JSON schema of type 'object'")
+        return v
+
+
+class Tool(BaseModel):
+    """A tool offered to the model."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatCompletionRequest(BaseModel):
+    """A chat-completions request. Fields OpenAI documents but the gateway does not use are accepted
+    and ignored; anything else is an error, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(default=None, ge=1, le=1)
+    stream: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    return_token_ids: bool | None = None
+    # accepted, not used by the gateway
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limit(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 8:
+            raise ValueError("at most 8 stop sequences")
+        return v
+
+
+def to_chat_call(req: ChatCompletionRequest) -> ChatCall:
+    """The canonical call of a chat-completions request."""
+    tools = None
+    if req.tools and req.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    return ChatCall(
+        model=req.model,
+        messages=[m.model_dump(exclude_none=True) for m in req.messages],
+        tools=tools,
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=stop,
+        top_logprobs=req.top_logprobs or 0,
+    )
+
+
+def _logprobs(gen: Generation) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(gen.token_texts, gen.record.completion_logprobs, strict=False)
+        ]
+    }
+
+
+def chat_response(
+    gen: Generation, req: ChatCompletionRequest, response_id: str, created: int
+) -> dict[str, Any]:
+    """The `chat.completion` object for a generation."""
+    prompt_tokens, completion_tokens = gen.usage
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": gen.answer_message(),
+        "logprobs": _logprobs(gen) if req.logprobs else None,
+        "finish_reason": gen.finish_reason,
+    }
+    out: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": req.model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    if req.return_token_ids:
+        out["prompt_token_ids"] = gen.record.prompt_ids
+        choice["token_ids"] = gen.record.completion_ids
+    return out
+
+
+def _chunk(out: dict[str, Any], delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {
+        "id": out["id"],
+        "object": "chat.completion.chunk",
+        "created": out["created"],
+        "model": out["model"],
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def stream_events(out: dict[str, Any], include_usage: bool) -> list[str]:
+    """The SSE `data:` lines that stream `out` (a `chat.completion`): role, content, tool calls,
+    finish reason, optional usage, then `[DONE]`."""
+    choice = out["choices"][0]
+    msg = choice["message"]
+    chunks = [_chunk(out, {"role": "assistant", "content": ""})]
+    if msg.get("content"):
+        chunks.append(_chunk(out, {"content": msg["content"]}))
+    for i, tc in enumerate(msg.get("tool_calls") or []):
+        fn = tc["function"]
+        head = {
+            "index": i,
+            "id": tc["id"],
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": ""},
+        }
+        chunks.append(_chunk(out, {"tool_calls": [head]}))
+        chunks.append(_chunk(out, {"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
+    chunks.append(_chunk(out, {}, choice["finish_reason"]))
+    if include_usage:
+        chunks.append({**_chunk(out, {}), "choices": [], "usage": out["usage"]})
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+
+
+class OpenAIChatFace:
+    """`POST /v1/chat/completions`."""
+
+    name = "openai.chat"
+    error_style = "openai"
+
+    def parse(self, body: Any) -> ChatCompletionRequest:
+        """Validate a chat-completions body."""
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
+    def to_chat_call(self, req: ChatCompletionRequest, history: list[Call]) -> ChatCall:
+        """The canonical call."""
+        return to_chat_call(req)
+
+    def render(self, gen: Generation, req: ChatCompletionRequest, ids: ResponseIds) -> dict[str, Any]:
+        """The `chat.completion` object."""
+        return chat_response(gen, req, f"chatcmpl-{ids.response_id}", ids.created)
+
+    def stream(self, out: dict[str, Any], req: ChatCompletionRequest) -> list[str] | None:
+        """Chunks when `stream: true`."""
+        if not req.stream:
+            return None
+        return stream_events(out, include_usage=bool((req.stream_options or {}).get("include_usage")))
