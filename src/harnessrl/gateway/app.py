@@ -21,8 +21,9 @@ from harnessrl.gateway import control, inference
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord, effective_sampling
 from harnessrl.gateway.errors import APIError
 from harnessrl.gateway.faces import Face, ResponseIds
+from harnessrl.gateway.faces.anthropic import AnthropicFace
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
-from harnessrl.gateway.http import bearer, guarded, read_json
+from harnessrl.gateway.http import Handler, bearer, guarded, read_json
 from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
 from harnessrl.gateway.upstream import Upstream, UpstreamClientError, UpstreamFailed
@@ -235,10 +236,16 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
     def gw() -> Gateway:
         return holder["gw"]
 
-    chat_face = OpenAIChatFace()
+    faces: list[tuple[str, Face]] = [
+        ("/v1/chat/completions", OpenAIChatFace()),
+        ("/v1/messages", AnthropicFace()),
+    ]
 
-    async def chat(request: Request) -> Response:
-        return await gw().model_call(request, chat_face)
+    def face_handler(face: Face) -> Handler:
+        async def handle(request: Request) -> Response:
+            return await gw().model_call(request, face)
+
+        return guarded(handle, face.error_style)
 
     async def models(request: Request) -> Response:
         gw().rollout_for(request, request.path_params.get("rollout_id"))
@@ -251,8 +258,8 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
 
     routes = [
         Route("/health", guarded(health), methods=["GET"]),
-        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
-        Route("/r/{rollout_id}/v1/chat/completions", guarded(chat), methods=["POST"]),
+        *[Route(path, face_handler(face), methods=["POST"]) for path, face in faces],
+        *[Route(f"/r/{{rollout_id}}{path}", face_handler(face), methods=["POST"]) for path, face in faces],
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/r/{rollout_id}/v1/models", guarded(models), methods=["GET"]),
         *[Route(path, guarded(fn), methods=[m]) for path, m, fn in control.routes(gw)],

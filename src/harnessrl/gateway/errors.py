@@ -21,6 +21,19 @@ _TYPES = {
 }
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    502: "api_error",
+    503: "overloaded_error",
+}
+
+
 class APIError(Exception):
     """An error that becomes an HTTP response with a clear message."""
 
@@ -39,8 +52,15 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
-        """The error as an OpenAI-shaped JSON response."""
+    def response(self, style: str = "openai") -> JSONResponse:
+        """The error as a JSON response in OpenAI's shape, or Anthropic's when `style` is "anthropic"."""
+        if style == "anthropic":
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+            return JSONResponse(
+                {"type": "error", "error": {"type": kind, "message": self.message}},
+                status_code=self.status,
+                headers=self.headers,
+            )
         body = {
             "error": {
                 "message": self.message,

@@ -41,16 +41,16 @@ async def read_json(request: Request, max_bytes: int, empty: Any = None) -> Any:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def guarded(handler: Handler) -> Handler:
-    """Turn `APIError` into its response and any other exception into a logged 500."""
+def guarded(handler: Handler, style: str = "openai") -> Handler:
+    """Turn `APIError` into its response (in the face's error `style`) and anything else into a logged 500."""
 
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
         except APIError as e:
-            return e.response()
+            return e.response(style)
         except Exception:
             log.exception("unhandled_error path=%s", request.url.path)
-            return APIError(500, "internal error in the gateway; see its log").response()
+            return APIError(500, "internal error in the gateway; see its log").response(style)
 
     return run

@@ -1,0 +1,275 @@
+"""The Anthropic messages face: `POST /v1/messages`, non-streaming and streaming. Pure translation.
+
+Request → canonical: `system` becomes a system message; a user turn's `tool_result` blocks become
+`tool` messages (in order, before the turn's text); an assistant turn's `tool_use` blocks become
+`tool_calls`. Answer: a `text` block (if any text) and one `tool_use` block per tool call;
+`stop_reason` is `tool_use`, `max_tokens` or `end_turn`. Streaming follows Anthropic's event
+sequence: message_start, content_block_start/delta/stop per block, message_delta, message_stop.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from harnessrl.gateway.canonical import ChatCall, Generation
+from harnessrl.gateway.errors import APIError, from_validation_error
+from harnessrl.gateway.faces import ResponseIds
+from harnessrl.schema import Call
+
+_TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class AnthropicMessage(BaseModel):
+    """One turn: a string or a list of content blocks."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[_Block]
+
+
+class AnthropicTool(BaseModel):
+    """A client tool."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: str | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if v.get("type", "object") != "object":
+            raise ValueError("input_schema must be a JSON schema of type 'object'")
+        return v
+
+
+class MessagesRequest(BaseModel):
+    """A `/v1/messages` request (fields the gateway does not use are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[_Block] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=8)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    thinking: dict[str, Any] | None = None
+    container: str | None = None
+    mcp_servers: list[dict[str, Any]] | None = None
+
+
+def _text(blocks: str | list[_Block] | None, where: str) -> str:
+    if blocks is None:
+        return ""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for i, b in enumerate(blocks):
+        text = getattr(b, "text", None)
+        if b.type != "text" or not isinstance(text, str):
+            raise APIError(400, f"{where}.{i}: only text blocks are supported here", param=f"{where}.{i}")
+        parts.append(text)
+    return "".join(parts)
+
+
+def _tool_result_text(block: _Block, where: str) -> str:
+    content = getattr(block, "content", "")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return _text([_Block.model_validate(c) for c in content], f"{where}.content")
+    raise APIError(400, f"{where}.content must be a string or text blocks", param=f"{where}.content")
+
+
+def _user_turn(msg: AnthropicMessage, i: int) -> list[dict[str, Any]]:
+    if isinstance(msg.content, str):
+        return [{"role": "user", "content": msg.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, b in enumerate(msg.content):
+        where = f"messages.{i}.content.{j}"
+        if b.type == "tool_result":
+            tool_use_id = getattr(b, "tool_use_id", None)
+            if not isinstance(tool_use_id, str):
+                raise APIError(400, f"{where}.tool_use_id must be a string", param=f"{where}.tool_use_id")
+            out.append({"role": "tool", "tool_call_id": tool_use_id, "content": _tool_result_text(b, where)})
+        elif b.type == "text" and isinstance(getattr(b, "text", None), str):
+            texts.append(b.text)  # type: ignore[attr-defined]
+        else:
+            raise APIError(400, f"{where}: block type '{b.type}' is not supported", param=where)
+    if texts:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _assistant_turn(msg: AnthropicMessage, i: int) -> dict[str, Any]:
+    if isinstance(msg.content, str):
+        return {"role": "assistant", "content": msg.content}
+    texts, calls = [], []
+    for j, b in enumerate(msg.content):
+        where = f"messages.{i}.content.{j}"
+        if b.type == "text" and isinstance(getattr(b, "text", None), str):
+            texts.append(b.text)  # type: ignore[attr-defined]
+        elif b.type == "tool_use":
+            name, args, call_id = getattr(b, "name", None), getattr(b, "input", None), getattr(b, "id", None)
+            if not isinstance(name, str) or not isinstance(args, dict) or not isinstance(call_id, str):
+                raise APIError(
+                    400, f"{where}: tool_use needs string id and name and an object input", param=where
+                )
+            calls.append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+            )
+        elif b.type in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise APIError(400, f"{where}: block type '{b.type}' is not supported", param=where)
+    out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        out["tool_calls"] = calls
+        out["content"] = out["content"] or None
+    return out
+
+
+def to_chat_call(req: MessagesRequest) -> ChatCall:
+    """The canonical call of a messages request."""
+    messages: list[dict[str, Any]] = []
+    system = _text(req.system, "system")
+    if req.system is not None:
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        if m.role == "user":
+            messages += _user_turn(m, i)
+        else:
+            messages.append(_assistant_turn(m, i))
+    tools = None
+    if req.tools and (req.tool_choice or {}).get("type") != "none":
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": t.input_schema,
+                },
+            }
+            for t in req.tools
+        ]
+    return ChatCall(
+        model=req.model, messages=messages, tools=tools, max_tokens=req.max_tokens,
+        temperature=req.temperature, top_p=req.top_p, stop=req.stop_sequences,
+    )  # fmt: skip
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def content_blocks(gen: Generation) -> list[dict[str, Any]]:
+    """The answer's content blocks: text (if any), then tool_use blocks."""
+    blocks: list[dict[str, Any]] = []
+    if gen.content or not gen.tool_calls:
+        blocks.append({"type": "text", "text": gen.content})
+    for tc in gen.tool_calls:
+        fn = tc["function"]
+        blocks.append(
+            {"type": "tool_use", "id": tc["id"], "name": fn["name"], "input": _tool_input(fn["arguments"])}
+        )
+    return blocks
+
+
+def stop_reason(gen: Generation) -> str:
+    """Anthropic's stop reason for a generation."""
+    if gen.tool_calls:
+        return "tool_use"
+    return "max_tokens" if gen.finish_reason == "length" else "end_turn"
+
+
+def message_response(gen: Generation, req: MessagesRequest, ids: ResponseIds) -> dict[str, Any]:
+    """The `message` object."""
+    prompt_tokens, completion_tokens = gen.usage
+    return {
+        "id": f"msg_{ids.response_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": content_blocks(gen),
+        "stop_reason": stop_reason(gen),
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+def stream_events(out: dict[str, Any]) -> list[str]:
+    """The SSE frames that deliver a `message` object in Anthropic's streaming event sequence."""
+    start = {**out, "content": [], "stop_reason": None, "usage": {**out["usage"], "output_tokens": 0}}
+    frames = [_event("message_start", {"type": "message_start", "message": start})]
+    for i, block in enumerate(out["content"]):
+        head: dict[str, Any]
+        if block["type"] == "text":
+            head, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+        else:
+            head = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        frames.append(
+            _event("content_block_start", {"type": "content_block_start", "index": i, "content_block": head})
+        )
+        frames.append(
+            _event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta})
+        )
+        frames.append(_event("content_block_stop", {"type": "content_block_stop", "index": i}))
+    frames.append(_event("message_delta", {
+        "type": "message_delta", "delta": {"stop_reason": out["stop_reason"], "stop_sequence": None},
+        "usage": {"output_tokens": out["usage"]["output_tokens"]},
+    }))  # fmt: skip
+    frames.append(_event("message_stop", {"type": "message_stop"}))
+    return frames
+
+
+class AnthropicFace:
+    """`POST /v1/messages`."""
+
+    name = "anthropic.messages"
+    error_style = "anthropic"
+
+    def parse(self, body: Any) -> MessagesRequest:
+        """Validate a messages body."""
+        try:
+            return MessagesRequest.model_validate(body)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
+    def to_chat_call(self, req: MessagesRequest, history: list[Call]) -> ChatCall:
+        """The canonical call."""
+        return to_chat_call(req)
+
+    def render(self, gen: Generation, req: MessagesRequest, ids: ResponseIds) -> dict[str, Any]:
+        """The `message` object."""
+        return message_response(gen, req, ids)
+
+    def stream(self, out: dict[str, Any], req: MessagesRequest) -> list[str] | None:
+        """Anthropic's event sequence when `stream: true`."""
+        return stream_events(out) if req.stream else None
