@@ -23,6 +23,7 @@ from harnessrl.gateway.errors import APIError
 from harnessrl.gateway.faces import Face, ResponseIds
 from harnessrl.gateway.faces.anthropic import AnthropicFace
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
+from harnessrl.gateway.faces.responses import ResponsesFace
 from harnessrl.gateway.http import Handler, bearer, guarded, read_json
 from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
@@ -239,6 +240,7 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
     faces: list[tuple[str, Face]] = [
         ("/v1/chat/completions", OpenAIChatFace()),
         ("/v1/messages", AnthropicFace()),
+        ("/v1/responses", ResponsesFace()),
     ]
 
     def face_handler(face: Face) -> Handler:
