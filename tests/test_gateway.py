@@ -224,3 +224,23 @@ def test_streaming_delivers_the_recorded_answer(make_gateway: Callable[..., Gate
     assert finish == [call.response["choices"][0]["finish_reason"]]  # type: ignore[index]
     assert usage and usage[0].completion_tokens == len(call.completion_ids)
     assert call.chat is not None and call.chat["messages"] == msgs and call.face == "openai.chat"
+
+
+def test_completions_face_with_text_and_token_prompts(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway()
+    rid, key = gw.new_rollout()
+    client = sdk(gw, key)
+    text = client.completions.create(model="davinci", prompt="Once upon a time", max_tokens=5, logprobs=1)
+    ids = client.completions.create(
+        model="davinci", prompt=[1, 2, 3, 4], max_tokens=5, extra_body={"return_token_ids": True}
+    )
+    streamed = list(client.completions.create(model="davinci", prompt="Hi", max_tokens=4, stream=True))
+    calls = gw.store.calls(rid)
+    assert [c.face for c in calls] == ["openai.completions"] * 3
+    assert calls[1].prompt_ids == [1, 2, 3, 4] and ids.model_extra["prompt_token_ids"] == [1, 2, 3, 4]  # type: ignore[index]
+    assert text.choices[0].text == calls[0].response["choices"][0]["text"]  # type: ignore[index]
+    assert text.choices[0].logprobs is not None and "prompt_token_ids" not in text.model_dump()
+    assert "".join(c.choices[0].text for c in streamed) == calls[2].response["choices"][0]["text"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="davinci", prompt=[], max_tokens=5)
+    assert len(gw.store.calls(rid)) == 3

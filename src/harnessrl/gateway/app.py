@@ -7,8 +7,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 from starlette.applications import Starlette
@@ -20,7 +20,7 @@ from harnessrl.chat import ChatFormatError
 from harnessrl.gateway import control, inference
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord, effective_sampling
 from harnessrl.gateway.errors import APIError
-from harnessrl.gateway.faces import Face, ResponseIds
+from harnessrl.gateway.faces import Face, ResponseIds, completions
 from harnessrl.gateway.faces.anthropic import AnthropicFace
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
 from harnessrl.gateway.faces.responses import ResponsesFace
@@ -32,6 +32,7 @@ from harnessrl.schema import Call, CallStatus, Rollout, now
 from harnessrl.store import Store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GatewayConfig(BaseModel):
@@ -174,10 +175,16 @@ class Gateway:
     async def _engine(
         self, call: Call, served: str, chat: ChatCall, sampling: Sampling, history: list[Call], t0: float
     ) -> Generation:
+        if self.tito is None:
+            return await self._guard(call, t0, inference.passthrough(self.upstream, served, chat, sampling))
+        return await self._guard(
+            call, t0, inference.tito(self.upstream, served, chat, sampling, self.tito, history)
+        )
+
+    async def _guard(self, call: Call, t0: float, work: Awaitable[T]) -> T:
+        """Await the engine; client errors become 400s, failures a recorded failed call and a 502."""
         try:
-            if self.tito is None:
-                return await inference.passthrough(self.upstream, served, chat, sampling)
-            return await inference.tito(self.upstream, served, chat, sampling, self.tito, history)
+            return await work
         except ChatFormatError as e:
             raise APIError(400, str(e)) from None
         except UpstreamClientError as e:
@@ -185,6 +192,33 @@ class Gateway:
         except (UpstreamFailed, BadUpstreamResponse) as e:
             self._record_failed(call, str(e), t0)
             raise APIError(502, f"the model failed to answer: {e}", code="upstream_failed") from None
+
+    async def completion(self, request: Request) -> Response:
+        """`POST /v1/completions`: a text or token-ID prompt, sent to the engine as is."""
+        rollout = self.rollout_for(request, request.path_params.get("rollout_id"))
+        body = await read_json(request, self.config.max_body_bytes)
+        req = completions.parse(body)
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop
+        shape = ChatCall(req.model, [], max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                         seed=req.seed, stop=stop)  # fmt: skip
+        sampling = effective_sampling(shape, rollout.sampling, self.config.default_max_tokens)
+        served = self.config.model_map.get(req.model, self.config.served_model)
+        attempt = max(rollout.n_attempts - 1, 0)
+        await self._admit()
+        try:
+            call = self._new_call(rollout, attempt, served, body, sampling.temperature, "openai.completions")
+            t0 = time.perf_counter()
+            work = inference.raw_completion(self.upstream, served, req.prompt, sampling, req.logprobs or 0)
+            resp, record = await self._guard(call, t0, work)
+            out = completions.client_response(resp, req)
+            self._record_ok(call, record, out, t0, None)
+        finally:
+            self._release()
+        if req.stream:
+            return StreamingResponse(
+                iter(completions.stream_events(out)), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        return JSONResponse(out)
 
     def _new_call(
         self, rollout: Rollout, attempt: int, served: str, body: Any, temperature: float, face: str
@@ -249,6 +283,9 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
 
         return guarded(handle, face.error_style)
 
+    async def completion(request: Request) -> Response:
+        return await gw().completion(request)
+
     async def models(request: Request) -> Response:
         gw().rollout_for(request, request.path_params.get("rollout_id"))
         names = sorted({config.served_model, *config.model_map})
@@ -262,6 +299,8 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
         Route("/health", guarded(health), methods=["GET"]),
         *[Route(path, face_handler(face), methods=["POST"]) for path, face in faces],
         *[Route(f"/r/{{rollout_id}}{path}", face_handler(face), methods=["POST"]) for path, face in faces],
+        Route("/v1/completions", guarded(completion), methods=["POST"]),
+        Route("/r/{rollout_id}/v1/completions", guarded(completion), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/r/{rollout_id}/v1/models", guarded(models), methods=["GET"]),
         *[Route(path, guarded(fn), methods=[m]) for path, m, fn in control.routes(gw)],
