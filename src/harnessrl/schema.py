@@ -232,3 +232,13 @@ class RolloutPage(BaseModel):
 
     rollouts: list[Rollout]
     next_cursor: str | None = None
+
+
+class RolloutEvent(BaseModel):
+    """A rollout entered a state (pushed on the control API's event stream; `seq` orders all events)."""
+
+    seq: int
+    rollout_id: str
+    state: RolloutState
+    group_id: str | None = None
+    time: float

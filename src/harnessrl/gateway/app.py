@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from harnessrl.chat import ChatFormatError
@@ -27,6 +27,7 @@ from harnessrl.gateway.faces.responses import ResponsesFace
 from harnessrl.gateway.http import Handler, bearer, guarded, read_json
 from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
+from harnessrl.gateway.metrics import Metrics
 from harnessrl.gateway.upstream import Upstream, UpstreamClientError, UpstreamFailed
 from harnessrl.schema import Call, CallStatus, Rollout, now
 from harnessrl.store import Store
@@ -75,6 +76,14 @@ class Gateway:
         self._idle = asyncio.Event()
         self._idle.set()
         self.in_flight = 0
+        self.metrics = Metrics()
+        self.metrics.gauge(
+            "harnessrl_gateway_paused", "1 while the gateway holds new calls.", lambda: float(self.paused)
+        )
+        self.metrics.gauge(
+            "harnessrl_gateway_in_flight", "Model calls being served.", lambda: float(self.in_flight)
+        )
+        self._event_seq = asyncio.Condition()
 
     # auth -----------------------------------------------------------------------------------------
     def require_admin(self, request: Request) -> None:
@@ -239,6 +248,9 @@ class Gateway:
 
     def _record_failed(self, call: Call, error: str, t0: float) -> None:
         self.store.add_call(call.model_copy(update={"latency_s": time.perf_counter() - t0, "error": error}))
+        self.metrics.inc(
+            "harnessrl_gateway_calls_total", "Model calls recorded.", face=call.face, status="failed"
+        )
         log.error("call_failed rollout=%s error=%s", call.rollout_id, error)
 
     def _record_ok(
@@ -259,6 +271,35 @@ class Gateway:
             }
         )
         self.store.add_call(done)  # committed before the harness sees the answer
+        m = self.metrics
+        m.inc("harnessrl_gateway_calls_total", "Model calls recorded.", face=call.face, status="ok")
+        m.inc(
+            "harnessrl_gateway_prompt_tokens_total",
+            "Prompt tokens of recorded calls.",
+            len(record.prompt_ids),
+        )
+        m.inc("harnessrl_gateway_completion_tokens_total", "Completion tokens of recorded calls.",
+              len(record.completion_ids))  # fmt: skip
+        m.observe_latency(done.latency_s, face=call.face)
+
+    def count_error(self, status: int) -> None:
+        """Count a request answered with an error status."""
+        self.metrics.inc(
+            "harnessrl_gateway_errors_total", "Requests answered with an error.", status=str(status)
+        )
+
+    async def notify_events(self) -> None:
+        """Wake event-stream readers: a rollout changed state."""
+        async with self._event_seq:
+            self._event_seq.notify_all()
+
+    async def wait_events(self, timeout_s: float) -> None:
+        """Wait until `notify_events` or the timeout."""
+        async with self._event_seq:
+            try:
+                await asyncio.wait_for(self._event_seq.wait(), timeout=timeout_s)
+            except TimeoutError:
+                pass
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -277,11 +318,14 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
         ("/v1/responses", ResponsesFace()),
     ]
 
+    def counted(handler: Handler, style: str = "openai") -> Handler:
+        return guarded(handler, style, on_error=lambda status: gw().count_error(status))
+
     def face_handler(face: Face) -> Handler:
         async def handle(request: Request) -> Response:
             return await gw().model_call(request, face)
 
-        return guarded(handle, face.error_style)
+        return counted(handle, face.error_style)
 
     async def completion(request: Request) -> Response:
         return await gw().completion(request)
@@ -295,12 +339,16 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})
 
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(gw().metrics.render(), media_type="text/plain; version=0.0.4")
+
     routes = [
         Route("/health", guarded(health), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
         *[Route(path, face_handler(face), methods=["POST"]) for path, face in faces],
         *[Route(f"/r/{{rollout_id}}{path}", face_handler(face), methods=["POST"]) for path, face in faces],
-        Route("/v1/completions", guarded(completion), methods=["POST"]),
-        Route("/r/{rollout_id}/v1/completions", guarded(completion), methods=["POST"]),
+        Route("/v1/completions", counted(completion), methods=["POST"]),
+        Route("/r/{rollout_id}/v1/completions", counted(completion), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/r/{rollout_id}/v1/models", guarded(models), methods=["GET"]),
         *[Route(path, guarded(fn), methods=[m]) for path, m, fn in control.routes(gw)],

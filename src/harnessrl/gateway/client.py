@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ from harnessrl.schema import (
     RolloutCreate,
     RolloutCreated,
     RolloutDetail,
+    RolloutEvent,
     RolloutPage,
     RolloutState,
 )
@@ -109,6 +111,15 @@ class ControlClient:
             "POST", "/control/resume", json={"weight_version": weight_version}
         )
         return result
+
+    async def events(self, after: int = 0) -> AsyncIterator[RolloutEvent]:
+        """Rollout state changes after sequence number `after`, pushed as they happen (never ends)."""
+        async with self._http.stream("GET", "/control/events", params={"after": after}, timeout=None) as resp:
+            if resp.status_code >= 400:
+                raise ControlError(resp.status_code, (await resp.aread()).decode(errors="replace")[:500])
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    yield RolloutEvent.model_validate_json(line[6:])
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from harnessrl.gateway.errors import APIError, from_validation_error
 from harnessrl.gateway.http import read_json
@@ -67,6 +67,22 @@ def _store_error(e: StoreError) -> APIError:
     return APIError(400, str(e))
 
 
+KEEPALIVE_S = 15.0
+
+
+async def _event_stream(g: Gateway, request: Request, after: int) -> AsyncIterator[str]:
+    """Replay state changes after `after` from the store, then push new ones as they happen."""
+    while not await request.is_disconnected():
+        batch = g.store.events(after=after, limit=500)
+        for ev in batch:
+            after = ev.seq
+            yield f"id: {ev.seq}\nevent: rollout\ndata: {ev.model_dump_json()}\n\n"
+        if not batch:
+            await g.wait_events(KEEPALIVE_S)
+            if not g.store.events(after=after, limit=1):
+                yield ": keepalive\n\n"
+
+
 def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
     """(path, method, handler) for every control route."""
 
@@ -78,6 +94,8 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             rollout, created = g.store.create_rollout(req, new_rollout_id())
         except StoreError as e:
             raise _store_error(e) from None
+        if created:
+            await g.notify_events()
         out = RolloutCreated(rollout=rollout, api_key=g.keys.issue(rollout.rollout_id), created=created)
         return JSONResponse(out.model_dump(mode="json"), status_code=201 if created else 200)
 
@@ -113,6 +131,7 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             attempt = g.store.start_attempt(_rollout_id(request))
         except StoreError as e:
             raise _store_error(e) from None
+        await g.notify_events()
         return JSONResponse(attempt.model_dump(mode="json"), status_code=201)
 
     async def finish_attempt(request: Request) -> Response:
@@ -136,6 +155,7 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             rollout = g.store.set_state(_rollout_id(request), change.state)
         except StoreError as e:
             raise _store_error(e) from None
+        await g.notify_events()
         return JSONResponse(rollout.model_dump(mode="json"))
 
     async def reward(request: Request) -> Response:
@@ -162,6 +182,20 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         g.resume(req.weight_version)
         return JSONResponse({"paused": False, "weight_version": g.weight_version})
 
+    async def events(request: Request) -> Response:
+        g = gw()
+        g.require_admin(request)
+        raw = request.query_params.get("after", request.headers.get("last-event-id", "0"))
+        if not raw.isdigit():
+            raise APIError(
+                400, "after must be a non-negative integer (an event sequence number)", param="after"
+            )
+        return StreamingResponse(
+            _event_stream(g, request, int(raw)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
     async def status(request: Request) -> Response:
         g = gw()
         g.require_admin(request)
@@ -180,4 +214,5 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         ("/control/pause", "POST", pause),
         ("/control/resume", "POST", resume),
         ("/control/status", "GET", status),
+        ("/control/events", "GET", events),
     ]

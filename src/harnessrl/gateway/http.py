@@ -41,16 +41,23 @@ async def read_json(request: Request, max_bytes: int, empty: Any = None) -> Any:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def guarded(handler: Handler, style: str = "openai") -> Handler:
-    """Turn `APIError` into its response (in the face's error `style`) and anything else into a logged 500."""
+def guarded(
+    handler: Handler, style: str = "openai", on_error: Callable[[int], None] | None = None
+) -> Handler:
+    """Turn `APIError` into its response (in the face's error `style`) and anything else into a logged
+    500; `on_error` sees every error status."""
 
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
         except APIError as e:
+            if on_error is not None:
+                on_error(e.status)
             return e.response(style)
         except Exception:
             log.exception("unhandled_error path=%s", request.url.path)
+            if on_error is not None:
+                on_error(500)
             return APIError(500, "internal error in the gateway; see its log").response(style)
 
     return run

@@ -13,6 +13,7 @@ from harnessrl.schema import (
     Rollout,
     RolloutCreate,
     RolloutDetail,
+    RolloutEvent,
     RolloutState,
 )
 
@@ -61,6 +62,10 @@ class Store(ABC):
     @abstractmethod
     def attempts(self, rollout_id: str) -> list[Attempt]:
         """All attempts of a rollout, oldest first."""
+
+    @abstractmethod
+    def events(self, after: int = 0, limit: int = 1000) -> list[RolloutEvent]:
+        """Rollout state changes after sequence number `after`, oldest first."""
 
     @abstractmethod
     def add_call(self, call: Call) -> Call:

@@ -25,6 +25,7 @@ from harnessrl.schema import (
     RewardIn,
     Rollout,
     RolloutCreate,
+    RolloutEvent,
     RolloutState,
     SamplingOverrides,
     check_transition,
@@ -68,6 +69,13 @@ CREATE TABLE IF NOT EXISTS calls (
   body TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS calls_rollout ON calls (rollout_id, idx);
+CREATE TABLE IF NOT EXISTS events (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  rollout_id TEXT NOT NULL,
+  state TEXT NOT NULL,
+  group_id TEXT,
+  time REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS rewards (
   rollout_id TEXT PRIMARY KEY,
   value REAL NOT NULL,
@@ -141,6 +149,7 @@ class SQLiteStore(Store):
                     t,
                 ),
             )
+            self._event(db, rollout_id, RolloutState.QUEUED, t)
             row = db.execute(
                 f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
             ).fetchone()
@@ -182,14 +191,36 @@ class SQLiteStore(Store):
                     check_transition(current, state)
                 except InvalidTransition as e:
                     raise Conflict(str(e)) from e
+                t = now()
                 db.execute(
                     "UPDATE rollouts SET state = ?, updated_at = ? WHERE rollout_id = ?",
-                    (state.value, now(), rollout_id),
+                    (state.value, t, rollout_id),
                 )
+                self._event(db, rollout_id, state, t)
             row = db.execute(
                 f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
             ).fetchone()
         return _rollout(row)
+
+    @staticmethod
+    def _event(db: sqlite3.Connection, rollout_id: str, state: RolloutState, t: float) -> None:
+        db.execute(
+            "INSERT INTO events (rollout_id, state, group_id, time)"
+            " SELECT rollout_id, ?, group_id, ? FROM rollouts WHERE rollout_id = ?",
+            (state.value, t, rollout_id),
+        )
+
+    def events(self, after: int = 0, limit: int = 1000) -> list[RolloutEvent]:
+        """State changes after sequence number `after`, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, rollout_id, state, group_id, time FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                (after, limit),
+            ).fetchall()
+        return [
+            RolloutEvent(seq=r[0], rollout_id=r[1], state=RolloutState(r[2]), group_id=r[3], time=r[4])
+            for r in rows
+        ]
 
     @staticmethod
     def _state(db: sqlite3.Connection, rollout_id: str) -> RolloutState:
@@ -219,6 +250,8 @@ class SQLiteStore(Store):
                 "UPDATE rollouts SET state = ?, n_attempts = ?, updated_at = ? WHERE rollout_id = ?",
                 (RolloutState.RUNNING.value, n + 1, t, rollout_id),
             )
+            if current != RolloutState.RUNNING:
+                self._event(db, rollout_id, RolloutState.RUNNING, t)
         return Attempt(rollout_id=rollout_id, attempt=n, started_at=t)
 
     def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:

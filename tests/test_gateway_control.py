@@ -1,0 +1,69 @@
+"""The control API's push stream of state changes and the Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+from openai import OpenAI
+
+from harnessrl.gateway.client import ControlClient
+from harnessrl.schema import RolloutCreate, RolloutState
+from tests.conftest import GatewayHandle
+
+
+async def test_state_changes_are_pushed_and_replayable(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway()
+    client = ControlClient(gw.url, gw.admin_key)
+    seen: list[tuple[str, str, int]] = []
+
+    async def listen(after: int, n: int) -> None:
+        async for ev in client.events(after=after):
+            seen.append((ev.rollout_id, ev.state.value, ev.seq))
+            if len(seen) >= n:
+                return
+
+    listener = asyncio.create_task(listen(0, 5))
+    await asyncio.sleep(0.2)  # the stream is open before anything happens
+    a = (
+        await client.create_rollout(RolloutCreate(client_id="a", task_id="t", group_id="g"))
+    ).rollout.rollout_id
+    b = (await client.create_rollout(RolloutCreate(client_id="b", task_id="t"))).rollout.rollout_id
+    await client.create_rollout(RolloutCreate(client_id="a", task_id="t"))  # idempotent: no new event
+    await client.start_attempt(a)
+    await client.set_state(a, RolloutState.SUCCEEDED)
+    await client.set_state(b, RolloutState.CANCELLED)
+    await asyncio.wait_for(listener, timeout=20)
+    assert [(r, s) for r, s, _ in seen] == [
+        (a, "queued"),
+        (b, "queued"),
+        (a, "running"),
+        (a, "succeeded"),
+        (b, "cancelled"),
+    ]
+    assert [q for _, _, q in seen] == sorted(q for _, _, q in seen)
+    # a reader that reconnects after the third event gets only what followed
+    seen.clear()
+    await asyncio.wait_for(listen(3, 2), timeout=20)  # events 1-3: two queued, one running
+    assert [(r, s) for r, s, _ in seen] == [(a, "succeeded"), (b, "cancelled")]
+    r = httpx.get(
+        f"{gw.url}/control/events", params={"after": "x"}, headers={"Authorization": f"Bearer {gw.admin_key}"}
+    )
+    assert r.status_code == 400
+    await client.aclose()
+
+
+def test_metrics_count_calls_tokens_and_errors(make_gateway: Callable[..., GatewayHandle]) -> None:
+    gw = make_gateway()
+    rid, key = gw.new_rollout()
+    sdk = OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+    sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    httpx.post(f"{gw.url}/v1/chat/completions", content=b"{", headers={"Authorization": f"Bearer {key}"})
+    text = httpx.get(f"{gw.url}/metrics").text
+    (call,) = gw.store.calls(rid)
+    assert 'harnessrl_gateway_calls_total{face="openai.chat",status="ok"} 1' in text
+    assert f"harnessrl_gateway_completion_tokens_total {len(call.completion_ids)}" in text
+    assert 'harnessrl_gateway_errors_total{status="400"} 1' in text
+    assert 'harnessrl_gateway_call_latency_seconds_count{face="openai.chat"} 1' in text
+    assert "harnessrl_gateway_paused 0" in text and "harnessrl_gateway_in_flight 0" in text
