@@ -244,3 +244,30 @@ def test_completions_face_with_text_and_token_prompts(make_gateway: Callable[...
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="davinci", prompt=[], max_tokens=5)
     assert len(gw.store.calls(rid)) == 3
+
+
+def test_rollouts_stick_to_a_replica_and_fail_over(make_gateway: Callable[..., GatewayHandle]) -> None:
+    from harnessrl.services import free_port
+
+    # two live replicas (the same engine under two names): each rollout keeps to one of them
+    gw = make_gateway(upstream_retries=0)
+    gw = make_gateway(replica_urls=[gw.engine_url], upstream_retries=0)
+    by_rollout = {}
+    for _ in range(8):
+        rid, key = gw.new_rollout()
+        for _ in range(2):
+            sdk(gw, key).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
+        by_rollout[rid] = {c.upstream for c in gw.store.calls(rid)}
+    assert all(len(names) == 1 for names in by_rollout.values())
+    assert set().union(*by_rollout.values()) == {"engine0", "engine1"}
+    # a dead first replica: calls fail over to the live one and are recorded with its name
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw2 = make_gateway(upstream_url=dead, replica_urls=[gw.engine_url], upstream_retries=0)
+    for _ in range(4):
+        rid, key = gw2.new_rollout()
+        sdk(gw2, key).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+        assert [c.upstream for c in gw2.store.calls(rid)] == ["engine1"]

@@ -28,7 +28,13 @@ from harnessrl.gateway.http import Handler, bearer, guarded, read_json
 from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
 from harnessrl.gateway.metrics import Metrics
-from harnessrl.gateway.upstream import Upstream, UpstreamClientError, UpstreamFailed
+from harnessrl.gateway.upstream import (
+    StickyUpstream,
+    Upstream,
+    UpstreamClientError,
+    UpstreamFailed,
+    UpstreamPool,
+)
 from harnessrl.schema import Call, CallStatus, Rollout, now
 from harnessrl.store import Store
 
@@ -41,6 +47,9 @@ class GatewayConfig(BaseModel):
 
     admin_key: str = Field(min_length=8)
     upstream_url: str = "http://127.0.0.1:8100"
+    replica_urls: list[str] = Field(
+        default_factory=list
+    )  # more replicas of the same model (sticky per rollout)
     served_model: str = "smollm2"
     model_map: dict[str, str] = Field(default_factory=dict)  # harness model name -> served model name
     default_max_tokens: int = 512
@@ -55,15 +64,22 @@ class GatewayConfig(BaseModel):
 class Gateway:
     """State shared by the handlers: store, keys, upstream, pause state and in-flight calls."""
 
-    def __init__(self, config: GatewayConfig, store: Store, upstream: Upstream | None = None) -> None:
+    def __init__(self, config: GatewayConfig, store: Store, upstreams: list[Upstream] | None = None) -> None:
         self.config = config
         self.store = store
         self.keys = KeyRing(store.set_meta_if_absent("key_secret", new_secret()))
-        self.upstream = upstream or Upstream(
-            "engine0",
-            config.upstream_url,
-            timeout_s=config.upstream_timeout_s,
-            max_retries=config.upstream_retries,
+        urls = [config.upstream_url, *config.replica_urls]
+        self.upstreams = UpstreamPool(
+            upstreams
+            or [
+                Upstream(
+                    f"engine{i}",
+                    url,
+                    timeout_s=config.upstream_timeout_s,
+                    max_retries=config.upstream_retries,
+                )
+                for i, url in enumerate(urls)
+            ]
         )
         self.weight_version: int | None = None
         self.tito: TitoTokenizer | None = None
@@ -169,11 +185,15 @@ class Gateway:
         try:
             call = self._new_call(rollout, attempt, served, body, sampling.temperature, face.name)
             t0 = time.perf_counter()
-            gen = await self._engine(call, served, chat, sampling, history, t0)
+            up = StickyUpstream(self.upstreams, rollout.rollout_id)
+            call.upstream = up.served_by
+            gen = await self._engine(call, up, served, chat, sampling, history, t0)
             out = face.render(gen, req, ResponseIds(uuid.uuid4().hex, int(time.time())))
             answer = gen.answer_message()
             chat_record = {"messages": chat.messages, "tools": chat.tools, "answer": answer}
-            self._record_ok(call, gen.record, out, t0, chat_record)
+            self._record_ok(
+                call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0, chat_record
+            )
         finally:
             self._release()
         frames = face.stream(out, req)
@@ -182,13 +202,18 @@ class Gateway:
         return StreamingResponse(iter(frames), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _engine(
-        self, call: Call, served: str, chat: ChatCall, sampling: Sampling, history: list[Call], t0: float
+        self,
+        call: Call,
+        up: StickyUpstream,
+        served: str,
+        chat: ChatCall,
+        sampling: Sampling,
+        history: list[Call],
+        t0: float,
     ) -> Generation:
         if self.tito is None:
-            return await self._guard(call, t0, inference.passthrough(self.upstream, served, chat, sampling))
-        return await self._guard(
-            call, t0, inference.tito(self.upstream, served, chat, sampling, self.tito, history)
-        )
+            return await self._guard(call, t0, inference.passthrough(up, served, chat, sampling))
+        return await self._guard(call, t0, inference.tito(up, served, chat, sampling, self.tito, history))
 
     async def _guard(self, call: Call, t0: float, work: Awaitable[T]) -> T:
         """Await the engine; client errors become 400s, failures a recorded failed call and a 502."""
@@ -217,10 +242,12 @@ class Gateway:
         try:
             call = self._new_call(rollout, attempt, served, body, sampling.temperature, "openai.completions")
             t0 = time.perf_counter()
-            work = inference.raw_completion(self.upstream, served, req.prompt, sampling, req.logprobs or 0)
+            up = StickyUpstream(self.upstreams, rollout.rollout_id)
+            call.upstream = up.served_by
+            work = inference.raw_completion(up, served, req.prompt, sampling, req.logprobs or 0)
             resp, record = await self._guard(call, t0, work)
             out = completions.client_response(resp, req)
-            self._record_ok(call, record, out, t0, None)
+            self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
         finally:
             self._release()
         if req.stream:
@@ -240,7 +267,7 @@ class Gateway:
             latency_s=0.0,
             status=CallStatus.FAILED,
             model=served,
-            upstream=self.upstream.name,
+            upstream="",
             request=body if isinstance(body, dict) else {"body": body},
             temperature=temperature,
             face=face,
@@ -305,7 +332,7 @@ class Gateway:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = None) -> Starlette:
+def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | None = None) -> Starlette:
     """Build the gateway ASGI app over `store`."""
     holder: dict[str, Gateway] = {}
 
@@ -356,11 +383,11 @@ def create_app(config: GatewayConfig, store: Store, upstream: Upstream | None = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        holder["gw"] = Gateway(config, store, upstream)
+        holder["gw"] = Gateway(config, store, upstreams)
         app.state.gateway = holder["gw"]
         try:
             yield
         finally:
-            await holder["gw"].upstream.aclose()
+            await holder["gw"].upstreams.aclose()
 
     return Starlette(routes=routes, lifespan=lifespan)

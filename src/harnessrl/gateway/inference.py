@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from harnessrl.chat import parse_completion
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord
 from harnessrl.gateway.tito import build_prompt
-from harnessrl.gateway.upstream import Upstream
+from harnessrl.gateway.upstream import StickyUpstream
 from harnessrl.schema import Call
 
 
@@ -56,7 +56,9 @@ def _version(resp: dict[str, Any]) -> int | None:
     return int(v) if isinstance(v, int) else None
 
 
-async def passthrough(upstream: Upstream, served: str, call: ChatCall, sampling: Sampling) -> Generation:
+async def passthrough(
+    upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling
+) -> Generation:
     """Send the messages to the engine's chat endpoint with `return_token_ids` and logprobs."""
     body: dict[str, Any] = {
         "model": served,
@@ -92,7 +94,7 @@ async def passthrough(upstream: Upstream, served: str, call: ChatCall, sampling:
 
 
 async def tito(
-    upstream: Upstream,
+    upstream: StickyUpstream,
     served: str,
     call: ChatCall,
     sampling: Sampling,
@@ -132,7 +134,7 @@ async def tito(
     return Generation(parsed.content, parsed.tool_calls, finish, record, texts)
 
 
-async def raw_completion(upstream: Upstream, served: str, prompt: str | list[int], sampling: Sampling,
+async def raw_completion(upstream: StickyUpstream, served: str, prompt: str | list[int], sampling: Sampling,
                          logprobs: int) -> tuple[dict[str, Any], TokenRecord]:  # fmt: skip
     """`/v1/completions` as is: the engine's answer and its token record."""
     body = {"model": served, "prompt": prompt, "return_token_ids": True, "logprobs": max(logprobs, 1),

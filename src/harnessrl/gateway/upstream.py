@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import Any
 
@@ -90,3 +91,53 @@ class Upstream:
     async def aclose(self) -> None:
         """Close the connection pool."""
         await self._client.aclose()
+
+
+class UpstreamPool:
+    """The replicas serving one model. Each rollout sticks to one replica (its prefix cache stays
+    warm); when that replica fails after its retries, the next replica in the rollout's own order
+    (rendezvous hashing) is tried, so failover spreads evenly and is stable."""
+
+    def __init__(self, replicas: list[Upstream]) -> None:
+        if not replicas:
+            raise ValueError("an upstream pool needs at least one replica")
+        self.replicas = replicas
+
+    def order(self, rollout_id: str) -> list[Upstream]:
+        """Replicas in the rollout's preference order."""
+
+        def score(u: Upstream) -> bytes:
+            return hashlib.blake2b(f"{rollout_id}|{u.name}".encode(), digest_size=8).digest()
+
+        return sorted(self.replicas, key=score, reverse=True)
+
+    async def post(self, rollout_id: str, path: str, body: dict[str, Any]) -> tuple[Upstream, dict[str, Any]]:
+        """POST to the rollout's replica, failing over to the next ones; returns (replica, answer)."""
+        errors = []
+        for upstream in self.order(rollout_id):
+            try:
+                return upstream, await upstream.post(path, body)
+            except UpstreamFailed as e:
+                errors.append(str(e))
+                log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
+        raise UpstreamFailed("; ".join(errors))
+
+    async def aclose(self) -> None:
+        """Close every replica's connections."""
+        for u in self.replicas:
+            await u.aclose()
+
+
+class StickyUpstream:
+    """One rollout's view of a pool: `post` goes to its replica; `served_by` names the one that answered."""
+
+    def __init__(self, pool: UpstreamPool, rollout_id: str) -> None:
+        self.pool = pool
+        self.rollout_id = rollout_id
+        self.served_by = pool.order(rollout_id)[0].name
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST through the pool with this rollout's stickiness."""
+        upstream, answer = await self.pool.post(self.rollout_id, path, body)
+        self.served_by = upstream.name
+        return answer
