@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,6 +30,7 @@ class GatewaySection(_Section):
 
     port: int = 0
     default_max_tokens: int = 256
+    mode: Literal["passthrough", "tito"] = "passthrough"  # tito: the gateway builds prompts from token IDs
 
 
 class ControllerSection(_Section):

@@ -87,9 +87,18 @@ def start_engine(
 
 
 def start_gateway(
-    store_path: Path, upstream_url: str, port: int, admin_key: str, log_dir: Path, default_max_tokens: int
+    store_path: Path,
+    upstream_url: str,
+    port: int,
+    admin_key: str,
+    log_dir: Path,
+    default_max_tokens: int,
+    mode: str = "passthrough",
+    tokenizer: Path | None = None,
 ) -> Service:
     """The gateway over the SQLite store at `store_path`."""
     args = ["harnessrl.gateway", "--store", str(store_path), "--upstream", upstream_url, "--port", str(port)]
-    args += ["--default-max-tokens", str(default_max_tokens)]
+    args += ["--default-max-tokens", str(default_max_tokens), "--mode", mode]
+    if tokenizer is not None:
+        args += ["--tokenizer", str(tokenizer)]
     return start_service("gateway", args, port, log_dir, env={"HARNESSRL_ADMIN_KEY": admin_key})

@@ -23,17 +23,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--default-max-tokens", type=int, default=512)
     p.add_argument("--synchronous", choices=["NORMAL", "FULL"], default="NORMAL")
+    p.add_argument(
+        "--mode",
+        choices=["passthrough", "tito"],
+        default="passthrough",
+        help="passthrough: the engine renders the chat template; tito: the gateway sends token IDs",
+    )
+    p.add_argument("--tokenizer", help="model directory with tokenizer.json (needed for --mode tito)")
+    p.add_argument("--replica", action="append", default=[], help="another engine URL serving the same model")
+    p.add_argument(
+        "--model-map",
+        action="append",
+        default=[],
+        metavar="NAME=SERVED",
+        help="map a model name harnesses send to a served model name (repeatable)",
+    )
     args = p.parse_args(argv)
     admin_key = os.environ.get("HARNESSRL_ADMIN_KEY", "")
     if len(admin_key) < 8:
         print("error: set HARNESSRL_ADMIN_KEY to an admin key of at least 8 characters", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    bad = [m for m in args.model_map if "=" not in m]
+    if bad:
+        print(f"error: --model-map takes NAME=SERVED, got {bad[0]!r}", file=sys.stderr)
+        return 2
+    if args.mode == "tito" and not args.tokenizer:
+        print("error: --mode tito needs --tokenizer MODEL_DIR", file=sys.stderr)
+        return 2
     config = GatewayConfig(
         admin_key=admin_key,
         upstream_url=args.upstream,
+        replica_urls=args.replica,
         served_model=args.served_model,
+        model_map=dict(m.split("=", 1) for m in args.model_map),
         default_max_tokens=args.default_max_tokens,
+        mode=args.mode,
+        tokenizer_path=args.tokenizer,
     )
     app = create_app(config, SQLiteStore(args.store, synchronous=args.synchronous))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
