@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -28,6 +29,7 @@ from harnessrl.gateway.http import Handler, bearer, guarded, read_json
 from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
 from harnessrl.gateway.metrics import Metrics
+from harnessrl.gateway.openapi import openapi_document
 from harnessrl.gateway.upstream import (
     StickyUpstream,
     Upstream,
@@ -366,12 +368,18 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})
 
+    spec = openapi_document()
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(spec)
+
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(gw().metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes = [
         Route("/health", guarded(health), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/openapi.json", guarded(openapi), methods=["GET"]),
         *[Route(path, face_handler(face), methods=["POST"]) for path, face in faces],
         *[Route(f"/r/{{rollout_id}}{path}", face_handler(face), methods=["POST"]) for path, face in faces],
         Route("/v1/completions", counted(completion), methods=["POST"]),
@@ -390,4 +398,12 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         finally:
             await holder["gw"].upstreams.aclose()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        message = {
+            404: f"no route {request.url.path}",
+            405: f"method {request.method} not allowed on {request.url.path}",
+        }
+        return APIError(status, message.get(status, str(getattr(exc, "detail", "error")))).response()
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -267,8 +267,8 @@ class ResponsesFace:
 
     def parse(self, body: Any) -> ResponsesRequest:
         """Validate a Responses body (only function tools are accepted)."""
-        if isinstance(body, dict):
-            for i, tool in enumerate(body.get("tools") or []):
+        if isinstance(body, dict) and isinstance(body.get("tools"), list):
+            for i, tool in enumerate(body["tools"]):
                 if isinstance(tool, dict) and tool.get("type") != "function":
                     raise APIError(400, f"tools.{i}: only function tools are supported, not '{tool.get('type')}'",
                                    param=f"tools.{i}.type")  # fmt: skip
