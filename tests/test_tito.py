@@ -48,6 +48,11 @@ def test_prompt_extends_the_exact_tokens_even_when_the_answer_is_echoed_differen
     # re-rendering the whole conversation would not reproduce the sampled tokens (spacing of the JSON)
     rendered = tok.encode(render_chat(nxt, tools=TOOLS))
     assert rendered[: len(prompt_ids) + len(completion_ids)] != prompt_ids + completion_ids
+    # a call whose text a stop string cut is not extended: its tokens hold text the harness never got
+    cut = prev.model_copy(
+        update={"chat": {"messages": first, "tools": TOOLS, "answer": answer, "stopped_by": "}"}}
+    )
+    assert build_prompt(nxt, TOOLS, [cut], tok.encode, tok.eos_id).extends_call is None
     # with different tools the earlier call is not extended
     assert build_prompt(nxt, None, [prev], tok.encode, tok.eos_id).extends_call is None
 

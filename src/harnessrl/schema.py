@@ -99,6 +99,7 @@ class SamplingOverrides(Strict):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = None
+    stop: list[str] | None = Field(default=None, max_length=16)  # added to the harness's own stop strings
 
 
 class RolloutCreate(Strict):

@@ -192,7 +192,9 @@ class Gateway:
             gen = await self._engine(call, up, served, chat, sampling, history, t0)
             out = face.render(gen, req, ResponseIds(uuid.uuid4().hex, int(time.time())))
             answer = gen.answer_message()
-            chat_record = {"messages": chat.messages, "tools": chat.tools, "answer": answer}
+            chat_record: dict[str, Any] = {"messages": chat.messages, "tools": chat.tools, "answer": answer}
+            if gen.stopped_by is not None:
+                chat_record["stopped_by"] = gen.stopped_by  # the tokens hold text the harness never got
             self._record_ok(
                 call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0, chat_record
             )

@@ -52,7 +52,7 @@ def effective_sampling(call: ChatCall, overrides: SamplingOverrides, default_max
         temperature=pick(overrides.temperature, call.temperature, 1.0),
         top_p=pick(overrides.top_p, call.top_p),
         seed=pick(overrides.seed, call.seed),
-        stop=call.stop or None,
+        stop=[*(call.stop or []), *(overrides.stop or [])] or None,
     )
 
 
@@ -78,6 +78,7 @@ class Generation:
     finish_reason: str  # stop | length | tool_calls
     record: TokenRecord
     token_texts: list[str] = field(default_factory=list)  # text of each completion token (for logprobs)
+    stopped_by: str | None = None  # the stop string that ended the text (the tokens then hold more text)
 
     def answer_message(self) -> dict[str, Any]:
         """The answer as an OpenAI assistant message (what a harness appends to its history)."""

@@ -90,7 +90,7 @@ async def passthrough(
         raise BadUpstreamResponse(f"engine answer lacks token ids or logprobs: {e!r}") from e
     _check_lengths(record)
     finish = "tool_calls" if tool_calls else (record.finish_reason or "stop")
-    return Generation(text, tool_calls, finish, record, texts)
+    return Generation(text, tool_calls, finish, record, texts, _stop_string(choice))
 
 
 async def tito(
@@ -131,7 +131,7 @@ async def tito(
         raise BadUpstreamResponse("the engine reports prompt token ids other than those the gateway sent")
     parsed = parse_completion(text)
     finish = "tool_calls" if parsed.tool_calls else (record.finish_reason or "stop")
-    return Generation(parsed.content, parsed.tool_calls, finish, record, texts)
+    return Generation(parsed.content, parsed.tool_calls, finish, record, texts, _stop_string(choice))
 
 
 async def raw_completion(upstream: StickyUpstream, served: str, prompt: str | list[int], sampling: Sampling,
@@ -155,6 +155,12 @@ async def raw_completion(upstream: StickyUpstream, served: str, prompt: str | li
         raise BadUpstreamResponse(f"engine answer lacks token ids or logprobs: {e!r}") from e
     _check_lengths(record)
     return resp, record
+
+
+def _stop_string(choice: dict[str, Any]) -> str | None:
+    """The stop string that ended the completion, if any (vLLM's `stop_reason` holds it)."""
+    reason = choice.get("stop_reason")
+    return reason if isinstance(reason, str) else None
 
 
 def _check_lengths(record: TokenRecord) -> None:

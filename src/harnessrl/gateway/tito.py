@@ -2,7 +2,8 @@
 
 When the new messages extend an earlier call of the rollout — that call's messages, then the answer
 the harness received — the prompt starts with that call's exact `prompt_ids + completion_ids`, and
-only the new turns are rendered and tokenized. So a merged row holds exactly the tokens the model
+only the new turns are rendered and tokenized. A call whose text was cut by a stop string is never
+reused this way: its tokens hold text the harness did not receive, so the conversation is rendered. So a merged row holds exactly the tokens the model
 saw and sampled, however the harness echoed the answer back (parsed tool calls, re-serialised JSON).
 
 For ChatML models the boundary is clean: a turn ends with the special token `<|im_end|>`, after
@@ -52,8 +53,8 @@ def find_extended_call(
     norm = [normalize_message(m) for m in messages]
     key = tools_key(tools)
     for call in reversed(history):
-        if call.status != CallStatus.OK or not call.completion_ids:
-            continue
+        if call.status != CallStatus.OK or not call.completion_ids or (call.chat or {}).get("stopped_by"):
+            continue  # a stop string cut the text: the harness never saw all of these tokens
         prev, prev_tools, answer = call.conversation()
         if answer is None or not prev or tools_key(prev_tools) != key:
             continue
