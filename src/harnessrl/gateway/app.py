@@ -25,6 +25,7 @@ from harnessrl.gateway.faces import Face, ResponseIds, completions
 from harnessrl.gateway.faces.anthropic import AnthropicFace
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
 from harnessrl.gateway.faces.responses import ResponsesFace
+from harnessrl.gateway.history import History, RecentCalls
 from harnessrl.gateway.http import Handler, bearer, guarded, read_json
 from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
@@ -94,6 +95,7 @@ class Gateway:
         self._idle = asyncio.Event()
         self._idle.set()
         self.in_flight = 0
+        self.recent = RecentCalls(store)
         self.metrics = Metrics()
         self.metrics.gauge(
             "harnessrl_gateway_paused", "1 while the gateway holds new calls.", lambda: float(self.paused)
@@ -179,7 +181,7 @@ class Gateway:
         body = await read_json(request, self.config.max_body_bytes)
         req = face.parse(body)
         attempt = max(rollout.n_attempts - 1, 0)
-        history = [c for c in self.store.calls(rollout.rollout_id) if c.attempt == attempt]
+        history = History(self.recent, rollout.rollout_id, attempt)
         chat = face.to_chat_call(req, history)
         sampling = effective_sampling(chat, rollout.sampling, self.config.default_max_tokens)
         served = self.config.model_map.get(chat.model, self.config.served_model)
@@ -212,12 +214,14 @@ class Gateway:
         served: str,
         chat: ChatCall,
         sampling: Sampling,
-        history: list[Call],
+        history: History,
         t0: float,
     ) -> Generation:
         if self.tito is None:
             return await self._guard(call, t0, inference.passthrough(up, served, chat, sampling))
-        return await self._guard(call, t0, inference.tito(up, served, chat, sampling, self.tito, history))
+        return await self._guard(
+            call, t0, inference.tito(up, served, chat, sampling, self.tito, history.recent())
+        )
 
     async def _guard(self, call: Call, t0: float, work: Awaitable[T]) -> T:
         """Await the engine; client errors become 400s, failures a recorded failed call and a 502."""
@@ -301,7 +305,7 @@ class Gateway:
                 "chat": chat,
             }
         )
-        self.store.add_call(done)  # committed before the harness sees the answer
+        self.recent.add(self.store.add_call(done))  # committed before the harness sees the answer
         m = self.metrics
         m.inc("harnessrl_gateway_calls_total", "Model calls recorded.", face=call.face, status="ok")
         m.inc(

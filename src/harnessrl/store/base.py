@@ -76,6 +76,10 @@ class Store(ABC):
         """All calls of a rollout in the order they were made."""
 
     @abstractmethod
+    def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
+        """The rollout's last `limit` calls, oldest first."""
+
+    @abstractmethod
     def count_calls(self, rollout_id: str) -> int:
         """Number of calls recorded for a rollout (the next call's index)."""
 

@@ -317,6 +317,15 @@ class SQLiteStore(Store):
             ).fetchall()
         return [Call.model_validate_json(r[0]) for r in rows]
 
+    def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
+        """The rollout's last `limit` calls, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT body FROM calls WHERE rollout_id = ? ORDER BY idx DESC, seq DESC LIMIT ?",
+                (rollout_id, limit),
+            ).fetchall()
+        return [Call.model_validate_json(r[0]) for r in reversed(rows)]
+
     def count_calls(self, rollout_id: str) -> int:
         """Number of calls recorded for a rollout."""
         with self._lock:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from harnessrl.gateway.canonical import ChatCall, Generation
-from harnessrl.schema import Call
+
+if TYPE_CHECKING:
+    from harnessrl.gateway.history import History
 
 
 class Face(Protocol):
@@ -18,8 +20,8 @@ class Face(Protocol):
     def parse(self, body: Any) -> Any:
         """Validate the body; raise `APIError(400)` naming the field."""
 
-    def to_chat_call(self, req: Any, history: list[Call]) -> ChatCall:
-        """The canonical call (`history`: this attempt's earlier calls, for stateful APIs)."""
+    def to_chat_call(self, req: Any, history: History) -> ChatCall:
+        """The canonical call (`history`: this attempt's earlier calls, read only by stateful APIs)."""
 
     def render(self, gen: Generation, req: Any, ids: ResponseIds) -> dict[str, Any]:
         """The face's answer object."""

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import APIError, from_validation_error
 from harnessrl.gateway.faces import ResponseIds
-from harnessrl.schema import Call
+from harnessrl.gateway.history import History
 
 _TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -262,7 +262,7 @@ class AnthropicFace:
         except ValidationError as e:
             raise from_validation_error(e) from None
 
-    def to_chat_call(self, req: MessagesRequest, history: list[Call]) -> ChatCall:
+    def to_chat_call(self, req: MessagesRequest, history: History) -> ChatCall:
         """The canonical call."""
         return to_chat_call(req)
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import from_validation_error
 from harnessrl.gateway.faces import ResponseIds
-from harnessrl.schema import Call
+from harnessrl.gateway.history import History
 
 _TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -206,7 +206,7 @@ class OpenAIChatFace:
         except ValidationError as e:
             raise from_validation_error(e) from None
 
-    def to_chat_call(self, req: ChatCompletionRequest, history: list[Call]) -> ChatCall:
+    def to_chat_call(self, req: ChatCompletionRequest, history: History) -> ChatCall:
         """The canonical call."""
         return to_chat_call(req)
 

@@ -20,7 +20,7 @@ from harnessrl.chat import ChatFormatError, content_text
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import APIError, from_validation_error
 from harnessrl.gateway.faces import ResponseIds
-from harnessrl.schema import Call
+from harnessrl.gateway.history import History
 
 
 class FunctionTool(BaseModel):
@@ -114,8 +114,10 @@ def items_to_messages(items: list[dict[str, Any]], offset: int = 0) -> list[dict
     return out
 
 
-def _previous(history: list[Call], response_id: str) -> list[dict[str, Any]]:
-    for call in reversed(history):
+def _previous(history: History, response_id: str) -> list[dict[str, Any]]:
+    recent = history.recent()
+    found = [c for c in recent if (c.response or {}).get("id") == response_id]
+    for call in reversed(found or history.all()):
         if call.face == "openai.responses" and (call.response or {}).get("id") == response_id:
             messages, _, answer = call.conversation()
             base = messages[1:] if messages and messages[0].get("role") == "system" else messages
@@ -127,7 +129,7 @@ def _previous(history: list[Call], response_id: str) -> list[dict[str, Any]]:
     )
 
 
-def to_chat_call(req: ResponsesRequest, history: list[Call]) -> ChatCall:
+def to_chat_call(req: ResponsesRequest, history: History) -> ChatCall:
     """The canonical call of a Responses request (resolving `previous_response_id` in `history`)."""
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     messages = _previous(history, req.previous_response_id) if req.previous_response_id else []
@@ -277,7 +279,7 @@ class ResponsesFace:
         except ValidationError as e:
             raise from_validation_error(e) from None
 
-    def to_chat_call(self, req: ResponsesRequest, history: list[Call]) -> ChatCall:
+    def to_chat_call(self, req: ResponsesRequest, history: History) -> ChatCall:
         """The canonical call."""
         return to_chat_call(req, history)
 
