@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 from typing import Any
 
-import httpx
+from harnessrl.gateway.httpclient import HTTPError, HTTPPool
 
 log = logging.getLogger(__name__)
 
@@ -53,36 +54,31 @@ class Upstream:
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-        )
+        self._http = HTTPPool(self.base_url, timeout_s=timeout_s)
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST JSON and return the JSON answer, retrying timeouts, 429 and 5xx with backoff."""
+        payload = json.dumps(body, separators=(",", ":")).encode()
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                resp = await self._client.post(path, json=body)
-            except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
+                status, raw = await self._http.post(path, payload)
+            except HTTPError as e:
+                last = f"ConnectError: {e}"
                 log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
-            if resp.status_code in RETRYABLE_STATUS:
-                last = f"status {resp.status_code}: {resp.text[:300]}"
+            if status in RETRYABLE_STATUS:
+                last = f"status {status}: {raw[:300].decode(errors='replace')}"
                 log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             try:
-                data = resp.json()
+                data = json.loads(raw)
             except ValueError as e:
-                raise UpstreamFailed(
-                    f"upstream {self.name} sent a non-JSON answer ({resp.status_code})"
-                ) from e
-            if resp.status_code >= 400:
-                raise UpstreamClientError(resp.status_code, data)
+                raise UpstreamFailed(f"upstream {self.name} sent a non-JSON answer ({status})") from e
+            if status >= 400:
+                raise UpstreamClientError(status, data)
             if not isinstance(data, dict):
                 raise UpstreamFailed(f"upstream {self.name} sent JSON that is not an object")
             return data
@@ -90,7 +86,7 @@ class Upstream:
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        await self._client.aclose()
+        await self._http.aclose()
 
 
 class UpstreamPool:
