@@ -26,7 +26,7 @@ from harnessrl.gateway.faces.anthropic import AnthropicFace
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
 from harnessrl.gateway.faces.responses import ResponsesFace
 from harnessrl.gateway.history import History, RecentCalls
-from harnessrl.gateway.http import Handler, bearer, guarded, read_json
+from harnessrl.gateway.http import FastJSONResponse, Handler, bearer, guarded, read_json
 from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
 from harnessrl.gateway.metrics import Metrics
@@ -38,6 +38,7 @@ from harnessrl.gateway.upstream import (
     UpstreamFailed,
     UpstreamPool,
 )
+from harnessrl.gateway.writer import CallWriter
 from harnessrl.schema import Call, CallStatus, Rollout, now
 from harnessrl.store import Store
 
@@ -96,6 +97,8 @@ class Gateway:
         self._idle.set()
         self.in_flight = 0
         self.recent = RecentCalls(store)
+        self.writer = CallWriter(store)
+        self._rollouts: dict[str, Rollout] = {}  # read-through cache; control writes call `forget`
         self.metrics = Metrics()
         self.metrics.gauge(
             "harnessrl_gateway_paused", "1 while the gateway holds new calls.", lambda: float(self.paused)
@@ -127,7 +130,13 @@ class Gateway:
             raise APIError(401, "invalid API key: use the key issued for this rollout")
         if path_rollout is not None and path_rollout != rollout_id:
             raise APIError(403, f"this key does not belong to rollout '{path_rollout}'")
-        rollout = self.store.get_rollout(rollout_id)
+        rollout = self._rollouts.get(rollout_id)
+        if rollout is None:
+            rollout = self.store.get_rollout(rollout_id)
+            if rollout is not None:
+                if len(self._rollouts) > 50_000:
+                    self._rollouts.clear()
+                self._rollouts[rollout_id] = rollout
         if rollout is None:
             raise APIError(401, "the rollout of this key does not exist in this gateway's store")
         if rollout.state.finished:
@@ -197,14 +206,14 @@ class Gateway:
             chat_record: dict[str, Any] = {"messages": chat.messages, "tools": chat.tools, "answer": answer}
             if gen.stopped_by is not None:
                 chat_record["stopped_by"] = gen.stopped_by  # the tokens hold text the harness never got
-            self._record_ok(
+            await self._record_ok(
                 call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0, chat_record
             )
         finally:
             self._release()
         frames = face.stream(out, req)
         if frames is None:
-            return JSONResponse(out)
+            return FastJSONResponse(out)
         return StreamingResponse(iter(frames), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _engine(
@@ -232,7 +241,7 @@ class Gateway:
         except UpstreamClientError as e:
             raise APIError(400, f"the model rejected the request: {e.message}") from None
         except (UpstreamFailed, BadUpstreamResponse) as e:
-            self._record_failed(call, str(e), t0)
+            await self._record_failed(call, str(e), t0)
             raise APIError(502, f"the model failed to answer: {e}", code="upstream_failed") from None
 
     async def completion(self, request: Request) -> Response:
@@ -255,7 +264,7 @@ class Gateway:
             work = inference.raw_completion(up, served, req.prompt, sampling, req.logprobs or 0)
             resp, record = await self._guard(call, t0, work)
             out = completions.client_response(resp, req)
-            self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
+            await self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
         finally:
             self._release()
         if req.stream:
@@ -281,14 +290,16 @@ class Gateway:
             face=face,
         )
 
-    def _record_failed(self, call: Call, error: str, t0: float) -> None:
-        self.store.add_call(call.model_copy(update={"latency_s": time.perf_counter() - t0, "error": error}))
+    async def _record_failed(self, call: Call, error: str, t0: float) -> None:
+        await self.writer.write(
+            call.model_copy(update={"latency_s": time.perf_counter() - t0, "error": error})
+        )
         self.metrics.inc(
             "harnessrl_gateway_calls_total", "Model calls recorded.", face=call.face, status="failed"
         )
         log.error("call_failed rollout=%s error=%s", call.rollout_id, error)
 
-    def _record_ok(
+    async def _record_ok(
         self, call: Call, record: TokenRecord, out: dict[str, Any], t0: float, chat: dict[str, Any] | None
     ) -> None:
         version = record.weight_version if record.weight_version is not None else self.weight_version
@@ -305,7 +316,7 @@ class Gateway:
                 "chat": chat,
             }
         )
-        self.recent.add(self.store.add_call(done))  # committed before the harness sees the answer
+        self.recent.add(await self.writer.write(done))  # committed before the harness sees the answer
         m = self.metrics
         m.inc("harnessrl_gateway_calls_total", "Model calls recorded.", face=call.face, status="ok")
         m.inc(
@@ -316,6 +327,10 @@ class Gateway:
         m.inc("harnessrl_gateway_completion_tokens_total", "Completion tokens of recorded calls.",
               len(record.completion_ids))  # fmt: skip
         m.observe_latency(done.latency_s, face=call.face)
+
+    def forget(self, rollout_id: str) -> None:
+        """Drop a rollout from the cache after the control API changed it."""
+        self._rollouts.pop(rollout_id, None)
 
     def count_error(self, status: int) -> None:
         """Count a request answered with an error status."""
@@ -403,6 +418,7 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
             yield
         finally:
             await holder["gw"].upstreams.aclose()
+            holder["gw"].writer.close()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)

@@ -131,6 +131,8 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             attempt = g.store.start_attempt(_rollout_id(request))
         except StoreError as e:
             raise _store_error(e) from None
+        finally:
+            g.forget(str(request.path_params["rollout_id"]))
         await g.notify_events()
         return JSONResponse(attempt.model_dump(mode="json"), status_code=201)
 
@@ -155,6 +157,8 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             rollout = g.store.set_state(_rollout_id(request), change.state)
         except StoreError as e:
             raise _store_error(e) from None
+        finally:
+            g.forget(str(request.path_params["rollout_id"]))
         await g.notify_events()
         return JSONResponse(rollout.model_dump(mode="json"))
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -36,9 +36,19 @@ async def read_json(request: Request, max_bytes: int, empty: Any = None) -> Any:
     if empty is not None and not raw.strip():
         return empty
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+class FastJSONResponse(Response):
+    """A JSON response rendered with orjson."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        """Serialise `content`."""
+        return orjson.dumps(content)
 
 
 def guarded(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from typing import Any
+
+import orjson
 
 from harnessrl.gateway.httpclient import HTTPError, HTTPPool
 
@@ -58,7 +59,7 @@ class Upstream:
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST JSON and return the JSON answer, retrying timeouts, 429 and 5xx with backoff."""
-        payload = json.dumps(body, separators=(",", ":")).encode()
+        payload = orjson.dumps(body)
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -74,8 +75,8 @@ class Upstream:
                 log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             try:
-                data = json.loads(raw)
-            except ValueError as e:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
                 raise UpstreamFailed(f"upstream {self.name} sent a non-JSON answer ({status})") from e
             if status >= 400:
                 raise UpstreamClientError(status, data)

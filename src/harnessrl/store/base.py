@@ -71,6 +71,10 @@ class Store(ABC):
     def add_call(self, call: Call) -> Call:
         """Record one call (its `index` is assigned here); durable when this returns."""
 
+    def add_calls(self, calls: list[Call]) -> list[Call]:
+        """Record several calls at once (one transaction where the backend can); durable on return."""
+        return [self.add_call(c) for c in calls]
+
     @abstractmethod
     def calls(self, rollout_id: str) -> list[Call]:
         """All calls of a rollout in the order they were made."""

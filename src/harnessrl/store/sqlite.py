@@ -101,6 +101,7 @@ class SQLiteStore(Store):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
+        self._next_idx: dict[str, int] = {}  # this process is the only writer of calls
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
@@ -298,16 +299,32 @@ class SQLiteStore(Store):
     # calls ----------------------------------------------------------------------------------------
     def add_call(self, call: Call) -> Call:
         """Record one call, numbering it after the rollout's previous calls; durable on return."""
-        with self._tx() as db:
-            idx = db.execute(
-                "SELECT COALESCE(MAX(idx) + 1, 0) FROM calls WHERE rollout_id = ?", (call.rollout_id,)
-            ).fetchone()[0]
-            call = call.model_copy(update={"index": int(idx)})
-            db.execute(
-                "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)",
-                (call.call_id, call.rollout_id, call.attempt, call.index, call.model_dump_json()),
-            )
-        return call
+        return self.add_calls([call])[0]
+
+    def add_calls(self, calls: list[Call]) -> list[Call]:
+        """Record calls in one transaction (group commit), each numbered within its rollout."""
+        with self._lock:
+            rows = []
+            for call in calls:
+                idx = self._next_idx.get(call.rollout_id)
+                if idx is None:  # first call of this rollout seen by this process: ask the file
+                    idx = self._db.execute(
+                        "SELECT COALESCE(MAX(idx) + 1, 0) FROM calls WHERE rollout_id = ?", (call.rollout_id,)
+                    ).fetchone()[0]
+                call.index = int(idx)
+                self._next_idx[call.rollout_id] = call.index + 1
+                rows.append((call.call_id, call.rollout_id, call.attempt, call.index, call.model_dump_json()))
+            try:
+                with self._tx() as db:
+                    db.executemany(
+                        "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)", rows
+                    )
+            except BaseException:
+                self._next_idx.clear()  # numbering must be re-read after a failed write
+                raise
+            if len(self._next_idx) > 100_000:
+                self._next_idx.clear()
+        return calls
 
     def calls(self, rollout_id: str) -> list[Call]:
         """All calls of a rollout in the order they were made."""
