@@ -30,8 +30,11 @@ def vllm_like_body(prompt_tokens: int = 300, completion_tokens: int = 40) -> byt
 
 
 BODY = vllm_like_body()
-RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
-HEALTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
+RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BODY),
+    BODY,
+)
+HEALTH = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 
 
 class StubProtocol(asyncio.Protocol):
@@ -51,7 +54,9 @@ class StubProtocol(asyncio.Protocol):
             length = 0
             i = head.find(b"content-length:")
             if i >= 0:
-                length = int(head[i + 15 : head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None].strip())
+                length = int(
+                    head[i + 15 : head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None].strip()
+                )
             if len(self.buf) < end + 4 + length:
                 return
             self.buf = self.buf[end + 4 + length :]
