@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench clean
+.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,5 +39,15 @@ test: lint typecheck unit
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
+bench-engine: $(STAMP)
+	$(PY) bench/engine.py --concurrency 1 4 16
+
+# Long (about 15 minutes): baselines in their own venvs under .bench/, load from wrk.
+bench-gateway: $(STAMP)
+	bash bench/setup_baselines.sh
+	$(PY) bench/gateway_merge.py --rollouts 192
+	$(PY) bench/gateway_overhead.py --agentlightning-python .bench/venv-al/bin/python --litellm-bin .bench/venv-litellm/bin/litellm
+	$(PY) bench/gateway.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .bench runs .pytest_cache .mypy_cache .ruff_cache

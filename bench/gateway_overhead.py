@@ -72,6 +72,7 @@ def rss_mb(pid: int) -> float:
 
 
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}
+ANSWERED: dict[str, int] = {}  # 2xx answers per URL over every wrk run (warm-ups included)
 
 
 def _ms(text: str) -> float:
@@ -92,7 +93,7 @@ def run_wrk(
     ]
     lua.write_text("\n".join(lines) + "\n")
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--latency", "-s", str(lua), url],
+        ["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(lua), url],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     get = lambda pat: re.search(pat, out)  # noqa: E731
@@ -100,6 +101,7 @@ def run_wrk(
     rps, total = get(r"Requests/sec:\s+([\d.]+)"), get(r"(\d+) requests in")
     bad = get(r"Non-2xx or 3xx responses: (\d+)")
     assert p50 and p99 and rps and total, out
+    ANSWERED[url] = ANSWERED.get(url, 0) + int(total.group(1)) - (int(bad.group(1)) if bad else 0)
     return {"p50_ms": _ms(p50.group(1)), "p99_ms": _ms(p99.group(1)), "rps": float(rps.group(1)),
             "requests": int(total.group(1)), "non_2xx": int(bad.group(1)) if bad else 0}  # fmt: skip
 
@@ -156,9 +158,11 @@ def harnessrl(stub: str, levels: list[int], seconds: float, work: Path, memory_c
                                                  proc.p.pid, levels, seconds, work)}  # fmt: skip
         out["memory"] = memory_run(f"{base}/v1/chat/completions", headers, proc.p.pid, memory_calls, work)
         proc.stop()
-        delivered = sum(r["requests"] - r["non_2xx"] for r in out["levels"].values())
         stored = sqlite3.connect(store).execute("SELECT COUNT(*) FROM calls").fetchone()[0]
-        out["calls_stored"], out["calls_answered_in_timed_runs"] = stored, delivered
+        out["calls_stored"], out["calls_answered"] = stored, ANSWERED[f"{base}/v1/chat/completions"]
+        print(
+            f"harnessrl: {out['calls_answered']} answers delivered, {stored} calls in the store", flush=True
+        )
         return out
     finally:
         proc.stop()
@@ -200,16 +204,16 @@ def agentlightning(python: str, stub: str, levels: list[int], seconds: float, wo
 
 def litellm(binary: str, stub: str, levels: list[int], seconds: float, work: Path) -> dict[str, Any]:
     """LiteLLM's proxy with one `openai/` model pointing at the stub."""
-    port = free_port()
+    port, master = free_port(), "sk-" + secrets.token_hex(16)
     cfg = work / "litellm.yaml"
     cfg.write_text(json.dumps({"model_list": [{"model_name": "m", "litellm_params": {
         "model": "openai/stub", "api_base": f"{stub}/v1", "api_key": "sk-stub"}}]}))  # fmt: skip
     proc = Proc([binary, "--config", str(cfg), "--port", str(port), "--telemetry", "False"], work / "litellm.log",
-                env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"})  # fmt: skip
+                env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MASTER_KEY": master})  # fmt: skip
     try:
         base = f"http://127.0.0.1:{port}"
         wait_http(f"{base}/health/liveliness", timeout_s=300)
-        return {"levels": measure("litellm", f"{base}/v1/chat/completions", {"Authorization": "Bearer sk-any"},
+        return {"levels": measure("litellm", f"{base}/v1/chat/completions", {"Authorization": f"Bearer {master}"},
                                   BODY, proc.p.pid, levels, seconds, work)}  # fmt: skip
     finally:
         proc.stop()
@@ -250,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=HERE / "results" / "gateway_overhead.json")
     args = p.parse_args(argv)
+    if args.agentlightning_python:
+        args.agentlightning_python = str(Path(args.agentlightning_python).absolute())
+    if args.litellm_bin:
+        args.litellm_bin = str(Path(args.litellm_bin).absolute())
     if shutil.which("wrk") is None:
         print("error: wrk is needed (Debian: apt-get install wrk)", file=sys.stderr)
         return 2

@@ -97,7 +97,9 @@ def _dumps(obj: Any) -> str:
 class SQLiteStore(Store):
     """`Store` on one SQLite file in WAL mode; safe to share between threads of one process."""
 
-    def __init__(self, path: str | Path, synchronous: Literal["NORMAL", "FULL"] = "NORMAL") -> None:
+    def __init__(
+        self, path: str | Path, synchronous: Literal["NORMAL", "FULL"] = "NORMAL", checkpoint_every_s: float = 1.0
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
@@ -107,6 +109,23 @@ class SQLiteStore(Store):
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute("PRAGMA busy_timeout=10000")
         self._db.executescript(_SCHEMA)
+        # Checkpoints (copying the WAL into the database file, with an fsync) run on a thread of their
+        # own, so no commit on a request path ever waits for one.
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
+        self._stop = threading.Event()
+        self._checkpointer = threading.Thread(
+            target=self._checkpoint_loop, args=(checkpoint_every_s,), name="sqlite-checkpoint", daemon=True
+        )
+        self._checkpointer.start()
+
+    def _checkpoint_loop(self, every_s: float) -> None:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA busy_timeout=10000")
+        try:
+            while not self._stop.wait(every_s):
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            db.close()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -390,8 +409,11 @@ class SQLiteStore(Store):
             return str(db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
 
     def close(self) -> None:
-        """Close the database connection."""
+        """Stop the checkpointer, fold the WAL into the file and close the connection."""
+        self._stop.set()
+        self._checkpointer.join(timeout=30)
         with self._lock:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
 
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Virtual environments for the gateway baselines, kept apart from harnessrl's own .venv:
+#   .bench/venv-al       agentlightning==1.0.2 (needs Python >= 3.12: found via PY312 or pyenv)
+#   .bench/venv-litellm  litellm and the proxy's dependencies (litellm[proxy] does not resolve here)
+# and wrk (Debian package) for load.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .bench
+PY312=${PY312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3 2>/dev/null | head -n1 || true)}
+if [ ! -x .bench/venv-al/bin/python ]; then
+  if [ -z "$PY312" ]; then echo "need Python >= 3.12 for agentlightning (set PY312)" >&2; exit 2; fi
+  "$PY312" -m venv .bench/venv-al
+  .bench/venv-al/bin/pip install -q agentlightning==1.0.2
+fi
+if [ ! -x .bench/venv-litellm/bin/litellm ]; then
+  python3 -m venv .bench/venv-litellm
+  .bench/venv-litellm/bin/pip install -q litellm gunicorn uvicorn uvloop fastapi starlette backoff rq granian \
+    orjson apscheduler cryptography python-multipart email-validator PyJWT websockets semver Expression fastapi-sso mcp soundfile
+fi
+command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y wrk >/dev/null; }
