@@ -98,7 +98,10 @@ class SQLiteStore(Store):
     """`Store` on one SQLite file in WAL mode; safe to share between threads of one process."""
 
     def __init__(
-        self, path: str | Path, synchronous: Literal["NORMAL", "FULL"] = "NORMAL", checkpoint_every_s: float = 1.0
+        self,
+        path: str | Path,
+        synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+        checkpoint_every_s: float = 1.0,
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
