@@ -113,3 +113,40 @@ def test_splits_are_disjoint_and_deterministic() -> None:
     assert [t.input for t in held] == [t.input for t in held2] and len(held) == 50
     assert not {t.input["question"] for t in train} & {t.input["question"] for t in held}
     assert all("answer" not in t.input for t in train + held)  # the harness never sees the answer
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "Hi ",
+                "<",
+                "tool",
+                "_call",
+                ">",
+                '{"name": "f", "arguments": {}}',
+                "</tool_call>",
+                "<tool_ca",
+                "ll>",
+                "x",
+                "<|im_end|>",
+                " done",
+            ]
+        ),
+        max_size=12,
+    ),
+    st.data(),
+)
+def test_streamed_content_is_a_prefix_and_nothing_is_lost(pieces: list[str], data: st.DataObject) -> None:
+    from harnessrl.chat import StreamingParser
+
+    text = "".join(pieces)
+    # split the same text at random points, as a token stream would
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    parser = StreamingParser()
+    streamed = "".join(parser.feed(d) for d in deltas)
+    parsed, rest = parser.finish()
+    assert streamed + rest == parsed.content == parse_completion(text).content
+    assert "<tool_call>" not in streamed

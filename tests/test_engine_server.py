@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -222,7 +223,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
-    ("/v1/completions", {"prompt": "hi", "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "n": 2}, "n"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": [], "max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": [99999999], "max_tokens": 3}, "prompt"),
@@ -274,3 +275,50 @@ def test_prefix_cache_reuses_an_earlier_call(
     reported = torch.tensor(_logprobs(second))
     recomputed = full_forward_logprobs(engine_tiny_model, follow, second["choices"][0]["token_ids"], 1.0)
     assert (reported - recomputed).abs().max().item() < 1e-4
+
+
+def stream(server: ServerThread, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """POST with `stream: true`; the parsed SSE data frames (checks the `[DONE]` terminator)."""
+    frames: list[dict[str, Any]] = []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    frames = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    return frames
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_streamed_completion_equals_the_unstreamed_one(engine_server: ServerThread, cut: bool) -> None:
+    body: dict[str, Any] = {"prompt": "List: one, two,", "max_tokens": 24, "temperature": 1.0, "seed": 7,
+                            "logprobs": 0}  # fmt: skip
+    if cut:  # a stop string in the middle of the sample: streamed text must never run past it
+        text = post(engine_server, "/v1/completions", body).json()["choices"][0]["text"]
+        body["stop"] = [text[len(text) // 2 : len(text) // 2 + 2]]
+    whole = post(engine_server, "/v1/completions", body).json()
+    frames = stream(engine_server, "/v1/completions", body)
+    assert frames[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert len(frames) == len(whole["choices"][0]["token_ids"]) + 1  # a frame per token, then the end
+    streamed_ids = [t for f in frames for t in f["choices"][0]["token_ids"]]
+    streamed_text = "".join(f["choices"][0]["text"] for f in frames)
+    assert streamed_ids == whole["choices"][0]["token_ids"]
+    assert streamed_text == whole["choices"][0]["text"]
+    assert sum(1 for f in frames if f["choices"][0]["text"]) >= 2  # text arrives as it is sampled
+    lps = [lp for f in frames[:-1] for lp in f["choices"][0]["logprobs"]["token_logprobs"]]
+    assert lps == pytest.approx(whole["choices"][0]["logprobs"]["token_logprobs"], abs=1e-6)
+    last = frames[-1]
+    assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert last["usage"]["completion_tokens"] == len(streamed_ids) and last["weight_version"] == 0
+
+
+def test_streamed_chat_equals_the_unstreamed_one(engine_server: ServerThread) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 20, "temperature": 1.0, "seed": 11, "logprobs": True}
+    whole = post(engine_server, "/v1/chat/completions", body).json()
+    frames = stream(engine_server, "/v1/chat/completions", body)
+    assert frames[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert frames[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    ids = [t for f in frames for t in f["choices"][0]["token_ids"]]
+    content = "".join(f["choices"][0]["delta"].get("content") or "" for f in frames)
+    assert ids == whole["choices"][0]["token_ids"]
+    assert content == (whole["choices"][0]["message"]["content"] or "")
+    assert frames[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]

@@ -203,19 +203,25 @@ def test_upstream_failure_is_recorded_as_a_failed_call(make_gateway: Callable[..
     assert call.status == CallStatus.FAILED and call.error and "ConnectError" in call.error
 
 
-def test_streaming_delivers_the_recorded_answer(make_gateway: Callable[..., GatewayHandle]) -> None:
-    gw = make_gateway()
+@pytest.mark.parametrize("mode", ["passthrough", "tito"])
+def test_streaming_delivers_the_recorded_answer(
+    make_gateway: Callable[..., GatewayHandle], tiny_model_dir, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    gw = make_gateway(mode=mode, tokenizer_path=str(tiny_model_dir))
     rid, key = gw.new_rollout()
     msgs = [{"role": "user", "content": "Count to three."}]
     stream = sdk(gw, key).chat.completions.create(
         model="m",
         messages=msgs,
         tools=TOOLS,
-        max_tokens=10,
+        max_tokens=24,
+        temperature=1.0,
         stream=True,
         stream_options={"include_usage": True},  # type: ignore[arg-type]
     )
     chunks = list(stream)
+    # deltas arrive as the engine samples them, not all at the end
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     usage = [c.usage for c in chunks if c.usage]
@@ -224,9 +230,15 @@ def test_streaming_delivers_the_recorded_answer(make_gateway: Callable[..., Gate
     assert finish == [call.response["choices"][0]["finish_reason"]]  # type: ignore[index]
     assert usage and usage[0].completion_tokens == len(call.completion_ids)
     assert call.chat is not None and call.chat["messages"] == msgs and call.face == "openai.chat"
+    assert len(call.completion_logprobs) == len(call.completion_ids) and call.prompt_ids
+    tok = load_tokenizer(tiny_model_dir)
+    decoded = tok.decode([t for t in call.completion_ids if t != 2], skip_special_tokens=False)
+    assert decoded.startswith(text)  # a tool call, if one was sampled, comes after the content
 
 
-def test_completions_face_with_text_and_token_prompts(make_gateway: Callable[..., GatewayHandle]) -> None:
+def test_completions_face_with_text_and_token_prompts(
+    make_gateway: Callable[..., GatewayHandle], tiny_model_dir
+) -> None:  # type: ignore[no-untyped-def]
     gw = make_gateway()
     rid, key = gw.new_rollout()
     client = sdk(gw, key)
@@ -234,13 +246,24 @@ def test_completions_face_with_text_and_token_prompts(make_gateway: Callable[...
     ids = client.completions.create(
         model="davinci", prompt=[1, 2, 3, 4], max_tokens=5, extra_body={"return_token_ids": True}
     )
-    streamed = list(client.completions.create(model="davinci", prompt="Hi", max_tokens=4, stream=True))
+    streamed = list(
+        client.completions.create(
+            model="davinci", prompt="Hi", max_tokens=12, temperature=1.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+        )
+    )  # fmt: skip
     calls = gw.store.calls(rid)
     assert [c.face for c in calls] == ["openai.completions"] * 3
     assert calls[1].prompt_ids == [1, 2, 3, 4] and ids.model_extra["prompt_token_ids"] == [1, 2, 3, 4]  # type: ignore[index]
     assert text.choices[0].text == calls[0].response["choices"][0]["text"]  # type: ignore[index]
     assert text.choices[0].logprobs is not None and "prompt_token_ids" not in text.model_dump()
-    assert "".join(c.choices[0].text for c in streamed) == calls[2].response["choices"][0]["text"]  # type: ignore[index]
+    pieces = [c.choices[0].text for c in streamed if c.choices]
+    assert "".join(pieces) == calls[2].response["choices"][0]["text"]  # type: ignore[index]
+    assert sum(1 for p in pieces if p) >= 2 and streamed[-1].usage.completion_tokens == 12  # type: ignore[union-attr]
+    streamed_ids = [t for c in streamed if c.choices for t in c.choices[0].model_extra["token_ids"]]  # type: ignore[index]
+    assert streamed_ids == calls[2].completion_ids and len(calls[2].completion_logprobs) == 12
+    assert streamed[0].model_extra["prompt_token_ids"] == calls[2].prompt_ids  # type: ignore[index]
+    assert load_tokenizer(tiny_model_dir).decode(streamed_ids, skip_special_tokens=False) == "".join(pieces)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="davinci", prompt=[], max_tokens=5)
     assert len(gw.store.calls(rid)) == 3

@@ -238,3 +238,51 @@ def _parse_call_body(body: str) -> dict[str, Any] | None:
         "type": "function",
         "function": {"name": obj["name"], "arguments": args_text},
     }
+
+
+class StreamingParser:
+    """Split generated text into content that can be streamed now and tool calls known at the end.
+
+    Text before the first `<tool_call>` streams as it arrives, except a tail that could still begin
+    `<tool_call>` (held back until the next delta decides it). From the first `<tool_call>` on,
+    nothing streams; `finish` parses the whole text. What streamed is always a prefix of the final
+    content, so the rest of the content can be sent with the tool calls at the end.
+    """
+
+    def __init__(self, template: ChatTemplate = SMOLLM2) -> None:
+        self.template = template
+        self.text = ""
+        self.streamed = 0  # characters of `text` already released as content
+        self.blocked = False  # a tool call may have started: hold everything from here
+
+    def feed(self, delta: str) -> str:
+        """Add generated text; return the content that can be sent now."""
+        self.text += delta
+        if self.blocked:
+            return ""
+        opener = self.template.tool_call_open
+        at = self.text.find(opener, self.streamed)
+        if at >= 0:
+            self.blocked = True
+            out, self.streamed = self.text[self.streamed : at], at
+            return out
+        safe = len(self.text)
+        # hold back a tail that may still become `<tool_call>`, or the end-of-turn marker that
+        # `parse_completion` strips from the very end
+        for marker, longest in ((opener, len(opener) - 1), (self.template.im_end, len(self.template.im_end))):
+            for k in range(min(longest, len(self.text)), 0, -1):
+                if self.text.endswith(marker[:k]):
+                    safe = min(safe, len(self.text) - k)
+                    break
+        out, self.streamed = self.text[self.streamed : safe], max(self.streamed, safe)
+        return out
+
+    def finish(self, final_text: str | None = None) -> tuple[ParsedCompletion, str]:
+        """The parsed completion and the content not streamed yet (`final_text` replaces the
+        accumulated text when the engine trimmed it, e.g. at a stop string)."""
+        text = self.text if final_text is None else final_text
+        parsed = parse_completion(text, self.template)
+        sent = self.text[: self.streamed]
+        if not parsed.content.startswith(sent):  # cannot happen with the rules above; never lose text
+            raise ValueError("streamed content is not a prefix of the final content")
+        return parsed, parsed.content[len(sent) :]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,21 @@ class Engine:
         except asyncio.CancelledError:
             seq.cancelled = True
             raise
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_done: Callable[[GenerationResult | BaseException], None],
+        on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
+    ) -> Sequence:
+        """Queue a sequence with callbacks (run on the scheduler thread); for streaming."""
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise EngineError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        seq = Sequence(prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device, on_token)
+        self.scheduler.submit(seq)
+        return seq
 
     async def load_weights(self, path: str, version: int) -> int:
         """Read weights from disk, then swap them in between steps once no sequence is running."""

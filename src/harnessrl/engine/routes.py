@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from harnessrl.chat import ChatFormatError
@@ -33,6 +33,7 @@ from harnessrl.engine.protocol import (
 )
 from harnessrl.engine.sampling import SamplingParams
 from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.streaming import chat_events, completion_events
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -76,8 +77,6 @@ def _guard(fn: Handler) -> Handler:
 def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.n not in (None, 1):
         raise EngineError("only n=1 is supported; send one request per sample", "n")
-    if req.stream:
-        raise EngineError("stream=true is not supported by the builtin engine", "stream")
 
 
 def _sampling(
@@ -142,7 +141,11 @@ class EngineRoutes:
             raise EngineError("echo=true is not supported by the builtin engine", "echo")
         prompt_ids = _completion_prompt(engine, req.prompt)
         max_tokens = engine.check_length(len(prompt_ids), req.max_tokens)
-        result = await _generate(request, engine, prompt_ids, _sampling(req, max_tokens, req.logprobs or 0))
+        params = _sampling(req, max_tokens, req.logprobs or 0)
+        if req.stream:
+            events = completion_events(engine, prompt_ids, params, self.name, req.logprobs is not None)
+            return StreamingResponse(events, media_type="text/event-stream")
+        result = await _generate(request, engine, prompt_ids, params)
         if result.finish_reason == "abort":
             return _aborted()
         return JSONResponse(completion_response(result, self.name, engine.text, req))
@@ -157,7 +160,11 @@ class EngineRoutes:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = engine.check_length(len(prompt_ids), req.max_completion_tokens or req.max_tokens, param)
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        result = await _generate(request, engine, prompt_ids, _sampling(req, max_tokens, top))
+        params = _sampling(req, max_tokens, top)
+        if req.stream:
+            events = chat_events(engine, prompt_ids, params, self.name, bool(req.logprobs))
+            return StreamingResponse(events, media_type="text/event-stream")
+        result = await _generate(request, engine, prompt_ids, params)
         if result.finish_reason == "abort":
             return _aborted()
         return JSONResponse(chat_response(result, self.name, engine.text, req))

@@ -55,8 +55,10 @@ class Sequence:
         on_done: Callable[[GenerationResult | BaseException], None],
         text: TokenText,
         device: torch.device,
+        on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
     ) -> None:
         self.prompt_ids, self.params, self.on_done = prompt_ids, params, on_done
+        self.on_token = on_token  # streaming: called from the scheduler thread for every sampled token
         self.generator = make_generator(params.seed, device)
         self.stop_checker = StopChecker(text, params.stop, params.skip_special_tokens)
         self.output_ids: list[int] = []
@@ -271,6 +273,8 @@ class Scheduler:
             seq.logprobs.append(sample.logprobs[i])
             seq.top.append(sample.top[i])
             self.stats.generated_tokens += 1
+            if seq.on_token is not None:
+                seq.on_token(tok, sample.logprobs[i], sample.top[i])
             p = seq.params
             hit = seq.stop_checker.add(tok)
             if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:

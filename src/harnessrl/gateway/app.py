@@ -21,7 +21,7 @@ from harnessrl.chat import ChatFormatError
 from harnessrl.gateway import control, inference
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord, effective_sampling
 from harnessrl.gateway.errors import APIError
-from harnessrl.gateway.faces import Face, ResponseIds, completions
+from harnessrl.gateway.faces import Face, ResponseIds, Streamer, completions
 from harnessrl.gateway.faces.anthropic import AnthropicFace
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
 from harnessrl.gateway.faces.responses import ResponsesFace
@@ -185,7 +185,7 @@ class Gateway:
 
     # model calls ----------------------------------------------------------------------------------
     async def model_call(self, request: Request, face: Face) -> Response:
-        """One call on any chat face: validate, reach the engine, record the call, answer."""
+        """One call on any chat face: validate, reach the engine, record the call, answer (or stream)."""
         rollout = self.rollout_for(request, request.path_params.get("rollout_id"))
         body = await read_json(request, self.config.max_body_bytes)
         req = face.parse(body)
@@ -194,27 +194,71 @@ class Gateway:
         chat = face.to_chat_call(req, history)
         sampling = effective_sampling(chat, rollout.sampling, self.config.default_max_tokens)
         served = self.config.model_map.get(chat.model, self.config.served_model)
+        ids = ResponseIds(uuid.uuid4().hex, int(time.time()))
+        streamer = face.streamer(req, ids)
         await self._admit()
+        handed_over = False
         try:
             call = self._new_call(rollout, attempt, served, body, sampling.temperature, face.name)
             t0 = time.perf_counter()
             up = StickyUpstream(self.upstreams, rollout.rollout_id)
             call.upstream = up.served_by
-            gen = await self._engine(call, up, served, chat, sampling, history, t0)
-            out = face.render(gen, req, ResponseIds(uuid.uuid4().hex, int(time.time())))
-            answer = gen.answer_message()
-            chat_record: dict[str, Any] = {"messages": chat.messages, "tools": chat.tools, "answer": answer}
-            if gen.stopped_by is not None:
-                chat_record["stopped_by"] = gen.stopped_by  # the tokens hold text the harness never got
-            await self._record_ok(
-                call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0, chat_record
-            )
+            if streamer is None:
+                gen = await self._engine(call, up, served, chat, sampling, history, t0)
+                out = face.render(gen, req, ids)
+                await self._record_ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
+                                      _chat_record(chat, gen))  # fmt: skip
+                return FastJSONResponse(out)
+            if self.tito is None:
+                opening = inference.passthrough_stream(up, served, chat, sampling)
+            else:
+                opening = inference.tito_stream(up, served, chat, sampling, self.tito, history.recent())
+            stream = await self._guard(call, t0, opening)  # failures before the first byte: a clear status
+            handed_over = True
+            relay = self._relay(stream, streamer, face, req, ids, call, up, chat, t0)
+            return StreamingResponse(relay, media_type="text/event-stream", headers=SSE_HEADERS)
+        finally:
+            if not handed_over:
+                self._release()
+
+    async def _relay(
+        self,
+        stream: inference.Streamed,
+        streamer: Streamer,
+        face: Face,
+        req: Any,
+        ids: ResponseIds,
+        call: Call,
+        up: StickyUpstream,
+        chat: ChatCall,
+        t0: float,
+    ) -> AsyncIterator[str]:
+        """Relay content as it comes; record the call, then send the closing events (so an answer a
+        harness has seen complete is always in the store)."""
+        try:
+            for frame in streamer.start():
+                yield frame
+            gen: Generation | None = None
+            async for item in stream:
+                if isinstance(item, inference.ContentDelta):
+                    for frame in streamer.delta(item.text):
+                        yield frame
+                else:
+                    gen = item
+            if gen is None:
+                raise BadUpstreamResponse("the engine's stream ended without a result")
+            out = face.render(gen, req, ids)
+            await self._record_ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
+                                  _chat_record(chat, gen))  # fmt: skip
+            for frame in streamer.end(gen, out):
+                yield frame
+        except (UpstreamFailed, BadUpstreamResponse) as e:
+            await self._record_failed(call, str(e), t0)
+            self.count_error(502)
+            for frame in streamer.error(f"the model failed to answer: {e}"):
+                yield frame
         finally:
             self._release()
-        frames = face.stream(out, req)
-        if frames is None:
-            return FastJSONResponse(out)
-        return StreamingResponse(iter(frames), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _engine(
         self,
@@ -256,22 +300,61 @@ class Gateway:
         served = self.config.model_map.get(req.model, self.config.served_model)
         attempt = max(rollout.n_attempts - 1, 0)
         await self._admit()
+        handed_over = False
         try:
             call = self._new_call(rollout, attempt, served, body, sampling.temperature, "openai.completions")
             t0 = time.perf_counter()
             up = StickyUpstream(self.upstreams, rollout.rollout_id)
             call.upstream = up.served_by
+            if req.stream:
+                engine_body = inference.raw_completion_body(served, req.prompt, sampling, req.logprobs or 0)
+                events = await self._guard(call, t0, up.open_stream("/v1/completions", engine_body))
+                handed_over = True
+                relay = self._relay_completion(events, req, call, up, t0)
+                return StreamingResponse(relay, media_type="text/event-stream", headers=SSE_HEADERS)
             work = inference.raw_completion(up, served, req.prompt, sampling, req.logprobs or 0)
             resp, record = await self._guard(call, t0, work)
             out = completions.client_response(resp, req)
             await self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
+            return JSONResponse(out)
+        finally:
+            if not handed_over:
+                self._release()
+
+    async def _relay_completion(
+        self,
+        events: AsyncIterator[dict[str, Any]],
+        req: completions.CompletionRequest,
+        call: Call,
+        up: StickyUpstream,
+        t0: float,
+    ) -> AsyncIterator[str]:
+        """Relay a streamed completion chunk by chunk; the chunk with the finish reason waits for the commit."""
+        acc = inference.RawCompletionStream()
+        held: list[dict[str, Any]] = []
+        try:
+            async for event in events:
+                choice = acc.take(event)
+                chunk = completions.client_chunk(event, req)
+                if choice.get("finish_reason"):
+                    held.append(chunk)
+                else:
+                    yield completions.sse(chunk)
+            resp, record = acc.finish()
+            out = completions.client_response(resp, req)
+            await self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
+            usage = completions.usage_chunk(resp, req)
+            for chunk in held + ([usage] if usage else []):
+                yield completions.sse(chunk)
+            yield "data: [DONE]\n\n"
+        except (UpstreamFailed, BadUpstreamResponse) as e:
+            await self._record_failed(call, str(e), t0)
+            self.count_error(502)
+            error = {"error": {"message": f"the model failed to answer: {e}", "type": "server_error",
+                               "param": None, "code": "upstream_failed"}}  # fmt: skip
+            yield completions.sse(error)
         finally:
             self._release()
-        if req.stream:
-            return StreamingResponse(
-                iter(completions.stream_events(out)), media_type="text/event-stream", headers=SSE_HEADERS
-            )
-        return JSONResponse(out)
 
     def _new_call(
         self, rollout: Rollout, attempt: int, served: str, body: Any, temperature: float, face: str
@@ -353,6 +436,14 @@ class Gateway:
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _chat_record(chat: ChatCall, gen: Generation) -> dict[str, Any]:
+    """The conversation of a call in canonical form, as stored in `Call.chat`."""
+    record: dict[str, Any] = {"messages": chat.messages, "tools": chat.tools, "answer": gen.answer_message()}
+    if gen.stopped_by is not None:
+        record["stopped_by"] = gen.stopped_by  # the tokens hold text the harness never got
+    return record
 
 
 def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | None = None) -> Starlette:

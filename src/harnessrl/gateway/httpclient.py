@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 
@@ -78,10 +79,82 @@ def _dechunk(data: bytes) -> bytes | None:
         pos = end + 2 + size + 2
 
 
+class _StreamResponse:
+    """Parser of one streamed response: the status and headers first, then body pieces in a queue."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.status = 0
+        self.headers: dict[bytes, bytes] = {}
+        self.head: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.pieces: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self.chunked = False
+        self.remaining = -1  # bytes left when Content-Length is known
+        self.finished = False
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        if not self.head.done():
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            lines = bytes(self.buf[:end]).split(b"\r\n")
+            self.status = int(lines[0].split(b" ", 2)[1])
+            for line in lines[1:]:
+                k, _, v = line.partition(b":")
+                self.headers[k.strip().lower()] = v.strip()
+            del self.buf[: end + 4]
+            self.chunked = self.headers.get(b"transfer-encoding", b"").lower() == b"chunked"
+            if b"content-length" in self.headers:
+                self.remaining = int(self.headers[b"content-length"])
+            self.head.set_result(self.status)
+        self._drain()
+
+    def _drain(self) -> None:
+        if self.finished:
+            return
+        if not self.chunked:
+            if self.buf:
+                take = len(self.buf) if self.remaining < 0 else min(len(self.buf), self.remaining)
+                self.pieces.put_nowait(bytes(self.buf[:take]))
+                del self.buf[:take]
+                if self.remaining >= 0:
+                    self.remaining -= take
+            if self.remaining == 0:
+                self._end()
+            return
+        while True:
+            end = self.buf.find(b"\r\n")
+            if end < 0:
+                return
+            size = int(bytes(self.buf[:end]).split(b";")[0], 16)
+            if size == 0:
+                self._end()
+                return
+            if len(self.buf) < end + 2 + size + 2:
+                return
+            self.pieces.put_nowait(bytes(self.buf[end + 2 : end + 2 + size]))
+            del self.buf[: end + 2 + size + 2]
+
+    def _end(self) -> None:
+        self.finished = True
+        self.pieces.put_nowait(None)
+
+    def eof(self) -> None:
+        if not self.head.done():
+            self.head.set_exception(HTTPError("connection closed before the answer began"))
+        elif not self.finished:
+            if self.remaining < 0 and not self.chunked:
+                self._end()
+            else:
+                self.finished = True
+                self.pieces.put_nowait(HTTPError("connection closed in the middle of the answer"))
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.response: _Response | None = None
+        self.response: _Response | _StreamResponse | None = None
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -151,6 +224,46 @@ class HTTPPool:
         else:
             conn.transport.close()
         return status, data
+
+    async def stream(self, path: str, body: bytes) -> tuple[int, AsyncIterator[bytes]]:
+        """POST a JSON body and return (status, the body's pieces as they arrive)."""
+        conn = await self._connect()
+        parser = _StreamResponse()
+        conn.response = parser
+        head = (
+            b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " + self._host_header
+            + b"\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n"
+        )  # fmt: skip
+        assert conn.transport is not None
+        conn.transport.write(head + body)
+        try:
+            status = await asyncio.wait_for(asyncio.shield(parser.head), timeout=self.timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            conn.transport.close()
+            raise
+        return status, self._pieces(conn, parser)
+
+    async def _pieces(self, conn: _Connection, parser: _StreamResponse) -> AsyncIterator[bytes]:
+        clean = False
+        try:
+            while True:
+                piece = await asyncio.wait_for(parser.pieces.get(), timeout=self.timeout_s)
+                if piece is None:
+                    clean = True
+                    return
+                if isinstance(piece, BaseException):
+                    raise piece
+                yield piece
+        except TimeoutError as e:
+            raise HTTPError(f"the answer from {self.host}:{self.port} stalled for {self.timeout_s}s") from e
+        finally:
+            conn.response = None
+            keep = clean and not conn.closed and parser.headers.get(b"connection", b"").lower() != b"close"
+            if keep:
+                self._idle.append(conn)
+            elif conn.transport is not None:
+                conn.transport.close()
 
     async def aclose(self) -> None:
         """Close idle connections."""

@@ -3,14 +3,14 @@ token-in-token-out (the gateway sends token IDs). Both return a `Generation` wit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from harnessrl.chat import parse_completion
+from harnessrl.chat import StreamingParser, parse_completion
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord
 from harnessrl.gateway.tito import build_prompt
 from harnessrl.gateway.upstream import StickyUpstream
@@ -134,12 +134,18 @@ async def tito(
     return Generation(parsed.content, parsed.tool_calls, finish, record, texts, _stop_string(choice))
 
 
+def raw_completion_body(
+    served: str, prompt: str | list[int], sampling: Sampling, logprobs: int
+) -> dict[str, Any]:
+    """The engine request of a `/v1/completions` call (token IDs and logprobs always asked for)."""
+    return {"model": served, "prompt": prompt, "return_token_ids": True, "logprobs": max(logprobs, 1),
+            **_sampling_fields(sampling)}  # fmt: skip
+
+
 async def raw_completion(upstream: StickyUpstream, served: str, prompt: str | list[int], sampling: Sampling,
                          logprobs: int) -> tuple[dict[str, Any], TokenRecord]:  # fmt: skip
     """`/v1/completions` as is: the engine's answer and its token record."""
-    body = {"model": served, "prompt": prompt, "return_token_ids": True, "logprobs": max(logprobs, 1),
-            **_sampling_fields(sampling)}  # fmt: skip
-    resp = await upstream.post("/v1/completions", body)
+    resp = await upstream.post("/v1/completions", raw_completion_body(served, prompt, sampling, logprobs))
     try:
         choice = resp["choices"][0]
         record = TokenRecord(
@@ -169,3 +175,156 @@ def _check_lengths(record: TokenRecord) -> None:
             f"engine sent {len(record.completion_ids)} completion tokens but "
             f"{len(record.completion_logprobs)} logprobs"
         )
+
+
+# streaming --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContentDelta:
+    """Content the harness can be sent now (never part of a tool call, never taken back)."""
+
+    text: str
+
+
+Streamed = AsyncIterator[ContentDelta | Generation]
+
+
+class _Accumulator:
+    """Collects token IDs and logprobs from stream chunks (vLLM's shape with `return_token_ids`)."""
+
+    def __init__(self) -> None:
+        self.prompt_ids: list[int] | None = None
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.texts: list[str] = []
+        self.finish: str | None = None
+        self.stop: str | None = None
+        self.version: int | None = None
+
+    def take(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Absorb one event's token data; return its first choice."""
+        if "prompt_token_ids" in event and self.prompt_ids is None:
+            self.prompt_ids = [int(t) for t in event["prompt_token_ids"]]
+        if isinstance(event.get("weight_version"), int):
+            self.version = int(event["weight_version"])
+        choice: dict[str, Any] = (event.get("choices") or [{}])[0]
+        self.ids += [int(t) for t in choice.get("token_ids") or []]
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+            self.stop = _stop_string(choice)
+        return choice
+
+    def record(self) -> TokenRecord:
+        """The call's token record; raises if the stream lacked token IDs or logprobs."""
+        if self.prompt_ids is None:
+            raise BadUpstreamResponse("the engine's stream carried no prompt_token_ids")
+        record = TokenRecord(self.prompt_ids, self.ids, self.logprobs, self.finish, self.version)
+        _check_lengths(record)
+        return record
+
+
+async def passthrough_stream(
+    upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling
+) -> Streamed:
+    """Stream from the engine's chat endpoint: content deltas as they come, tool calls at the end."""
+    body: dict[str, Any] = {"model": served, "messages": call.messages, "return_token_ids": True, "logprobs": True,
+                            **_sampling_fields(sampling)}  # fmt: skip
+    if call.tools:
+        body["tools"] = call.tools
+    events = await upstream.open_stream("/v1/chat/completions", body)
+    return _passthrough_events(events)
+
+
+async def _passthrough_events(events: AsyncIterator[dict[str, Any]]) -> Streamed:
+    acc, content, calls = _Accumulator(), "", {}  # type: ignore[var-annotated]
+    async for event in events:
+        choice = acc.take(event)
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            acc.logprobs.append(float(entry["logprob"]))
+            acc.texts.append(str(entry.get("token", "")))
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            content += delta["content"]
+            yield ContentDelta(delta["content"])
+        for tc in delta.get("tool_calls") or []:
+            slot = calls.setdefault(tc.get("index", len(calls)), {"id": "", "type": "function",
+                                                                   "function": {"name": "", "arguments": ""}})  # fmt: skip
+            slot["id"] = tc.get("id") or slot["id"]
+            fn = tc.get("function") or {}
+            slot["function"]["name"] += fn.get("name") or ""
+            slot["function"]["arguments"] += fn.get("arguments") or ""
+    record = acc.record()
+    tool_calls = [calls[i] for i in sorted(calls)]
+    finish = "tool_calls" if tool_calls else (record.finish_reason or "stop")
+    yield Generation(content, tool_calls, finish, record, acc.texts, acc.stop)
+
+
+async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling,
+                      tokenizer: TitoTokenizer, history: Sequence[Call]) -> Streamed:  # fmt: skip
+    """Stream a tito call from `/v1/completions`; the gateway parses tool calls out of the text."""
+    prompt = build_prompt(call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id)
+    body: dict[str, Any] = {"model": served, "prompt": prompt.prompt_ids, "stop_token_ids": [tokenizer.eos_id],
+                            "return_token_ids": True, "logprobs": call.top_logprobs or 1, **_sampling_fields(sampling)}  # fmt: skip
+    events = await upstream.open_stream("/v1/completions", body)
+    return _tito_events(events, prompt.prompt_ids)
+
+
+async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int]) -> Streamed:
+    acc, parser, text = _Accumulator(), StreamingParser(), ""
+    async for event in events:
+        choice = acc.take(event)
+        lp = choice.get("logprobs") or {}
+        acc.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
+        acc.texts += [str(t) for t in lp.get("tokens") or []]
+        piece = str(choice.get("text") or "")
+        text += piece
+        out = parser.feed(piece)
+        if out:
+            yield ContentDelta(out)
+    record = acc.record()
+    if record.prompt_ids != sent:
+        raise BadUpstreamResponse("the engine reports prompt token ids other than those the gateway sent")
+    parsed, rest = parser.finish(text)
+    if rest:
+        yield ContentDelta(rest)
+    finish = "tool_calls" if parsed.tool_calls else (record.finish_reason or "stop")
+    yield Generation(parsed.content, parsed.tool_calls, finish, record, acc.texts, acc.stop)
+
+
+class RawCompletionStream:
+    """Accumulates a streamed `/v1/completions` answer: its token record and the answer as one body."""
+
+    def __init__(self) -> None:
+        self.acc = _Accumulator()
+        self.text = ""
+        self.tokens: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.head: dict[str, Any] = {}
+
+    def take(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Absorb one engine event; return its first choice."""
+        if not self.head:
+            self.head = {k: event.get(k) for k in ("id", "object", "created", "model")}
+        choice = self.acc.take(event)
+        lp = choice.get("logprobs") or {}
+        self.acc.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
+        self.tokens += [str(t) for t in lp.get("tokens") or []]
+        self.text += str(choice.get("text") or "")
+        if isinstance(event.get("usage"), dict):
+            self.usage = event["usage"]
+        return choice
+
+    def finish(self) -> tuple[dict[str, Any], TokenRecord]:
+        """The answer as a non-streamed body would have carried it, and the token record."""
+        record = self.acc.record()
+        choice = {"index": 0, "text": self.text, "finish_reason": record.finish_reason,
+                  "stop_reason": self.acc.stop, "token_ids": record.completion_ids,
+                  "logprobs": {"tokens": self.tokens, "token_logprobs": record.completion_logprobs}}  # fmt: skip
+        n_prompt, n_out = len(record.prompt_ids), len(record.completion_ids)
+        usage = self.usage or {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+        }
+        resp = {**self.head, "object": "text_completion", "choices": [choice], "usage": usage,
+                "prompt_token_ids": record.prompt_ids, "weight_version": record.weight_version}  # fmt: skip
+        return resp, record

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -85,9 +86,57 @@ class Upstream:
             return data
         raise UpstreamFailed(f"upstream {self.name} failed after {self.max_retries + 1} tries: {last}")
 
+    async def open_stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST with `stream: true`; once the engine has answered 200, return its SSE events as dicts.
+        Failures before the answer begins are retried like `post`; later ones raise `UpstreamFailed`."""
+        payload = orjson.dumps({**body, "stream": True})
+        last = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                status, pieces = await self._http.stream(path, payload)
+            except HTTPError as e:
+                last = f"ConnectError: {e}"
+                continue
+            if status == 200:
+                return _sse_events(pieces, self.name)
+            raw = b"".join([p async for p in pieces])
+            if status in RETRYABLE_STATUS:
+                last = f"status {status}: {raw[:300].decode(errors='replace')}"
+                continue
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                data = raw.decode(errors="replace")
+            raise UpstreamClientError(status, data)
+        raise UpstreamFailed(f"upstream {self.name} failed after {self.max_retries + 1} tries: {last}")
+
     async def aclose(self) -> None:
         """Close the connection pool."""
         await self._http.aclose()
+
+
+async def _sse_events(pieces: AsyncIterator[bytes], name: str) -> AsyncIterator[dict[str, Any]]:
+    """`data:` payloads of an SSE body as dicts, until `[DONE]`."""
+    buf = b""
+    try:
+        async for piece in pieces:
+            buf += piece
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    try:
+                        yield orjson.loads(data)
+                    except orjson.JSONDecodeError as e:
+                        raise UpstreamFailed(f"upstream {name} sent a malformed stream event") from e
+    except HTTPError as e:
+        raise UpstreamFailed(f"upstream {name} broke off its stream: {e}") from e
 
 
 class UpstreamPool:
@@ -119,6 +168,19 @@ class UpstreamPool:
                 log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
         raise UpstreamFailed("; ".join(errors))
 
+    async def open_stream(
+        self, rollout_id: str, path: str, body: dict[str, Any]
+    ) -> tuple[Upstream, AsyncIterator[dict[str, Any]]]:
+        """Open a stream on the rollout's replica, failing over before the answer begins."""
+        errors = []
+        for upstream in self.order(rollout_id):
+            try:
+                return upstream, await upstream.open_stream(path, body)
+            except UpstreamFailed as e:
+                errors.append(str(e))
+                log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
+        raise UpstreamFailed("; ".join(errors))
+
     async def aclose(self) -> None:
         """Close every replica's connections."""
         for u in self.replicas:
@@ -138,3 +200,9 @@ class StickyUpstream:
         upstream, answer = await self.pool.post(self.rollout_id, path, body)
         self.served_by = upstream.name
         return answer
+
+    async def open_stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A streamed POST through the pool with this rollout's stickiness."""
+        upstream, events = await self.pool.open_stream(self.rollout_id, path, body)
+        self.served_by = upstream.name
+        return events

@@ -26,8 +26,24 @@ class Face(Protocol):
     def render(self, gen: Generation, req: Any, ids: ResponseIds) -> dict[str, Any]:
         """The face's answer object."""
 
-    def stream(self, out: dict[str, Any], req: Any) -> list[str] | None:
-        """The SSE frames that deliver `out`, or None when the request did not ask to stream."""
+    def streamer(self, req: Any, ids: ResponseIds) -> Streamer | None:
+        """The event writer for `stream: true`, or None when the request did not ask to stream."""
+
+
+class Streamer(Protocol):
+    """Writes one streamed answer in a face's event format."""
+
+    def start(self) -> list[str]:
+        """Frames before any content."""
+
+    def delta(self, text: str) -> list[str]:
+        """Frames carrying a piece of content."""
+
+    def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
+        """Frames after the content: tool calls, stop reason, usage (`out`: the face's answer object)."""
+
+    def error(self, message: str) -> list[str]:
+        """Frames that end the stream with an error."""
 
 
 @dataclass(frozen=True)

@@ -223,30 +223,62 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
-def stream_events(out: dict[str, Any]) -> list[str]:
-    """The SSE frames that deliver a `message` object in Anthropic's streaming event sequence."""
-    start = {**out, "content": [], "stop_reason": None, "usage": {**out["usage"], "output_tokens": 0}}
-    frames = [_event("message_start", {"type": "message_start", "message": start})]
-    for i, block in enumerate(out["content"]):
-        head: dict[str, Any]
-        if block["type"] == "text":
-            head, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-        else:
+class MessageStreamer:
+    """Anthropic's event sequence: message_start, a text block as content comes, tool_use blocks,
+    message_delta with the stop reason and usage, message_stop."""
+
+    def __init__(self, req: MessagesRequest, ids: ResponseIds) -> None:
+        self.req, self.ids = req, ids
+        self.text_open = False
+
+    def start(self) -> list[str]:
+        """message_start."""
+        message: dict[str, Any] = {"id": f"msg_{self.ids.response_id}", "type": "message", "role": "assistant", "model": self.req.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
+        return [_event("message_start", {"type": "message_start", "message": message})]
+
+    def delta(self, text: str) -> list[str]:
+        """A text_delta (opening the text block first)."""
+        frames = []
+        if not self.text_open:
+            self.text_open = True
+            block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+            frames.append(_event("content_block_start", block))
+        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
+        return [*frames, _event("content_block_delta", delta)]
+
+    def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
+        """Close the text block, stream tool_use blocks, then message_delta and message_stop."""
+        frames = []
+        if not self.text_open and not gen.tool_calls:  # the answer has an (empty) text block
+            frames += self.delta("")
+        if self.text_open:
+            frames.append(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        first_tool = 1 if self.text_open else 0
+        for i, block in enumerate(b for b in out["content"] if b["type"] == "tool_use"):
+            index = first_tool + i
             head = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        frames.append(
-            _event("content_block_start", {"type": "content_block_start", "index": i, "content_block": head})
-        )
-        frames.append(
-            _event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta})
-        )
-        frames.append(_event("content_block_stop", {"type": "content_block_stop", "index": i}))
-    frames.append(_event("message_delta", {
-        "type": "message_delta", "delta": {"stop_reason": out["stop_reason"], "stop_sequence": None},
-        "usage": {"output_tokens": out["usage"]["output_tokens"]},
-    }))  # fmt: skip
-    frames.append(_event("message_stop", {"type": "message_stop"}))
-    return frames
+            frames += [
+                _event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": head},
+                ),
+                _event(
+                    "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+                ),
+                _event("content_block_stop", {"type": "content_block_stop", "index": index}),
+            ]
+        frames.append(_event("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": out["stop_reason"], "stop_sequence": None},
+            "usage": {"input_tokens": out["usage"]["input_tokens"], "output_tokens": out["usage"]["output_tokens"]},
+        }))  # fmt: skip
+        return [*frames, _event("message_stop", {"type": "message_stop"})]
+
+    def error(self, message: str) -> list[str]:
+        """An error event."""
+        return [_event("error", {"type": "error", "error": {"type": "api_error", "message": message}})]
 
 
 class AnthropicFace:
@@ -270,6 +302,6 @@ class AnthropicFace:
         """The `message` object."""
         return message_response(gen, req, ids)
 
-    def stream(self, out: dict[str, Any], req: MessagesRequest) -> list[str] | None:
-        """Anthropic's event sequence when `stream: true`."""
-        return stream_events(out) if req.stream else None
+    def streamer(self, req: MessagesRequest, ids: ResponseIds) -> MessageStreamer | None:
+        """The event writer when `stream: true`."""
+        return MessageStreamer(req, ids) if req.stream else None

@@ -74,27 +74,30 @@ def client_response(resp: dict[str, Any], req: CompletionRequest) -> dict[str, A
     return out
 
 
-def stream_events(out: dict[str, Any]) -> list[str]:
-    """`text_completion` chunks for a finished answer, then `[DONE]`."""
-    choice = out["choices"][0]
-    base = {
-        "id": out.get("id"),
-        "object": "text_completion",
-        "created": out.get("created"),
-        "model": out["model"],
-    }
-    chunks = [
-        {
-            **base,
-            "choices": [
-                {"index": 0, "text": choice.get("text", ""), "logprobs": None, "finish_reason": None}
-            ],
-        },
-        {
-            **base,
-            "choices": [
-                {"index": 0, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
-            ],
-        },
-    ]
-    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+def client_chunk(event: dict[str, Any], req: CompletionRequest) -> dict[str, Any]:
+    """One engine stream event as the harness asked for it (its model name, extensions only on request)."""
+    out = {k: v for k, v in event.items() if k not in ("weight_version", "usage", "prompt_token_ids")}
+    out["model"] = req.model
+    if req.return_token_ids and "prompt_token_ids" in event:
+        out["prompt_token_ids"] = event["prompt_token_ids"]
+    choices = []
+    for choice in event.get("choices") or []:
+        c = {k: v for k, v in choice.items() if k != "token_ids" or req.return_token_ids}
+        if req.logprobs is None:
+            c["logprobs"] = None
+        choices.append(c)
+    out["choices"] = choices
+    return out
+
+
+def usage_chunk(resp: dict[str, Any], req: CompletionRequest) -> dict[str, Any] | None:
+    """The closing usage chunk (`choices: []`) when `stream_options.include_usage` asks for it."""
+    if not (req.stream_options or {}).get("include_usage"):
+        return None
+    return {k: resp.get(k) for k in ("id", "object", "created")} | {"model": req.model, "choices": [],
+                                                                   "usage": resp.get("usage")}  # fmt: skip
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One SSE frame."""
+    return f"data: {json.dumps(data)}\n\n"

@@ -159,38 +159,62 @@ def chat_response(
     return out
 
 
-def _chunk(out: dict[str, Any], delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-    return {
-        "id": out["id"],
-        "object": "chat.completion.chunk",
-        "created": out["created"],
-        "model": out["model"],
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
+def _chunk(base: dict[str, Any], delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
 
-def stream_events(out: dict[str, Any], include_usage: bool) -> list[str]:
-    """The SSE `data:` lines that stream `out` (a `chat.completion`): role, content, tool calls,
-    finish reason, optional usage, then `[DONE]`."""
-    choice = out["choices"][0]
-    msg = choice["message"]
-    chunks = [_chunk(out, {"role": "assistant", "content": ""})]
-    if msg.get("content"):
-        chunks.append(_chunk(out, {"content": msg["content"]}))
-    for i, tc in enumerate(msg.get("tool_calls") or []):
-        fn = tc["function"]
-        head = {
-            "index": i,
-            "id": tc["id"],
-            "type": "function",
-            "function": {"name": fn["name"], "arguments": ""},
-        }
-        chunks.append(_chunk(out, {"tool_calls": [head]}))
-        chunks.append(_chunk(out, {"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
-    chunks.append(_chunk(out, {}, choice["finish_reason"]))
-    if include_usage:
-        chunks.append({**_chunk(out, {}), "choices": [], "usage": out["usage"]})
-    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+def _data(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class ChatStreamer:
+    """`chat.completion.chunk` events: role, content as it comes, tool calls and finish at the end."""
+
+    def __init__(self, req: ChatCompletionRequest, ids: ResponseIds) -> None:
+        self.req = req
+        self.base = {"id": f"chatcmpl-{ids.response_id}", "object": "chat.completion.chunk",
+                     "created": ids.created, "model": req.model}  # fmt: skip
+
+    def start(self) -> list[str]:
+        """The role chunk."""
+        return [_data(_chunk(self.base, {"role": "assistant", "content": ""}))]
+
+    def delta(self, text: str) -> list[str]:
+        """A content chunk."""
+        return [_data(_chunk(self.base, {"content": text}))]
+
+    def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
+        """Tool-call chunks, the finish chunk, usage if asked, `[DONE]`."""
+        frames = []
+        for i, tc in enumerate(gen.tool_calls):
+            fn = tc["function"]
+            head = {
+                "index": i,
+                "id": tc["id"],
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": ""},
+            }
+            frames.append(_data(_chunk(self.base, {"tool_calls": [head]})))
+            frames.append(
+                _data(
+                    _chunk(
+                        self.base, {"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}
+                    )
+                )
+            )
+        last = _chunk(self.base, {}, gen.finish_reason)
+        if self.req.return_token_ids:
+            last["prompt_token_ids"] = gen.record.prompt_ids
+            last["choices"][0]["token_ids"] = gen.record.completion_ids
+        frames.append(_data(last))
+        if (self.req.stream_options or {}).get("include_usage"):
+            frames.append(_data({**self.base, "choices": [], "usage": out["usage"]}))
+        return [*frames, "data: [DONE]\n\n"]
+
+    def error(self, message: str) -> list[str]:
+        """An error event in place of the rest of the stream."""
+        return [_data({"error": {"message": message, "type": "upstream_error", "param": None, "code": None}}),
+                "data: [DONE]\n\n"]  # fmt: skip
 
 
 class OpenAIChatFace:
@@ -214,8 +238,6 @@ class OpenAIChatFace:
         """The `chat.completion` object."""
         return chat_response(gen, req, f"chatcmpl-{ids.response_id}", ids.created)
 
-    def stream(self, out: dict[str, Any], req: ChatCompletionRequest) -> list[str] | None:
-        """Chunks when `stream: true`."""
-        if not req.stream:
-            return None
-        return stream_events(out, include_usage=bool((req.stream_options or {}).get("include_usage")))
+    def streamer(self, req: ChatCompletionRequest, ids: ResponseIds) -> ChatStreamer | None:
+        """The event writer when `stream: true`."""
+        return ChatStreamer(req, ids) if req.stream else None

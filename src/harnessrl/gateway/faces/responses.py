@@ -197,68 +197,92 @@ def response_object(gen: Generation, req: ResponsesRequest, ids: ResponseIds) ->
     }
 
 
-def stream_events(out: dict[str, Any]) -> list[str]:
-    """The SSE frames of Responses streaming for a finished `response` object."""
-    events: list[dict[str, Any]] = []
-    pending = {**out, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
-    events += [
-        {"type": "response.created", "response": pending},
-        {"type": "response.in_progress", "response": pending},
-    ]
-    for i, item in enumerate(out["output"]):
-        events += _item_events(i, item)
-    events.append({"type": "response.completed" if out["status"] == "completed" else "response.incomplete",
-                   "response": out})  # fmt: skip
-    return [
-        f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': n})}\n\n"
-        for n, e in enumerate(events)
-    ]
+class ResponseStreamer:
+    """Responses streaming events, numbered: created, in_progress, the message item as text comes,
+    function_call items, then completed (or incomplete)."""
 
+    def __init__(self, req: ResponsesRequest, ids: ResponseIds) -> None:
+        self.req, self.ids = req, ids
+        self.seq = 0
+        self.text = ""
+        self.open = False
+        self.item_id = f"msg_{ids.response_id}"
 
-def _item_events(i: int, item: dict[str, Any]) -> list[dict[str, Any]]:
-    base = {"output_index": i, "item_id": item["id"]}
-    if item["type"] == "message":
-        part = item["content"][0]
-        empty = {**part, "text": ""}
+    def _ev(self, kind: str, **data: Any) -> str:
+        frame = f"event: {kind}\ndata: {json.dumps({'type': kind, **data, 'sequence_number': self.seq})}\n\n"
+        self.seq += 1
+        return frame
+
+    def start(self) -> list[str]:
+        """response.created and response.in_progress."""
+        pending = {"id": f"resp_{self.ids.response_id}", "object": "response", "created_at": self.ids.created,
+                   "status": "in_progress", "model": self.req.model, "output": [], "parallel_tool_calls": True,
+                   "tool_choice": self.req.tool_choice or "auto", "tools": [], "error": None,
+                   "incomplete_details": None, "instructions": self.req.instructions, "metadata": {}}  # fmt: skip
         return [
-            {
-                "type": "response.output_item.added",
-                "output_index": i,
-                "item": {**item, "status": "in_progress", "content": []},
-            },
-            {"type": "response.content_part.added", **base, "content_index": 0, "part": empty},
-            {
-                "type": "response.output_text.delta",
-                **base,
-                "content_index": 0,
-                "delta": part["text"],
-                "logprobs": [],
-            },
-            {
-                "type": "response.output_text.done",
-                **base,
-                "content_index": 0,
-                "text": part["text"],
-                "logprobs": [],
-            },
-            {"type": "response.content_part.done", **base, "content_index": 0, "part": part},
-            {"type": "response.output_item.done", "output_index": i, "item": item},
+            self._ev("response.created", response=pending),
+            self._ev("response.in_progress", response=pending),
         ]
-    return [
-        {
-            "type": "response.output_item.added",
-            "output_index": i,
-            "item": {**item, "status": "in_progress", "arguments": ""},
-        },
-        {"type": "response.function_call_arguments.delta", **base, "delta": item["arguments"]},
-        {
-            "type": "response.function_call_arguments.done",
-            **base,
-            "arguments": item["arguments"],
-            "name": item["name"],
-        },
-        {"type": "response.output_item.done", "output_index": i, "item": item},
-    ]
+
+    def delta(self, text: str) -> list[str]:
+        """output_text.delta (opening the message item first)."""
+        frames = []
+        ref = {"item_id": self.item_id, "output_index": 0}
+        if not self.open:
+            self.open = True
+            item = {
+                "type": "message",
+                "id": self.item_id,
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            frames += [self._ev("response.output_item.added", output_index=0, item=item),
+                       self._ev("response.content_part.added", **ref, content_index=0, part=part)]  # fmt: skip
+        self.text += text
+        return [
+            *frames,
+            self._ev("response.output_text.delta", **ref, content_index=0, delta=text, logprobs=[]),
+        ]
+
+    def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
+        """Close the message item, emit function_call items, then the final response."""
+        frames = []
+        items = out["output"]
+        if items and items[0]["type"] == "message":
+            if not self.open:
+                frames += self.delta("")
+            ref = {"item_id": self.item_id, "output_index": 0}
+            part = items[0]["content"][0]
+            frames += [self._ev("response.output_text.done", **ref, content_index=0, text=part["text"], logprobs=[]),
+                       self._ev("response.content_part.done", **ref, content_index=0, part=part),
+                       self._ev("response.output_item.done", output_index=0, item=items[0])]  # fmt: skip
+        for i, item in enumerate(items):
+            if item["type"] != "function_call":
+                continue
+            ref = {"item_id": item["id"], "output_index": i}
+            frames += [
+                self._ev(
+                    "response.output_item.added",
+                    output_index=i,
+                    item={**item, "status": "in_progress", "arguments": ""},
+                ),
+                self._ev("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
+                self._ev(
+                    "response.function_call_arguments.done",
+                    **ref,
+                    arguments=item["arguments"],
+                    name=item["name"],
+                ),
+                self._ev("response.output_item.done", output_index=i, item=item),
+            ]
+        done = "response.completed" if out["status"] == "completed" else "response.incomplete"
+        return [*frames, self._ev(done, response=out)]
+
+    def error(self, message: str) -> list[str]:
+        """An error event."""
+        return [self._ev("error", code="upstream_error", message=message, param=None)]
 
 
 class ResponsesFace:
@@ -287,6 +311,6 @@ class ResponsesFace:
         """The `response` object."""
         return response_object(gen, req, ids)
 
-    def stream(self, out: dict[str, Any], req: ResponsesRequest) -> list[str] | None:
-        """Responses streaming events when `stream: true`."""
-        return stream_events(out) if req.stream else None
+    def streamer(self, req: ResponsesRequest, ids: ResponseIds) -> ResponseStreamer | None:
+        """The event writer when `stream: true`."""
+        return ResponseStreamer(req, ids) if req.stream else None
