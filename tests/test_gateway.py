@@ -166,6 +166,14 @@ def test_control_api_create_is_idempotent_and_lists_by_state(
         rest = c.get("/control/rollouts", params={"state": "queued", "cursor": page["next_cursor"]}).json()
         assert len(rest["rollouts"]) == 1 and rest["next_cursor"] is None
         assert c.get("/control/rollouts", params={"state": "sideways"}).status_code == 400
+        huge = str(2**64)  # past SQLite's INTEGER: a 400 naming the field, not a 500 (found by the fuzzer)
+        assert c.get("/control/rollouts", params={"cursor": huge}).json()["error"]["param"] == "cursor"
+        assert c.get("/control/events", params={"after": huge}).status_code == 400
+        assert (
+            c.post(f"/control/rollouts/{rid}/attempts/{huge}/finish", json={"status": "exited"}).status_code
+            == 404
+        )
+        assert c.post("/control/resume", json={"weight_version": 2**64}).status_code == 400
         c.put(f"/control/rollouts/{rid}/reward", json={"value": 0.25}).raise_for_status()
         c.put(f"/control/rollouts/{rid}/reward", json={"value": 1.0, "details": {"k": 1}}).raise_for_status()
         detail = c.get(f"/control/rollouts/{rid}").json()

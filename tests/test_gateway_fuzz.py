@@ -3,6 +3,7 @@ a client sends, the answer is never a server error, and nothing is recorded half
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -24,8 +25,14 @@ def fuzz_gateway(make_gateway: Callable[..., GatewayHandle]) -> tuple[GatewayHan
     return gw, key
 
 
+# Deterministic in the suite (same examples every run); HARNESSRL_FUZZ_EXAMPLES=500 for a deep random run.
+_DEEP = int(os.environ.get("HARNESSRL_FUZZ_EXAMPLES", "0"))
+
+
 @schema.parametrize()
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=_DEEP or 25, derandomize=not _DEEP, deadline=None, suppress_health_check=list(HealthCheck)
+)
 def test_no_route_answers_with_a_server_error(
     case: schemathesis.Case, fuzz_gateway: tuple[GatewayHandle, str]
 ) -> None:

@@ -153,7 +153,7 @@ class AttemptFinish(Strict):
     """Control API: how an attempt ended."""
 
     status: AttemptStatus
-    exit_code: int | None = None
+    exit_code: int | None = Field(default=None, ge=-(2**31), lt=2**31)
     error: str | None = Field(default=None, max_length=20_000)
 
 

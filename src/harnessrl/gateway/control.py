@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Request], Awaitable[Response]]
 
+SQL_INT_LIMIT = 2**63  # sequence numbers and cursors are SQLite INTEGERs (signed 64-bit)
+
 
 class PauseRequest(BaseModel):
     """Body of `POST /control/pause`."""
@@ -41,7 +43,7 @@ class ResumeRequest(BaseModel):
     """Body of `POST /control/resume`: optionally the weight version the engine now serves."""
 
     model_config = {"extra": "forbid"}
-    weight_version: int | None = None
+    weight_version: int | None = Field(default=None, ge=0, lt=SQL_INT_LIMIT)
 
 
 async def _body(request: Request, model: type[M], gw: Gateway) -> M:
@@ -111,6 +113,8 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             raise APIError(400, "state must be a rollout state; limit and cursor must be integers") from None
         if not 1 <= limit <= 1000:
             raise APIError(400, "limit must be between 1 and 1000", param="limit")
+        if not 0 <= after < SQL_INT_LIMIT:
+            raise APIError(400, "cursor must be a value returned as next_cursor", param="cursor")
         page, nxt = g.store.list_rollouts(state=state, limit=limit, after=after)
         body = RolloutPage(rollouts=page, next_cursor=None if nxt is None else str(nxt))
         return JSONResponse(body.model_dump(mode="json"))
@@ -142,6 +146,8 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         finish = await _body(request, AttemptFinish, g)
         try:
             n = int(request.path_params["attempt"])
+            if not 0 <= n < SQL_INT_LIMIT:
+                raise ValueError(n)
             attempt = g.store.finish_attempt(_rollout_id(request), n, finish)
         except ValueError:
             raise APIError(404, "attempt must be an integer") from None
@@ -190,7 +196,7 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         g = gw()
         g.require_admin(request)
         raw = request.query_params.get("after", request.headers.get("last-event-id", "0"))
-        if not raw.isdigit():
+        if not (raw.isdigit() and int(raw) < SQL_INT_LIMIT):
             raise APIError(
                 400, "after must be a non-negative integer (an event sequence number)", param="after"
             )
