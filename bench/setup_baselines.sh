@@ -18,3 +18,10 @@ if [ ! -x .bench/venv-litellm/bin/litellm ]; then
     orjson apscheduler cryptography python-multipart email-validator PyJWT websockets semver Expression fastapi-sso mcp soundfile
 fi
 command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y wrk >/dev/null; }
+# The engine baseline: llama-cpp-python's OpenAI server (built from source, ~6-10 minutes on 2 cores).
+if [ "${WITH_LLAMACPP:-1}" = 1 ] && [ ! -x .bench/venv-llamacpp/bin/python ]; then
+  python3 -m venv .bench/venv-llamacpp.tmp
+  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+    .bench/venv-llamacpp.tmp/bin/pip install -q "llama-cpp-python[server]"
+  mv .bench/venv-llamacpp.tmp .bench/venv-llamacpp
+fi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -322,3 +323,46 @@ def test_streamed_chat_equals_the_unstreamed_one(engine_server: ServerThread) ->
     assert ids == whole["choices"][0]["token_ids"]
     assert content == (whole["choices"][0]["message"]["content"] or "")
     assert frames[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(
+    engine_tiny_dir: Path, engine_tiny_model: LlamaForCausalLM
+) -> None:
+    from tests.conftest_engine import start_server
+
+    server = start_server(engine_tiny_dir, "chunked", prefill_chunk=16, max_cached_tokens=TINY_MAX_LEN + 100)
+
+    async def run() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            short = {"prompt": [1, 4093, 198, 30], "max_tokens": 40, "temperature": 1.0, "seed": 1,
+                     "logprobs": 0, "ignore_eos": True}  # fmt: skip
+            first = asyncio.create_task(client.post("/v1/completions", json=short))
+            while (await client.get("/admin/stats")).json()["decode_steps"] < 2:
+                await asyncio.sleep(0.005)
+            long = {"prompt": [1] + [200 + i for i in range(90)], "max_tokens": 8, "temperature": 0.7,
+                    "seed": 2, "logprobs": 0}  # fmt: skip
+            second = await client.post("/v1/completions", json=long)
+            return [(await first).json(), second.json()]
+
+    before = httpx.get(server.url + "/admin/stats").json()
+    results = asyncio.run(run())
+    after = httpx.get(server.url + "/admin/stats").json()
+    # 91 prompt tokens in chunks of 16 while the first sequence decodes: >= 6 prefill passes, each
+    # followed by a decode step of the running sequence
+    assert after["decode_steps"] - before["decode_steps"] >= 6 + 8
+    for res, temp in zip(results, (1.0, 0.7), strict=True):
+        ids = res["choices"][0]["token_ids"]
+        got = torch.tensor(_logprobs(res))
+        want = full_forward_logprobs(engine_tiny_model, res["prompt_token_ids"], ids, temp)
+        assert (got - want).abs().max().item() < 1e-4
+
+
+def test_kv_budget_holds_requests_until_running_ones_finish(engine_tiny_dir: Path) -> None:
+    from tests.conftest_engine import start_server
+
+    server = start_server(engine_tiny_dir, "budget", max_cached_tokens=TINY_MAX_LEN)
+    body = {"prompt": [1, 4093, 198], "max_tokens": TINY_MAX_LEN - 10, "ignore_eos": True, "temperature": 1.0}
+    results = asyncio.run(post_together(server, "/v1/completions", [body, body]))
+    assert all(r["usage"]["completion_tokens"] == TINY_MAX_LEN - 10 for r in results)
+    # each reservation is nearly the whole budget, so the two never ran side by side
+    assert httpx.get(server.url + "/admin/stats").json()["max_batch_seen"] == 1

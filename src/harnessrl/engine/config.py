@@ -25,12 +25,20 @@ class EngineConfig:
     served_model_name: str | None = None
     prefix_cache: bool = True
     weight_version: int = 0
+    prefill_chunk: int = 512  # prompt tokens per step while others decode (long prompts are chunked)
+    # KV memory budget in tokens: a sequence is admitted only while the running sequences' prompt +
+    # max_tokens fit (None: max_batch * max_model_len, i.e. no limit beyond the slots).
+    max_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
         if self.max_batch < 1 or self.max_model_len < 2:
             raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
+        if self.max_cached_tokens is not None and self.max_cached_tokens < self.max_model_len:
+            raise ValueError("max_cached_tokens must hold at least one sequence of max_model_len tokens")
 
     @property
     def torch_dtype(self) -> torch.dtype:

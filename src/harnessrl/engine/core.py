@@ -52,7 +52,9 @@ class Engine:
         torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_dir = resolve_model(config.model)
-        self.model = load_model(self.model_dir, dtype=config.torch_dtype, device=config.device)
+        self.model = load_model(
+            self.model_dir, dtype=config.torch_dtype, device=config.device
+        ).fuse_for_inference()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.text = TokenText(self.tokenizer)
         self.served_model_name = config.served_model_name or config.model
@@ -67,6 +69,8 @@ class Engine:
             prefix_cache=config.prefix_cache,
             weight_version=config.weight_version,
             threads=config.num_threads,
+            prefill_chunk=config.prefill_chunk,
+            max_cached_tokens=config.max_cached_tokens,
         )
         log.info(
             "event=engine_ready model=%s dir=%s threads=%d max_batch=%d max_model_len=%d",

@@ -26,8 +26,11 @@ from harnessrl.modeling.loading import load_weights_into
 
 log = logging.getLogger(__name__)
 
-# Prompt tokens prefilled between two decode steps while sequences are running (fairness, not a limit).
-PREFILL_BUDGET = 2048
+# Prompt tokens prefilled between two decode steps while other sequences are decoding: a long prompt is
+# prefilled in chunks of this size between decode steps, so it never stalls the running batch for long.
+PREFILL_CHUNK = 256
+# Prompt tokens packed into one prefill pass when nobody is decoding (bounds a pass's activations).
+PREFILL_PASS_TOKENS = 4096
 
 
 @dataclass
@@ -70,6 +73,11 @@ class Sequence:
         self.cached_tokens = 0
         self.kv_len = 0  # positions of this sequence's slot holding valid K/V
         self.cancelled = False
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the KV cache yet (chunked prefill in progress)."""
+        return self.kv_len < len(self.prompt_ids)
 
     @property
     def kv_tokens(self) -> list[int]:
@@ -117,8 +125,13 @@ class Scheduler:
         prefix_cache: bool = True,
         weight_version: int = 0,
         threads: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        max_cached_tokens: int | None = None,
     ) -> None:
         self.model, self.text, self.eos_ids = model, text, eos_ids
+        self.prefill_chunk = prefill_chunk
+        self.max_cached_tokens = max_cached_tokens or max_batch * max_model_len
+        self.max_model_len = max_model_len
         self.threads = threads
         self.device = model.lm_head.weight.device
         self.cache = model.new_cache(max_batch, max_model_len)
@@ -212,52 +225,92 @@ class Scheduler:
             self._decode()
 
     def _admit(self) -> None:
-        """Prefill waiting sequences into free slots; yield to a decode step once PREFILL_BUDGET tokens are
-        prefilled while others are mid-generation (long prompts must not starve running sequences)."""
-        had_running, prefilled = self.slots.n_active > 0, 0
-        while self.slots.n_active < self.cache.max_batch and not (
-            had_running and prefilled >= PREFILL_BUDGET
-        ):
+        """One prefill pass: continue chunked prefills, then admit waiting sequences into free slots.
+
+        Many prompts are packed into one pass (one large matrix product per projection). While other
+        sequences are decoding, a pass holds at most PREFILL_CHUNK tokens and a longer prompt is split
+        into chunks over several steps; otherwise a pass takes up to PREFILL_PASS_TOKENS.
+        """
+        decoding = any(not s.prefilling for s in self.slots.active())
+        budget = self.prefill_chunk if decoding else max(PREFILL_PASS_TOKENS, self.prefill_chunk)
+        reserved = sum(self._reservation(s) for s in self.slots.active())
+        work: list[tuple[Sequence, int, int]] = []  # (sequence, from, to) prompt positions to run
+        for seq in self.slots.active():
+            if seq.prefilling and budget > 0:
+                end = min(len(seq.prompt_ids), seq.kv_len + budget)
+                work.append((seq, seq.kv_len, end))
+                budget -= end - seq.kv_len
+        while budget > 0 and self.slots.n_active < self.cache.max_batch:
             with self._cond:
                 if not self._waiting or not self._may_admit():
-                    return
+                    break
+                if self._waiting[0].cancelled:
+                    seq = self._waiting.popleft()
+                    self._finish(seq, "abort", None, leave=False)
+                    continue
+                if reserved + self._reservation(self._waiting[0]) > self.max_cached_tokens:
+                    break  # the KV budget is taken: wait for running sequences to finish
                 seq = self._waiting.popleft()
-            if seq.cancelled:
-                self._finish(seq, "abort", None, leave=False)
-                continue
-            try:
-                prefilled += self._prefill(seq)
-            except Exception as exc:
-                log.exception("event=prefill_failed prompt_tokens=%d", len(seq.prompt_ids))
+            reserved += self._reservation(seq)
+            _, start = self.slots.admit(seq, seq.prompt_ids)
+            seq.cached_tokens = seq.kv_len = start
+            self.stats.cached_prompt_tokens += start
+            end = min(len(seq.prompt_ids), start + budget)
+            work.append((seq, start, end))
+            budget -= end - start
+        if work:
+            self._prefill(work)
+
+    def _reservation(self, seq: Sequence) -> int:
+        """KV positions a sequence may occupy: its prompt plus everything it may still generate."""
+        return min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
+
+    def _prefill(self, work: list[tuple[Sequence, int, int]]) -> None:
+        """Run the given prompt spans in one pass; sample the first token of prompts now complete."""
+        slot_of = {id(s): i for i, s in enumerate(self.slots.seqs[: self.slots.n_active])}
+        items = [
+            (torch.tensor(seq.prompt_ids[a:b], dtype=torch.long, device=self.device), slot_of[id(seq)], a)
+            for seq, a, b in work
+        ]
+        t0 = time.perf_counter()
+        try:
+            logits = self.model.prefill_many(items, self.cache)
+        except Exception as exc:
+            log.exception("event=prefill_failed sequences=%d", len(work))
+            for seq, _, _ in work:
                 self.slots.release(seq, keep=False)
                 seq.on_done(exc)
-
-    def _prefill(self, seq: Sequence) -> int:
-        """Run the uncached part of the prompt into a slot and sample the first token; returns tokens run."""
-        slot, start = self.slots.admit(seq, seq.prompt_ids)
-        seq.cached_tokens = start
-        t0 = time.perf_counter()
-        tokens = torch.tensor(seq.prompt_ids[start:], dtype=torch.long, device=self.device)
-        logits = self.model.prefill(tokens, self.cache, slot, start)
-        seq.kv_len = len(seq.prompt_ids)
+            return
         self.stats.prefill_seconds += time.perf_counter() - t0
-        self.stats.prefill_tokens += len(seq.prompt_ids) - start
-        self.stats.cached_prompt_tokens += start
-        self._accept([seq], self._sample(logits.unsqueeze(0), [seq]))
-        return len(seq.prompt_ids) - start
+        done = []
+        for i, (seq, a, b) in enumerate(work):
+            seq.kv_len = b
+            self.stats.prefill_tokens += b - a
+            if not seq.prefilling:
+                done.append(i)
+        if done:
+            group = [work[i][0] for i in done]
+            self._accept(group, self._sample(logits[done], group))
 
     def _decode(self) -> None:
+        """One decode step over slots 0..B-1. A sequence still in chunked prefill rides along with a
+        dummy token: its K/V row at `kv_len` is overwritten by its next chunk, its logits are unused."""
         seqs = self.slots.active()
-        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(seqs))
-        tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        live = [i for i, s in enumerate(seqs) if not s.prefilling]
+        if not live:
+            return
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(live))
+        ids = [s.output_ids[-1] if not s.prefilling else 0 for s in seqs]
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         lengths = torch.tensor([s.kv_len for s in seqs], device=self.device)
         t0 = time.perf_counter()
         logits = self.model.decode(tokens, self.cache, lengths)
-        for s in seqs:
+        running = [seqs[i] for i in live]
+        for s in running:
             s.kv_len += 1
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
-        self._accept(seqs, self._sample(logits, seqs))
+        self._accept(running, self._sample(logits if len(live) == len(seqs) else logits[live], running))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSample:
         t0 = time.perf_counter()
@@ -321,6 +374,7 @@ class Scheduler:
         t0 = time.monotonic()
         try:
             load_weights_into(self.model, load.state)
+            self.model.refresh_inference_weights()
         except Exception as exc:
             log.exception("event=weight_load_failed version=%d", load.version)
             load.on_done(exc)

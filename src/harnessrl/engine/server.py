@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
     p.add_argument("--weight-version", type=int, default=d.weight_version)
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prompt tokens prefilled per step while other sequences decode")  # fmt: skip
+    p.add_argument("--max-cached-tokens", type=int, default=d.max_cached_tokens,
+                   help="KV budget in tokens: running sequences' prompt + max_tokens must fit")  # fmt: skip
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     logging.basicConfig(
