@@ -55,6 +55,19 @@ def test_top_p_keeps_the_nucleus() -> None:
     assert {sample_step(logits, params, [gen]).tokens[0] for _ in range(50)} <= {0, 1}
 
 
+def test_top_k_draws_only_the_k_most_likely_and_logprobs_stay_untruncated() -> None:
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0]])
+    gen = make_generator(0, torch.device("cpu"))
+    for k, allowed in ((1, {0}), (3, {0, 1, 2})):
+        params = [SamplingParams(max_tokens=1, temperature=1.0, top_k=k)]
+        draws = [sample_step(logits, params, [gen]) for _ in range(60)]
+        assert {d.tokens[0] for d in draws} <= allowed
+        full = torch.log_softmax(logits[0], -1)
+        assert all(d.logprobs[0] == pytest.approx(full[d.tokens[0]].item(), abs=1e-6) for d in draws)
+    both = [SamplingParams(max_tokens=1, temperature=1.0, top_k=3, top_p=0.5)]  # top-k, then top-p
+    assert {sample_step(logits, both, [gen]).tokens[0] for _ in range(60)} <= {0, 1}
+
+
 def test_top_logprobs_are_sorted_and_sized() -> None:
     logits = torch.randn(2, 100)
     params = [SamplingParams(max_tokens=1, temperature=0, top_logprobs=3), SamplingParams(max_tokens=1)]

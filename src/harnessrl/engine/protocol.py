@@ -23,6 +23,7 @@ class _Request(BaseModel):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's convention: -1 or 0 = no limit
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None

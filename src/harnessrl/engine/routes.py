@@ -86,6 +86,7 @@ def _sampling(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
         seed=req.seed,
         stop=req.stop_list(),
         stop_token_ids=list(req.stop_token_ids or []),

@@ -2,7 +2,8 @@
 
 Each sampled token's logprob is `token_logprobs(logits, token, temperature)` from
 `harnessrl.modeling.logprobs`: the log-softmax of the tempered logits (T <= 0 counts as 1.0), taken
-*after* temperature and *before* top-p truncation. Top-p only narrows which tokens may be drawn.
+*after* temperature and *before* top-k / top-p truncation, which only narrow which tokens may be drawn
+(top-k first, then top-p over what is left, as vLLM does).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -91,6 +93,9 @@ def sample_step(
     if rows:
         probs = logp[rows].exp()
         for j, i in enumerate(rows):
+            if 0 < params[i].top_k < probs.shape[-1]:
+                kth = probs[j].topk(params[i].top_k).values[-1]
+                probs[j] = torch.where(probs[j] >= kth, probs[j], 0.0)
             if params[i].top_p < 1.0:
                 probs[j] = _top_p_filter(probs[j], params[i].top_p)
         u = torch.cat([torch.rand(1, generator=generators[i], device=device) for i in rows])
