@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         help="passthrough: the engine renders the chat template; tito: the gateway sends token IDs",
     )
     p.add_argument("--tokenizer", help="model directory with tokenizer.json (needed for --mode tito)")
+    p.add_argument("--upstream-kind", choices=["openai", "sglang"], default="openai",
+                   help="openai: builtin engine or vLLM's OpenAI server; sglang: SGLang's /generate (tito)")  # fmt: skip
+    p.add_argument("--sglang-incremental-streaming", action="store_true",
+                   help="the SGLang server runs with --incremental-streaming-output")  # fmt: skip
     p.add_argument("--replica", action="append", default=[], help="another engine URL serving the same model")
     p.add_argument(
         "--model-map",
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "tito" and not args.tokenizer:
         print("error: --mode tito needs --tokenizer MODEL_DIR", file=sys.stderr)
         return 2
+    if args.upstream_kind == "sglang" and args.mode != "tito":
+        print("error: --upstream-kind sglang needs --mode tito", file=sys.stderr)
+        return 2
     config = GatewayConfig(
         admin_key=admin_key,
         upstream_url=args.upstream,
@@ -60,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         default_max_tokens=args.default_max_tokens,
         mode=args.mode,
         tokenizer_path=args.tokenizer,
+        upstream_kind=args.upstream_kind,
+        sglang_incremental_streaming=args.sglang_incremental_streaming,
     )
     app = create_app(config, SQLiteStore(args.store, synchronous=args.synchronous))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)

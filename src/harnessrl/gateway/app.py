@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -31,6 +31,7 @@ from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
 from harnessrl.gateway.metrics import Metrics
 from harnessrl.gateway.openapi import openapi_document
+from harnessrl.gateway.sglang import SGLangUpstream
 from harnessrl.gateway.upstream import (
     StickyUpstream,
     Upstream,
@@ -63,6 +64,18 @@ class GatewayConfig(BaseModel):
     upstream_retries: int = 3
     mode: Literal["passthrough", "tito"] = "passthrough"
     tokenizer_path: str | None = None  # model directory with tokenizer.json; required for tito
+    # wire of the upstream: "openai" = the engine protocol (builtin engine, vLLM's OpenAI server);
+    # "sglang" = SGLang's native /generate (token IDs in and out; needs tito mode)
+    upstream_kind: Literal["openai", "sglang"] = "openai"
+    sglang_incremental_streaming: bool = False  # the SGLang server runs --incremental-streaming-output
+
+    @model_validator(mode="after")
+    def _sglang_needs_tito(self) -> GatewayConfig:
+        if self.upstream_kind == "sglang" and self.mode != "tito":
+            raise ValueError(
+                "upstream_kind 'sglang' needs mode 'tito' (SGLang returns token IDs only from /generate)"
+            )
+        return self
 
 
 class Gateway:
@@ -73,18 +86,13 @@ class Gateway:
         self.store = store
         self.keys = KeyRing(store.set_meta_if_absent("key_secret", new_secret()))
         urls = [config.upstream_url, *config.replica_urls]
-        self.upstreams = UpstreamPool(
-            upstreams
-            or [
-                Upstream(
-                    f"engine{i}",
-                    url,
-                    timeout_s=config.upstream_timeout_s,
-                    max_retries=config.upstream_retries,
-                )
-                for i, url in enumerate(urls)
-            ]
-        )
+        kind = SGLangUpstream if config.upstream_kind == "sglang" else Upstream
+        built = [kind(f"engine{i}", url, timeout_s=config.upstream_timeout_s, max_retries=config.upstream_retries)
+                 for i, url in enumerate(urls)]  # fmt: skip
+        for u in built:
+            if isinstance(u, SGLangUpstream):
+                u.incremental_streaming = config.sglang_incremental_streaming
+        self.upstreams = UpstreamPool(upstreams or list(built))
         self.weight_version: int | None = None
         self.tito: TitoTokenizer | None = None
         if config.mode == "tito":

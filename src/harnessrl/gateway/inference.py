@@ -51,6 +51,15 @@ def _sampling_fields(s: Sampling) -> dict[str, Any]:
     return body
 
 
+def _prompt_ids(resp: dict[str, Any], choice: dict[str, Any]) -> list[int]:
+    """A completions answer's prompt token IDs: top level (chat; the builtin engine) or, as vLLM's
+    `/v1/completions` sends them, in the choice."""
+    ids = resp.get("prompt_token_ids")
+    if ids is None:
+        ids = choice["prompt_token_ids"]
+    return [int(t) for t in ids]
+
+
 def _version(resp: dict[str, Any]) -> int | None:
     v = resp.get("weight_version")
     return int(v) if isinstance(v, int) else None
@@ -116,7 +125,7 @@ async def tito(
         choice = resp["choices"][0]
         lp = choice.get("logprobs") or {}
         record = TokenRecord(
-            prompt_ids=[int(t) for t in resp["prompt_token_ids"]],
+            prompt_ids=_prompt_ids(resp, choice),
             completion_ids=[int(t) for t in choice["token_ids"]],
             completion_logprobs=[float(x) for x in lp.get("token_logprobs") or []],
             finish_reason=choice.get("finish_reason"),
@@ -149,7 +158,7 @@ async def raw_completion(upstream: StickyUpstream, served: str, prompt: str | li
     try:
         choice = resp["choices"][0]
         record = TokenRecord(
-            prompt_ids=[int(t) for t in resp["prompt_token_ids"]],
+            prompt_ids=_prompt_ids(resp, choice),
             completion_ids=[int(t) for t in choice["token_ids"]],
             completion_logprobs=[
                 float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []
@@ -202,11 +211,12 @@ class _Accumulator:
 
     def take(self, event: dict[str, Any]) -> dict[str, Any]:
         """Absorb one event's token data; return its first choice."""
-        if "prompt_token_ids" in event and self.prompt_ids is None:
-            self.prompt_ids = [int(t) for t in event["prompt_token_ids"]]
+        choice: dict[str, Any] = (event.get("choices") or [{}])[0]
+        first = event.get("prompt_token_ids") or choice.get("prompt_token_ids")  # vLLM: in the choice
+        if first is not None and self.prompt_ids is None:
+            self.prompt_ids = [int(t) for t in first]
         if isinstance(event.get("weight_version"), int):
             self.version = int(event["weight_version"])
-        choice: dict[str, Any] = (event.get("choices") or [{}])[0]
         self.ids += [int(t) for t in choice.get("token_ids") or []]
         if choice.get("finish_reason"):
             self.finish = choice["finish_reason"]

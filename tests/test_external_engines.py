@@ -1,0 +1,216 @@
+"""vLLM's and SGLang's wire formats behind the gateway.
+
+Neither server runs without a GPU, so: (1) the translation is checked on bodies transcribed from their
+source (tests/fixtures, see its README), and (2) the gateway is run against fake servers that re-shape
+a real tiny builtin engine's answers into vLLM's and SGLang's formats, so every token ID is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from harnessrl.gateway import sglang
+from harnessrl.gateway.upstream import UpstreamClientError, UpstreamFailed
+from harnessrl.modeling.loading import load_tokenizer
+from harnessrl.services import Service
+from tests.conftest import GatewayHandle, ThreadServer
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MESSAGES = [{"role": "user", "content": "Name a prime number."}]
+
+
+def test_sglang_answer_becomes_a_vllm_style_completion() -> None:
+    answer = json.loads((FIXTURES / "sglang_generate.json").read_text())
+    out = sglang.completion_response(answer, [785, 6722, 315, 9625, 374], "m")
+    choice = out["choices"][0]
+    assert choice["token_ids"] == answer["output_ids"] and choice["prompt_token_ids"] == [
+        785,
+        6722,
+        315,
+        9625,
+        374,
+    ]
+    assert choice["logprobs"]["token_logprobs"] == [
+        t[0] for t in answer["meta_info"]["output_token_logprobs"]
+    ]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None)
+    assert out["weight_version"] is None  # SGLang's default version is the string "default"
+    answer["meta_info"].update(finish_reason={"type": "stop", "matched": 2}, weight_version="7")
+    out = sglang.completion_response(answer, [1], "m")
+    assert (out["choices"][0]["finish_reason"], out["choices"][0]["stop_reason"], out["weight_version"]) == (
+        "stop",
+        2,
+        7,
+    )
+    answer["meta_info"]["finish_reason"] = {"type": "abort", "message": "client disconnected"}
+    with pytest.raises(UpstreamFailed, match="aborted"):
+        sglang.completion_response(answer, [1], "m")
+    with pytest.raises(UpstreamClientError):
+        sglang.generate_body({"prompt": "text is not enough", "max_tokens": 3})
+    body = sglang.generate_body(
+        {"prompt": [1, 2], "max_tokens": 3, "temperature": 0.5, "stop_token_ids": [2], "top_p": None}
+    )
+    assert body == {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": -1,
+                    "sampling_params": {"max_new_tokens": 3, "temperature": 0.5, "stop_token_ids": [2]}}  # fmt: skip
+
+
+def test_sglang_cumulative_and_incremental_streams_give_the_same_deltas() -> None:
+    triples = [[-0.5, 10, None], [-0.25, 11, None], [-1.0, 12, None]]
+    texts = ["a", "ab", "abc"]
+
+    def cumulative() -> list[dict[str, Any]]:
+        return [{"text": texts[i], "output_ids": [10, 11, 12][: i + 1],
+                 "meta_info": {"id": "x", "output_token_logprobs": triples[: i + 1],
+                               "finish_reason": {"type": "length", "length": 3} if i == 2 else None}}
+                for i in range(3)]  # fmt: skip
+
+    def incremental() -> list[dict[str, Any]]:
+        return [{"text": "abc"[i], "output_ids": [[10, 11, 12][i]],
+                 "meta_info": {"id": "x", "output_token_logprobs": [triples[i]],
+                               "finish_reason": {"type": "length", "length": 3} if i == 2 else None}}
+                for i in range(3)]  # fmt: skip
+
+    async def collect(events: list[dict[str, Any]], inc: bool) -> list[dict[str, Any]]:
+        async def gen() -> AsyncIterator[dict[str, Any]]:
+            for e in events:
+                yield e
+
+        return [c async for c in sglang.delta_events(gen(), [1, 2], "m", inc)]
+
+    for chunks in (asyncio.run(collect(cumulative(), False)), asyncio.run(collect(incremental(), True))):
+        assert [c["choices"][0]["text"] for c in chunks] == ["a", "b", "c"]
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == [10, 11, 12]
+        assert [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]] == [
+            -0.5,
+            -0.25,
+            -1.0,
+        ]
+        assert (
+            chunks[0]["choices"][0]["prompt_token_ids"] == [1, 2]
+            and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        )
+
+
+# --- fake servers over a real engine ---------------------------------------------------------------------
+
+
+async def _engine_events(client: httpx.AsyncClient, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def fake_sglang(engine_url: str, weight_version: str) -> Starlette:
+    """SGLang's `/generate` wire (cumulative streaming) over the builtin engine's completions."""
+    client = httpx.AsyncClient(base_url=engine_url, timeout=60)
+
+    def meta(
+        rid: str, finish: str | None, stop: Any, n_prompt: int, ids: list[int], lps: list[float]
+    ) -> dict[str, Any]:
+        reason = None
+        if finish == "length":
+            reason = {"type": "length", "length": len(ids)}
+        elif finish == "stop":
+            reason = {"type": "stop", "matched": stop}
+        return {"id": rid, "finish_reason": reason, "prompt_tokens": n_prompt, "weight_version": weight_version,
+                "completion_tokens": len(ids), "cached_tokens": 0,
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]}  # fmt: skip
+
+    async def generate(request: Request) -> Response:
+        req = await request.json()
+        sp = req["sampling_params"]
+        body = {"prompt": req["input_ids"], "max_tokens": sp.get("max_new_tokens", 128), "logprobs": 1,
+                "return_token_ids": True, **{k: sp[k] for k in ("temperature", "top_p", "top_k", "stop",
+                                                                "stop_token_ids", "ignore_eos") if k in sp}}  # fmt: skip
+        assert req["return_logprob"] is True
+        if not req.get("stream"):
+            out = (await client.post("/v1/completions", json=body)).json()
+            c = out["choices"][0]
+            m = meta("r1", c["finish_reason"], c["stop_reason"], len(req["input_ids"]), c["token_ids"],
+                     c["logprobs"]["token_logprobs"])  # fmt: skip
+            return JSONResponse({"text": c["text"], "output_ids": c["token_ids"], "meta_info": m})
+
+        async def events() -> AsyncIterator[str]:
+            text, ids, lps = "", [], []  # type: ignore[var-annotated]
+            async for chunk in _engine_events(client, {**body, "stream": True}):
+                c = chunk["choices"][0]
+                text, ids = text + c["text"], ids + c["token_ids"]
+                lps += (c.get("logprobs") or {}).get("token_logprobs") or []
+                m = meta("r1", c["finish_reason"], c.get("stop_reason"), len(req["input_ids"]), ids, lps)
+                yield f"data: {json.dumps({'text': text, 'output_ids': ids, 'meta_info': m})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+
+
+def fake_vllm(engine_url: str) -> Starlette:
+    """vLLM's `/v1/completions` wire: prompt IDs inside the choice, no weight_version, nulls kept."""
+    client = httpx.AsyncClient(base_url=engine_url, timeout=60)
+
+    def reshape(out: dict[str, Any], first: bool) -> dict[str, Any]:
+        prompt = out.pop("prompt_token_ids", None)
+        out.pop("weight_version", None)
+        for c in out.get("choices", []):
+            c["prompt_token_ids"] = prompt if first else None
+            c.setdefault("stop_reason", None)
+        out.update(service_tier=None, system_fingerprint=None, kv_transfer_params=None)
+        return out
+
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        if not body.get("stream"):
+            return JSONResponse(reshape((await client.post("/v1/completions", json=body)).json(), True))
+
+        async def events() -> AsyncIterator[str]:
+            first = True
+            async for chunk in _engine_events(client, body):
+                yield f"data: {json.dumps(reshape(chunk, first))}\n\n"
+                first = False
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_gateway_records_exact_tokens_through_external_engine_wires(
+    kind: str, engine: Service, tiny_model_dir: Path, make_gateway: Callable[..., GatewayHandle]
+) -> None:
+    app = fake_sglang(engine.url, "3") if kind == "sglang" else fake_vllm(engine.url)
+    with ThreadServer(app) as fake:
+        extra = {"upstream_kind": "sglang"} if kind == "sglang" else {}
+        gw = make_gateway(upstream_url=fake.url, mode="tito", tokenizer_path=str(tiny_model_dir), **extra)
+        rid, key = gw.new_rollout(sampling={"temperature": 1.0})
+        client = OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+        plain = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=10)  # type: ignore[arg-type]
+        chunks = list(
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=10, stream=True)
+        )  # type: ignore[arg-type]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = gw.store.calls(rid)
+    assert len(calls) == 2 and all(c.status == "ok" for c in calls)
+    tok = load_tokenizer(tiny_model_dir)
+    rendered = httpx.post(f"{engine.url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    for call, content in zip(calls, [plain.choices[0].message.content or "", streamed], strict=True):
+        assert call.prompt_ids == rendered
+        assert len(call.completion_ids) == len(call.completion_logprobs) > 0
+        assert tok.decode([t for t in call.completion_ids if t != 2], skip_special_tokens=False).startswith(
+            content
+        )
+        assert call.weight_version == (3 if kind == "sglang" else None)  # vLLM sends none: the gateway's own
