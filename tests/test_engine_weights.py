@@ -158,3 +158,27 @@ def test_client_disconnect_aborts_the_sequence(reload_server: ServerThread) -> N
     after = httpx.get(url + "/admin/stats").json()
     assert after["aborted"] == before["aborted"] + 1
     assert after["generated_tokens"] == before["generated_tokens"]
+
+
+def test_sleep_frees_the_kv_cache_and_requests_wait_for_wake_up(engine_tiny_dir: Path) -> None:
+    server = start_server(engine_tiny_dir, "sleepy")
+    body = {"prompt": [1, 4093, 198], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> tuple[dict[str, object], dict[str, object], float]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            before = (await c.post("/v1/completions", json=body)).json()
+            assert (await c.post("/admin/sleep")).json() == {"sleeping": True}
+            stats = (await c.get("/admin/stats")).json()
+            assert stats["sleeping"] and stats["kv_cache_bytes"] == 0
+            waiting = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # held while asleep, not failed
+            t0 = time.monotonic()
+            assert (await c.post("/admin/wake_up")).json() == {"sleeping": False}
+            after = (await waiting).json()
+            return before, after, time.monotonic() - t0
+
+    before, after, _ = asyncio.run(run())
+    assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]  # type: ignore[index]
+    stats = httpx.get(server.url + "/admin/stats").json()
+    assert not stats["sleeping"] and stats["kv_cache_bytes"] > 0

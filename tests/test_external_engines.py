@@ -214,3 +214,107 @@ def test_gateway_records_exact_tokens_through_external_engine_wires(
             content
         )
         assert call.weight_version == (3 if kind == "sglang" else None)  # vLLM sends none: the gateway's own
+
+
+# --- admin routes (weight loads, versions, sleep) ---------------------------------------------------------
+
+
+def admin_fake(answers: dict[str, tuple[int, Any]]) -> tuple[Starlette, list[str]]:
+    """A server answering `answers[path] = (status, json)` and logging `METHOD path?query body`."""
+    hits: list[str] = []
+
+    async def any_route(request: Request) -> Response:
+        raw = (await request.body()).decode()
+        query = f"?{request.url.query}" if request.url.query else ""
+        hits.append(f"{request.method} {request.url.path}{query} {raw}".strip())
+        status, body = answers.get(request.url.path, (404, {"detail": "Not Found"}))
+        return JSONResponse(body, status_code=status)
+
+    return Starlette(routes=[Route("/{path:path}", any_route, methods=["GET", "POST"])]), hits
+
+
+def test_vllm_admin_pauses_loads_tags_resets_and_resumes(tmp_path: Path) -> None:
+    from harnessrl.trainer.weights import engine_admin
+
+    ok: tuple[int, Any] = (200, {})
+    answers = {"/pause": (200, {"status": "paused"}), "/resume": (200, {"status": "resumed"}),
+               "/update_weights": (200, {"message": "Weights updated"}), "/reset_prefix_cache": ok,
+               "/weight_info": (200, {"weight_version": "5"}), "/sleep": ok, "/wake_up": ok}  # fmt: skip
+    app, hits = admin_fake(answers)
+
+    async def drive(url: str) -> int:
+        admin = engine_admin("vllm", url)
+        assert await admin.load_weights(tmp_path / "v5", 5) == 5
+        await admin.sleep()
+        await admin.wake_up()
+        version = await admin.weight_version()
+        await admin.aclose()
+        return version
+
+    with ThreadServer(app) as srv:
+        assert asyncio.run(drive(srv.url)) == 5
+    path = json.dumps({"update_info": {"path": str(tmp_path / "v5")}}).replace(" ", "")
+    assert [h.replace(" ", "") for h in hits] == [
+        "POST/pause?mode=wait", f"POST/update_weights{path}", 'POST/update_weight_version{"new_version":"5"}',
+        "POST/reset_prefix_cache", "POST/resume", "POST/sleep?level=1", "POST/wake_up", "GET/weight_info",
+    ]  # fmt: skip
+
+
+def test_vllm_admin_resumes_even_when_the_load_fails(tmp_path: Path) -> None:
+    from harnessrl.trainer.weights import EngineAdminError, engine_admin
+
+    app, hits = admin_fake({"/pause": (200, {}), "/resume": (200, {}),
+                            "/update_weights": (400, {"error": "no such file"})})  # fmt: skip
+
+    async def drive(url: str) -> None:
+        admin = engine_admin("vllm", url)
+        try:
+            await admin.load_weights(tmp_path / "missing", 1)
+        finally:
+            await admin.aclose()
+
+    with ThreadServer(app) as srv, pytest.raises(EngineAdminError, match="update_weights answered 400"):
+        asyncio.run(drive(srv.url))
+    assert hits[-1].startswith("POST /resume")  # never left paused
+
+
+def test_sglang_admin_loads_from_disk_and_reads_the_version(tmp_path: Path) -> None:
+    from harnessrl.trainer.weights import EngineAdminError, engine_admin
+
+    answers = {"/update_weights_from_disk": (200, {"success": True, "message": "ok", "num_paused_requests": 0}),
+               "/get_model_info": (200, {"model_path": "m", "weight_version": "2"}),
+               "/release_memory_occupation": (200, None), "/resume_memory_occupation": (200, None)}  # fmt: skip
+    app, hits = admin_fake(answers)
+
+    async def drive(url: str) -> int:
+        admin = engine_admin("sglang", url)
+        assert await admin.load_weights(tmp_path / "v2", 2) == 2
+        await admin.sleep()
+        await admin.wake_up()
+        version = await admin.weight_version()  # /model_info is 404 here: the older route answers
+        await admin.aclose()
+        return version
+
+    with ThreadServer(app) as srv:
+        assert asyncio.run(drive(srv.url)) == 2
+    assert (
+        hits[0] == f'POST /update_weights_from_disk {{"model_path":"{tmp_path / "v2"}","weight_version":"2"}}'
+    )
+    assert [h.split(" ")[1] for h in hits[1:]] == ["/release_memory_occupation", "/resume_memory_occupation",
+                                                   "/model_info", "/get_model_info"]  # fmt: skip
+    failing, _ = admin_fake({"/update_weights_from_disk": (200, {"success": False, "message": "bad shape"})})
+    with ThreadServer(failing) as srv, pytest.raises(EngineAdminError, match="bad shape"):
+        asyncio.run(engine_admin("sglang", srv.url).load_weights(tmp_path, 3))
+
+
+def test_run_config_names_an_external_engine_by_kind_and_url() -> None:
+    from harnessrl.config import load_config
+
+    cfg = load_config(None, ["engine.kind=vllm", "engine.url=http://127.0.0.1:8000"])
+    assert (cfg.engine.kind, cfg.engine.url) == ("vllm", "http://127.0.0.1:8000")
+    with pytest.raises(Exception, match=r"needs engine\.url"):
+        load_config(None, ["engine.kind=sglang"])
+    with pytest.raises(ValueError, match="engine kind"):
+        from harnessrl.trainer.weights import engine_admin
+
+        engine_admin("tgi", "http://x")

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Estimator, LossMode
 
@@ -16,13 +16,23 @@ class _Section(BaseModel):
 
 
 class EngineSection(_Section):
-    """The builtin engine process."""
+    """The engine: the builtin one (started by the run) or an external vLLM / SGLang server."""
 
     model: str = "smollm2"  # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct
     port: int = 0  # 0: pick a free port
     max_batch: int = 32
     max_model_len: int = 2048
     threads: int | None = None
+    # "vllm" / "sglang": a server already running at `url`, serving `model` (the trainer loads the same
+    # directory); it must be able to read the run directory, where new weights are written
+    kind: Literal["builtin", "vllm", "sglang"] = "builtin"
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _external_needs_url(self) -> EngineSection:
+        if self.kind != "builtin" and not self.url:
+            raise ValueError(f"engine.kind {self.kind!r} needs engine.url (the running server)")
+        return self
 
 
 class GatewaySection(_Section):

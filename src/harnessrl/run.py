@@ -53,34 +53,36 @@ def run_id_for(run_dir: Path) -> str:
     return run_id
 
 
-def start_services(cfg: RunConfig, run_dir: Path, model_dir: Path, admin_key: str) -> tuple[Service, Service]:
-    """Start the engine and the gateway and wait until both answer."""
-    engine_port = cfg.engine.port or free_port()
-    engine = start_engine(
-        model_dir,
-        engine_port,
-        run_dir / "logs",
-        cfg.engine.max_batch,
-        cfg.engine.max_model_len,
-        cfg.engine.threads,
-    )
+def start_services(
+    cfg: RunConfig, run_dir: Path, model_dir: Path, admin_key: str
+) -> tuple[Service | None, Service, str]:
+    """Start the builtin engine (unless an external one is configured) and the gateway; wait until
+    both answer. Returns (engine process or None, gateway process, engine URL)."""
+    engine: Service | None = None
+    if cfg.engine.kind == "builtin":
+        engine_port = cfg.engine.port or free_port()
+        engine = start_engine(model_dir, engine_port, run_dir / "logs", cfg.engine.max_batch,
+                              cfg.engine.max_model_len, cfg.engine.threads)  # fmt: skip
+        engine_url = engine.url
+    else:
+        engine_url = str(cfg.engine.url)
+    mode = "tito" if cfg.engine.kind == "sglang" else cfg.gateway.mode  # SGLang returns ids only to tito
     gateway_port = cfg.gateway.port or free_port()
     gateway = start_gateway(
-        run_dir / "store.sqlite",
-        engine.url,
-        gateway_port,
-        admin_key,
-        run_dir / "logs",
-        cfg.gateway.default_max_tokens,
-    )
+        run_dir / "store.sqlite", engine_url, gateway_port, admin_key, run_dir / "logs",
+        cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
+        upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
+    )  # fmt: skip
     try:
-        engine.wait_healthy()
+        if engine is not None:
+            engine.wait_healthy()
         gateway.wait_healthy()
     except BaseException:
         gateway.stop()
-        engine.stop()
+        if engine is not None:
+            engine.stop()
         raise
-    return engine, gateway
+    return engine, gateway, engine_url
 
 
 def run(
@@ -102,7 +104,7 @@ def run(
     write_tasks(heldout, run_dir / "data" / "heldout.jsonl")
     model_dir = resolve_model(cfg.engine.model)
     admin_key = secrets.token_hex(16)
-    engine, gateway = start_services(cfg, run_dir, model_dir, admin_key)
+    engine, gateway, engine_url = start_services(cfg, run_dir, model_dir, admin_key)
     try:
         summary = asyncio.run(
             _run_async(
@@ -111,7 +113,7 @@ def run(
                 example,
                 model_dir,
                 gateway.url,
-                engine.url,
+                engine_url,
                 admin_key,
                 train_tasks,
                 heldout,
@@ -121,7 +123,8 @@ def run(
         )
     finally:
         gateway.stop()
-        engine.stop()
+        if engine is not None:
+            engine.stop()
     summary["wall_seconds"] = time.time() - started
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     from harnessrl.plot import reward_curve
@@ -143,13 +146,13 @@ async def _run_async(
     progress: Progress,
     on_step: Callable[[int, dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
-    from harnessrl.trainer.weights import EngineAdmin
+    from harnessrl.trainer.weights import engine_admin
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     client = ControlClient(gateway_url, admin_key)
-    engine = EngineAdmin(engine_url)
+    engine = engine_admin(cfg.engine.kind, engine_url)
     harness = HarnessSpec(command=example.harness_command, timeout_s=cfg.controller.harness_timeout_s)
     controller = Controller(
         client, gateway_url, harness, example.grader, run_dir,

@@ -95,10 +95,18 @@ def start_gateway(
     default_max_tokens: int,
     mode: str = "passthrough",
     tokenizer: Path | None = None,
+    upstream_kind: str = "openai",
 ) -> Service:
     """The gateway over the SQLite store at `store_path`."""
     args = ["harnessrl.gateway", "--store", str(store_path), "--upstream", upstream_url, "--port", str(port)]
-    args += ["--default-max-tokens", str(default_max_tokens), "--mode", mode]
+    args += [
+        "--default-max-tokens",
+        str(default_max_tokens),
+        "--mode",
+        mode,
+        "--upstream-kind",
+        upstream_kind,
+    ]
     if tokenizer is not None:
         args += ["--tokenizer", str(tokenizer)]
     return start_service("gateway", args, port, log_dir, env={"HARNESSRL_ADMIN_KEY": admin_key})

@@ -15,7 +15,7 @@ from harnessrl.chat import render_chat
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult, Scheduler, Sequence, WeightLoad
+from harnessrl.engine.scheduler import GenerationResult, Maintenance, Scheduler, Sequence, WeightLoad
 from harnessrl.modeling.loading import (
     check_state_dict,
     load_model,
@@ -171,6 +171,19 @@ class Engine:
             return check_state_dict(self.model, {k: v.to(dtype) for k, v in state.items()})
         except (FileNotFoundError, ValueError) as exc:
             raise EngineError(f"cannot load weights from {path}: {exc}", "path") from exc
+
+    async def sleep(self) -> None:
+        """Free the KV cache once running sequences finish (collocation: the trainer gets the memory).
+        Requests that arrive meanwhile wait until `wake_up`. Weights stay where they are."""
+        fut, on_done = self._future()
+        self.scheduler.queue_maintenance(Maintenance("engine_sleep", self.scheduler.sleep, on_done))
+        await fut
+
+    async def wake_up(self) -> None:
+        """Allocate the KV cache again and admit requests."""
+        fut, on_done = self._future()
+        self.scheduler.queue_maintenance(Maintenance("engine_wake", self.scheduler.wake, on_done))
+        await fut
 
     def pause(self) -> None:
         """Stop admitting new sequences; running ones finish."""

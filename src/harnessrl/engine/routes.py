@@ -218,6 +218,16 @@ class EngineRoutes:
         """GET /admin/weight_version."""
         return JSONResponse({"weight_version": self.engine.weight_version})
 
+    async def sleep(self, request: Request) -> Response:
+        """POST /admin/sleep: free the KV cache after running sequences finish (vLLM: /sleep?level=1)."""
+        await self.engine.sleep()
+        return JSONResponse({"sleeping": True})
+
+    async def wake_up(self, request: Request) -> Response:
+        """POST /admin/wake_up: allocate the KV cache again."""
+        await self.engine.wake_up()
+        return JSONResponse({"sleeping": False})
+
     async def stats(self, request: Request) -> Response:
         """GET /admin/stats: scheduler counters (max batch seen, tokens, queue sizes)."""
         return JSONResponse(self.engine.stats())
@@ -236,6 +246,8 @@ class EngineRoutes:
             ("/admin/load_weights", self.load_weights, "POST"),
             ("/admin/weight_version", self.weight_version, "GET"),
             ("/admin/stats", self.stats, "GET"),
+            ("/admin/sleep", self.sleep, "POST"),
+            ("/admin/wake_up", self.wake_up, "POST"),
         ]
         return [Route(path, _guard(fn), methods=[method]) for path, fn, method in table]
 

@@ -95,6 +95,15 @@ class WeightLoad:
 
 
 @dataclass
+class Maintenance:
+    """Work that must run while no sequence is in flight (sleep, wake-up); queued like a weight load."""
+
+    name: str
+    fn: Callable[[], object]
+    on_done: Callable[[object], None]
+
+
+@dataclass
 class Stats:
     """Counters exposed at GET /admin/stats."""
 
@@ -140,7 +149,8 @@ class Scheduler:
         self.stats = Stats()
         self.paused = False
         self._waiting: deque[Sequence] = deque()
-        self._loads: deque[WeightLoad] = deque()
+        self._loads: deque[WeightLoad | Maintenance] = deque()
+        self.sleeping = False
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -172,6 +182,23 @@ class Scheduler:
             self._loads.append(load)
             self._cond.notify_all()
 
+    def queue_maintenance(self, op: Maintenance) -> None:
+        """Queue `op` to run once running sequences finished (admission waits for it, like a weight load)."""
+        with self._cond:
+            self._loads.append(op)
+            self._cond.notify_all()
+
+    def sleep(self) -> None:
+        """(scheduler thread, nothing running) Free the KV cache; admission waits until `wake`."""
+        self.slots.clear_cache()
+        self.cache.free()
+        self.sleeping = True
+
+    def wake(self) -> None:
+        """(scheduler thread) Allocate the KV cache again and admit sequences."""
+        self.cache.allocate()
+        self.sleeping = False
+
     def set_paused(self, paused: bool) -> None:
         """Pause (stop admitting; running sequences finish) or resume admission."""
         with self._cond:
@@ -187,6 +214,8 @@ class Scheduler:
                 "waiting": len(self._waiting),
                 "pending_weight_loads": len(self._loads),
                 "paused": self.paused,
+                "sleeping": self.sleeping,
+                "kv_cache_bytes": self.cache.kv.numel() * self.cache.kv.element_size(),
                 "weight_version": self.weight_version,
             }
 
@@ -213,12 +242,16 @@ class Scheduler:
         return bool(self.slots.n_active or self._loads or (self._waiting and self._may_admit()))
 
     def _may_admit(self) -> bool:
-        return not self.paused and not self._loads
+        return not self.paused and not self._loads and not self.sleeping
 
     def _step(self) -> None:
         self._drop_cancelled()
         if self._loads and self.slots.n_active == 0:
-            self._apply_weight_load(self._loads.popleft())
+            op = self._loads.popleft()
+            if isinstance(op, WeightLoad):
+                self._apply_weight_load(op)
+            else:
+                self._apply_maintenance(op)
             return
         self._admit()
         if self.slots.n_active:
@@ -385,6 +418,16 @@ class Scheduler:
         log.info("event=weights_swapped version=%d seconds=%.2f", load.version, time.monotonic() - t0)
         load.on_done(load.version)
 
+    def _apply_maintenance(self, op: Maintenance) -> None:
+        try:
+            result = op.fn()
+        except Exception as exc:
+            log.exception("event=maintenance_failed op=%s", op.name)
+            op.on_done(exc)
+            return
+        log.info("event=%s", op.name)
+        op.on_done(result)
+
     def _fail_running(self, exc: BaseException) -> None:
         for seq in self.slots.active():
             self.slots.release(seq, keep=False)
@@ -397,4 +440,4 @@ class Scheduler:
         while self._waiting:
             self._finish(self._waiting.popleft(), "abort", None, leave=False)
         while self._loads:
-            self._loads.popleft().on_done(RuntimeError("engine is shutting down"))
+            self._loads.popleft().on_done(RuntimeError("engine is shutting down"))  # type: ignore[arg-type]

@@ -37,8 +37,23 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.max_batch, self.max_len = max_batch, max_len
-        shape = (layers, 2, max_batch, kv_heads, max_len, head_dim)
-        self.kv: Tensor = _zeros(shape, dtype, torch.device(device))
+        self._shape = (layers, 2, max_batch, kv_heads, max_len, head_dim)
+        self._dtype, self._device = dtype, torch.device(device)
+        self.kv: Tensor = _zeros(self._shape, dtype, self._device)
+
+    @property
+    def allocated(self) -> bool:
+        """False between `free` and `allocate`."""
+        return self.kv.numel() > 0
+
+    def free(self) -> None:
+        """Give the cache's memory back (engine sleep); every slot's K/V is lost."""
+        self.kv = torch.empty(0, dtype=self._dtype, device=self._device)
+
+    def allocate(self) -> None:
+        """Allocate the cache again after `free` (engine wake-up)."""
+        if not self.allocated:
+            self.kv = _zeros(self._shape, self._dtype, self._device)
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst`."""
