@@ -26,7 +26,10 @@ fi
 # The engine baseline: llama-cpp-python's OpenAI server (built from source, ~6-10 minutes on 2 cores).
 if [[ "$WANT" == *" llamacpp "* ]] && [ ! -x .bench/venv-llamacpp/bin/python ]; then
   rm -rf .bench/venv-llamacpp.tmp && python3 -m venv .bench/venv-llamacpp.tmp
+  # -march=native turns on ggml's AMX path on CPUs that advertise AMX; under this VM it dies with
+  # SIGILL at the first decode, so build for AVX-512 (+VNNI/BF16) explicitly, without AMX.
+  CMAKE_ARGS="${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}" \
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-    .bench/venv-llamacpp.tmp/bin/pip install -q "llama-cpp-python[server]"
+    .bench/venv-llamacpp.tmp/bin/pip install -q --no-cache-dir "llama-cpp-python[server]"
   mv .bench/venv-llamacpp.tmp .bench/venv-llamacpp
 fi

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
-import numpy as np
+import math
+import mmap
+import warnings
+
 import torch
 from torch import Tensor
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Zeros that cost no resident memory until touched (CPU: calloc'd pages are mapped lazily)."""
+    """Zeros that cost no resident memory until touched.
+
+    On CPU the memory is an anonymous mmap (the kernel hands out zero pages lazily) advised against
+    transparent huge pages: with huge pages (numpy asks for them on large arrays) writing a few
+    positions of one slot commits 2 MB pages spanning neighbouring slots, and the cache became resident
+    whole (2.9 GB at 64 slots) instead of by the tokens actually held.
+    """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
-    return torch.from_numpy(raw).view(dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "non-writable buffer" does not apply: the mmap is writable
+        return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
 
 
 class KVCache:
@@ -22,8 +37,8 @@ class KVCache:
     Layout: `kv[layer, 0 (keys) | 1 (values), slot, kv_head, position, head_dim]`. A batched decode step
     works on slots `0..B-1` as a view, so the scheduler keeps running sequences packed at the front (see
     `copy`/`swap`). The memory must start finite: a decode step reads (masked) positions past a short
-    sequence's end, and a masked NaN still poisons attention (0 * NaN). On CPU it comes from calloc
-    (via numpy), so the OS commits pages only as they are written.
+    sequence's end, and a masked NaN still poisons attention (0 * NaN). On CPU it is an anonymous mmap,
+    so the OS commits (4 KB) pages only as they are written.
     """
 
     def __init__(
