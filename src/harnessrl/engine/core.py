@@ -65,10 +65,8 @@ class Engine:
         torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_dir = resolve_model(config.model)
-        self.model = load_model(
-            self.model_dir, dtype=config.torch_dtype, device=config.device
-        ).fuse_for_inference()
-        _release_freed_memory()  # the loaded state dict and the unfused weights are garbage now
+        self.model = load_model(self.model_dir, dtype=config.torch_dtype, device=config.device)
+        _release_freed_memory()  # the loaded state dict is garbage now
         self.tokenizer = load_tokenizer(self.model_dir)
         self.text = TokenText(self.tokenizer)
         self.served_model_name = config.served_model_name or config.model

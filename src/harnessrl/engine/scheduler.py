@@ -407,7 +407,6 @@ class Scheduler:
         t0 = time.monotonic()
         try:
             load_weights_into(self.model, load.state)
-            self.model.refresh_inference_weights()
         except Exception as exc:
             log.exception("event=weight_load_failed version=%d", load.version)
             load.on_done(exc)

@@ -118,28 +118,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
 
-    qkv_t: Tensor | None = None  # [hidden, (heads + 2 kv_heads) * head_dim] once fused for inference
-    o_t: Tensor | None = None  # [heads * head_dim, hidden]
-
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, t, _ = x.shape
-        if self.qkv_t is not None:
-            q, k, v = (x @ self.qkv_t).split(
-                [self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1
-            )
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(b, t, self.n_heads, self.hd).transpose(1, 2)
-        k = k.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
-        v = v.reshape(b, t, self.n_kv, self.hd).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def _o(self, o: Tensor) -> Tensor:
-        return o @ self.o_t if self.o_t is not None else self.o_proj(o)
 
     def _out(self, o: Tensor) -> Tensor:
         b, _, t, _ = o.shape
-        return self._o(o.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         """Full-sequence attention (training); `mask` None means plain causal."""
@@ -186,7 +174,7 @@ class Attention(nn.Module):
         # fold the group's heads into the query-length dimension.
         qg = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.hd)
         o = F.scaled_dot_product_attention(qg, kv[0, :, :, :width], kv[1, :, :, :width], attn_mask=mask)
-        return self._o(o.reshape(b, 1, self.n_heads * self.hd))
+        return self.o_proj(o.reshape(b, 1, self.n_heads * self.hd))
 
 
 class MLP(nn.Module):
@@ -198,14 +186,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    gate_up_t: Tensor | None = None  # [hidden, 2 * intermediate] once fused for inference
-    down_t: Tensor | None = None  # [intermediate, hidden]
-
     def forward(self, x: Tensor) -> Tensor:
         """down(silu(gate(x)) * up(x))."""
-        if self.gate_up_t is not None and self.down_t is not None:
-            gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
-            return (F.silu(gate) * up) @ self.down_t
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -251,7 +233,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._fused = False
         # Kept in fp32 outside the buffers so `.to(dtype)` never rounds it (HF computes RoPE in fp32 too).
         steps = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device="cpu").float()
         self._inv_freq = 1.0 / (cfg.rope_theta ** (steps / cfg.head_dim))
@@ -315,30 +296,9 @@ class LlamaForCausalLM(nn.Module):
 
         Deliberately the plain `F.linear` the training forward uses: a oneDNN-packed copy was ~1.5x
         faster at batch 16 but moved SmolLM2's logprobs by up to 3e-4, past the 1e-4 exactness bound.
+        (Fusing q/k/v and gate/up into transposed buffers was tried too: no faster at batch 16 here.)
         """
         return self.lm_head(h)
-
-    def fuse_for_inference(self) -> LlamaForCausalLM:
-        """Re-lay the weights for fast inference matrix products (call after any dtype/device change).
-
-        Each layer's q/k/v and gate/up weights become views into one transposed buffer, so a projection
-        is a single `x @ W_t` (for small batches 2-3x faster on CPU than `F.linear` on the HF layout).
-        Parameters stay valid views: `state_dict()` and in-place weight loads keep working (call
-        `refresh_inference_weights` after a load).
-        """
-        for layer in self.model.blocks:
-            a, m = layer.self_attn, layer.mlp
-            a.qkv_t = _fuse_transposed([a.q_proj, a.k_proj, a.v_proj])
-            a.o_t = _fuse_transposed([a.o_proj])
-            m.gate_up_t = _fuse_transposed([m.gate_proj, m.up_proj])
-            m.down_t = _fuse_transposed([m.down_proj])
-        self._fused = True
-        self.refresh_inference_weights()
-        return self
-
-    def refresh_inference_weights(self) -> None:
-        """Recompute derived inference weights after the parameters changed in place (none today: the
-        fused buffers are the parameters' storage; kept as the hook a weight load must call)."""
 
     def decode(self, tokens: Tensor, cache: KVCache, lengths: Tensor) -> Tensor:
         """One decode step for slots 0..B-1: token i goes to position lengths[i]; returns logits [B, V]."""
@@ -379,18 +339,6 @@ def _positions_and_mask(
     # Keys: causal and real; a padding query still sees itself so no row is fully masked (no NaN).
     mask = causal & (am.unsqueeze(1) | torch.eye(t, dtype=torch.bool, device=device))
     return positions, mask.unsqueeze(1)
-
-
-def _fuse_transposed(linears: list[nn.Linear]) -> Tensor:
-    """One contiguous [in, sum(out)] buffer holding the linears' transposed weights; each linear's
-    weight becomes a (non-contiguous) view into it."""
-    buf = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).contiguous()
-    off = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(buf[:, off : off + n].t(), requires_grad=False)
-        off += n
-    return buf
 
 
 def num_parameters(model: nn.Module) -> int:
