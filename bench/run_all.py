@@ -1,4 +1,5 @@
-"""`make bench`: every benchmark in turn; each prints a table and writes bench/results/<name>.json."""
+"""`make bench`: the engine benchmark without baselines that need building (`make bench-engine` and
+`make bench-gateway` run the full comparisons); prints a table and writes bench/results/engine.json."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ def main() -> int:
     here = Path(__file__).parent
     for name in BENCHES:
         print(f"== {name}", flush=True)
-        rc = subprocess.call([sys.executable, str(here / name)])
+        rc = subprocess.call(
+            [sys.executable, str(here / name), "--out", str(here / "results" / "engine_quick.json")]
+        )
         if rc:
             return rc
     return 0
