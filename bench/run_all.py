@@ -1,5 +1,5 @@
 """`make bench`: the engine benchmark without baselines that need building (`make bench-engine` and
-`make bench-gateway` run the full comparisons); prints a table and writes bench/results/engine.json."""
+`make bench-gateway` run the full comparisons); prints a table and writes bench/results/engine_quick.json."""
 
 from __future__ import annotations
 
