@@ -10,6 +10,16 @@ from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 
+def _parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:
+    """Status code and lower-cased headers of an HTTP/1.1 response head (without the blank line)."""
+    lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(b":")
+        headers[k.strip().lower()] = v.strip()
+    return int(lines[0].split(b" ", 2)[1]), headers
+
+
 class HTTPError(Exception):
     """The connection failed or the answer could not be read (a transport error: retryable)."""
 
@@ -31,11 +41,7 @@ class _Response:
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
-            lines = bytes(self.buf[:end]).split(b"\r\n")
-            self.status = int(lines[0].split(b" ", 2)[1])
-            for line in lines[1:]:
-                k, _, v = line.partition(b":")
-                self.headers[k.strip().lower()] = v.strip()
+            self.status, self.headers = _parse_head(bytes(self.buf[:end]))
             self.body_start = end + 4
             self.keep_alive = self.headers.get(b"connection", b"").lower() != b"close"
         self._try_finish()
@@ -98,11 +104,7 @@ class _StreamResponse:
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
-            lines = bytes(self.buf[:end]).split(b"\r\n")
-            self.status = int(lines[0].split(b" ", 2)[1])
-            for line in lines[1:]:
-                k, _, v = line.partition(b":")
-                self.headers[k.strip().lower()] = v.strip()
+            self.status, self.headers = _parse_head(bytes(self.buf[:end]))
             del self.buf[: end + 4]
             self.chunked = self.headers.get(b"transfer-encoding", b"").lower() == b"chunked"
             if b"content-length" in self.headers:
