@@ -11,10 +11,22 @@ from harnessrl.adapter import (
     Estimator,
     LossMode,
     Row,
+    ZeroVariance,
+    build_batch,
     group_advantages,
     loss_weights,
     rollout_advantages,
     sample_level_advantages,
+)
+from harnessrl.schema import (
+    Attempt,
+    AttemptStatus,
+    Call,
+    CallStatus,
+    Reward,
+    Rollout,
+    RolloutDetail,
+    RolloutState,
 )
 
 rewards_st = st.lists(st.floats(min_value=-5, max_value=5, allow_nan=False), min_size=1, max_size=12)
@@ -118,3 +130,35 @@ def test_loss_weights_reproduce_the_reference_loss(b: tuple, mode: LossMode, rnd
     assert weighted == pytest.approx(ref_loss(rows, per_token, mode), rel=1e-9, abs=1e-9)
     for ws, r in zip(w, rows, strict=True):
         assert all(wi == 0.0 for wi, m in zip(ws, r.loss_mask, strict=True) if m == 0)
+
+
+def _detail(rid: str, group: str, reward: float, n_calls: int = 1) -> RolloutDetail:
+    """A graded rollout whose calls do not extend each other (n_calls rows)."""
+    calls = [
+        Call(call_id=f"{rid}-{i}", rollout_id=rid, attempt=0, index=i, created_at=0.0, latency_s=0.0,
+             status=CallStatus.OK, model="m", upstream="e", request={}, response={},
+             prompt_ids=[1, 100 + i], completion_ids=[5, 6], completion_logprobs=[-0.1, -0.2])
+        for i in range(n_calls)
+    ]  # fmt: skip
+    ro = Rollout(rollout_id=rid, client_id=rid, task_id=group, group_id=group, state=RolloutState.SUCCEEDED,
+                 created_at=0.0, updated_at=0.0, n_attempts=1)  # fmt: skip
+    attempt = Attempt(rollout_id=rid, attempt=0, status=AttemptStatus.EXITED, started_at=0.0)
+    return RolloutDetail(rollout=ro, attempts=[attempt], calls=calls,
+                         reward=Reward(rollout_id=rid, value=reward, updated_at=0.0))  # fmt: skip
+
+
+def test_zero_variance_groups_are_counted_and_kept_or_dropped() -> None:
+    details = [_detail("a1", "ga", 1.0), _detail("a2", "ga", 1.0, n_calls=2),  # all equal: zero variance
+               _detail("b1", "gb", 1.0), _detail("b2", "gb", 0.0),
+               _detail("c1", "gc", 0.0), _detail("c2", "gc", 0.0)]  # fmt: skip
+    kept = build_batch(details, zero_variance=ZeroVariance.KEEP)
+    dropped = build_batch(details, zero_variance=ZeroVariance.DROP)
+    assert (kept.groups, kept.zero_variance_groups, kept.dropped_rows) == (3, 2, 0)
+    assert (dropped.groups, dropped.zero_variance_groups, dropped.dropped_rows) == (3, 2, 5)
+    assert len(kept.rows) == 7 and {r.rollout_id for r in dropped.rows} == {"b1", "b2"}
+    by_rollout = dict(zip([r.rollout_id for r in kept.rows], kept.advantages, strict=False))
+    assert by_rollout["a1"] == by_rollout["c2"] == 0.0
+    # the surviving group's advantages do not depend on the choice
+    assert (
+        dropped.advantages == [by_rollout["b1"], by_rollout["b2"]] and by_rollout["b1"] > 0 > by_rollout["b2"]
+    )

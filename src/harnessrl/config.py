@@ -8,7 +8,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from harnessrl.adapter import AdvantageLevel, Estimator, LossMode
+from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
 
 
 class _Section(BaseModel):
@@ -69,6 +69,7 @@ class TrainSection(_Section):
     estimator: Estimator = Estimator.GRPO
     advantage_level: AdvantageLevel = AdvantageLevel.ROLLOUT
     loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN
+    zero_variance: ZeroVariance = ZeroVariance.KEEP  # groups whose rollouts all got the same reward
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
     seed: int = 0

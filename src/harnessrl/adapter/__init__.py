@@ -6,7 +6,7 @@ from harnessrl.adapter.advantage import (
     rollout_advantages,
     sample_level_advantages,
 )
-from harnessrl.adapter.batch import AdvantageLevel, Batch, build_batch
+from harnessrl.adapter.batch import AdvantageLevel, Batch, ZeroVariance, build_batch
 from harnessrl.adapter.loss_weights import LossMode, loss_weights
 from harnessrl.adapter.merge import BreakCause, MergeResult, MergeStats, Row, classify_break, merge_calls
 
@@ -19,6 +19,7 @@ __all__ = [
     "MergeResult",
     "MergeStats",
     "Row",
+    "ZeroVariance",
     "build_batch",
     "classify_break",
     "group_advantages",

@@ -12,6 +12,14 @@ from harnessrl.adapter.merge import MergeStats, Row, merge_calls
 from harnessrl.schema import RolloutDetail, RolloutState
 
 
+class ZeroVariance(StrEnum):
+    """What to do with a group whose rollouts all got the same reward (every advantage is 0)."""
+
+    KEEP = "keep"  # train on its rows with advantage 0: they add nothing to the policy gradient but
+    #                count in the normalisation (and in a KL or entropy term)
+    DROP = "drop"  # leave its rows out of the batch
+
+
 class AdvantageLevel(StrEnum):
     """Where group statistics are taken: over rollouts (correct) or over rows (ablation)."""
 
@@ -28,6 +36,9 @@ class Batch:
     weights: list[list[float]]
     rewards: dict[str, float]
     stats: MergeStats = field(default_factory=MergeStats)
+    groups: int = 0  # groups with at least one graded rollout
+    zero_variance_groups: int = 0  # of those, groups whose rewards were all equal
+    dropped_rows: int = 0  # rows left out because their group had zero variance (ZeroVariance.DROP)
 
     @property
     def n_trainable_tokens(self) -> int:
@@ -40,9 +51,12 @@ def build_batch(
     level: AdvantageLevel = AdvantageLevel.ROLLOUT,
     estimator: Estimator = Estimator.GRPO,
     loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN,
+    zero_variance: ZeroVariance = ZeroVariance.KEEP,
 ) -> Batch:
     """Turn graded rollouts into a batch. Rollouts without a reward are left out; only the calls of a
-    rollout's last attempt are used (earlier attempts died for infrastructure reasons)."""
+    rollout's last attempt are used (earlier attempts died for infrastructure reasons). Groups whose
+    rewards are all equal are counted, and kept with advantage 0 or dropped (`zero_variance`); the
+    advantages of the other groups do not depend on that choice (statistics are per group)."""
     stats = MergeStats()
     rows_of: dict[str, list[Row]] = {}
     rewards: dict[str, float] = {}
@@ -61,11 +75,23 @@ def build_batch(
         adv = rollout_advantages(rewards, groups, estimator)
     else:
         adv = sample_level_advantages(rewards, groups, {r: len(v) for r, v in rows_of.items()})
-    rows = [row for rid in rows_of for row in rows_of[rid]]
+    members: dict[str, list[str]] = {}
+    for rid, gid in groups.items():
+        members.setdefault(gid, []).append(rid)
+    flat = {
+        gid
+        for gid, rids in members.items()
+        if max(rewards[r] for r in rids) - min(rewards[r] for r in rids) <= 1e-12
+    }
+    keep = [rid for rid in rows_of if not (zero_variance == ZeroVariance.DROP and groups[rid] in flat)]
+    rows = [row for rid in keep for row in rows_of[rid]]
     return Batch(
         rows=rows,
         advantages=[adv[r.rollout_id] for r in rows],
         weights=loss_weights(rows, loss_mode),
         rewards=rewards,
         stats=stats,
+        groups=len(members),
+        zero_variance_groups=len(flat),
+        dropped_rows=sum(len(v) for v in rows_of.values()) - len(rows),
     )

@@ -133,7 +133,7 @@ async def train_step(ctx: TrainContext, train_tasks: list[Task], step: int) -> d
     outcomes = await run_rollouts(ctx, step_requests(ctx, train_tasks, step), f"step {step + 1} rollouts")
     details = await fetch_details(ctx.client, outcomes)
     t = ctx.cfg.train
-    batch = build_batch(details, t.advantage_level, t.estimator, t.loss_mode)
+    batch = build_batch(details, t.advantage_level, t.estimator, t.loss_mode, t.zero_variance)
     t1 = time.perf_counter()
     await ctx.client.pause()
     update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo)
@@ -167,6 +167,9 @@ def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any
         "tokens": sum(len(r.tokens) for r in batch.rows),
         "trainable_tokens": batch.n_trainable_tokens,
         "zero_adv_rows": sum(a == 0.0 for a in batch.advantages),
+        "groups": batch.groups,
+        "zero_variance_groups": batch.zero_variance_groups,
+        "dropped_rows": batch.dropped_rows,
     }
 
 
