@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from harnessrl.gateway.errors import APIError, from_validation_error
+from harnessrl.gateway.errors import APIError, validate
 from harnessrl.gateway.http import read_json
 from harnessrl.gateway.keys import new_rollout_id, valid_rollout_id
 from harnessrl.schema import (
@@ -48,10 +48,7 @@ class ResumeRequest(BaseModel):
 
 async def _body(request: Request, model: type[M], gw: Gateway) -> M:
     data = await read_json(request, gw.config.max_body_bytes, empty={})
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    return validate(model, data)
 
 
 def _rollout_id(request: Request) -> str:

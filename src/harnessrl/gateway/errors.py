@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
+
+M = TypeVar("M", bound=BaseModel)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -85,3 +87,11 @@ def from_validation_error(err: ValidationError, prefix: str = "") -> APIError:
     return APIError(
         400, f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param, code="invalid_value"
     )
+
+
+def validate(model: type[M], body: Any) -> M:
+    """`model.model_validate(body)`, a validation error becoming the 400 of `from_validation_error`."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None

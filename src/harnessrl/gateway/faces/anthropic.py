@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harnessrl.gateway.canonical import ChatCall, Generation
-from harnessrl.gateway.errors import APIError, from_validation_error
+from harnessrl.gateway.errors import APIError, validate
 from harnessrl.gateway.faces import ResponseIds
 from harnessrl.gateway.history import History
 
@@ -289,10 +289,7 @@ class AnthropicFace:
 
     def parse(self, body: Any) -> MessagesRequest:
         """Validate a messages body."""
-        try:
-            return MessagesRequest.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        return validate(MessagesRequest, body)
 
     def to_chat_call(self, req: MessagesRequest, history: History) -> ChatCall:
         """The canonical call."""

@@ -7,9 +7,9 @@ import copy
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from harnessrl.gateway.errors import from_validation_error
+from harnessrl.gateway.errors import validate
 
 
 class CompletionRequest(BaseModel):
@@ -53,10 +53,7 @@ class CompletionRequest(BaseModel):
 
 def parse(body: Any) -> CompletionRequest:
     """Validate a completions body."""
-    try:
-        return CompletionRequest.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    return validate(CompletionRequest, body)
 
 
 def client_response(resp: dict[str, Any], req: CompletionRequest) -> dict[str, Any]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harnessrl.gateway.canonical import ChatCall, Generation
-from harnessrl.gateway.errors import from_validation_error
+from harnessrl.gateway.errors import validate
 from harnessrl.gateway.faces import ResponseIds
 from harnessrl.gateway.history import History
 
@@ -225,10 +225,7 @@ class OpenAIChatFace:
 
     def parse(self, body: Any) -> ChatCompletionRequest:
         """Validate a chat-completions body."""
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        return validate(ChatCompletionRequest, body)
 
     def to_chat_call(self, req: ChatCompletionRequest, history: History) -> ChatCall:
         """The canonical call."""

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.chat import ChatFormatError, content_text
 from harnessrl.gateway.canonical import ChatCall, Generation
-from harnessrl.gateway.errors import APIError, from_validation_error
+from harnessrl.gateway.errors import APIError, validate
 from harnessrl.gateway.faces import ResponseIds
 from harnessrl.gateway.history import History
 
@@ -298,10 +298,7 @@ class ResponsesFace:
                 if isinstance(tool, dict) and tool.get("type") != "function":
                     raise APIError(400, f"tools.{i}: only function tools are supported, not '{tool.get('type')}'",
                                    param=f"tools.{i}.type")  # fmt: skip
-        try:
-            return ResponsesRequest.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        return validate(ResponsesRequest, body)
 
     def to_chat_call(self, req: ResponsesRequest, history: History) -> ChatCall:
         """The canonical call."""
