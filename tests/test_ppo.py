@@ -94,7 +94,7 @@ def grads(model: torch.nn.Module, batch: Batch, budget: int | None) -> tuple[flo
         total = 0.0
         firsts = [first_trainable(r.loss_mask) for r in batch.rows]
         for idx in micro_batches([r.tokens for r in batch.rows], firsts, budget):
-            part, _ = micro_batch_loss(model, batch, idx, cfg)  # type: ignore[arg-type]
+            part, _, _ = micro_batch_loss(model, batch, idx, cfg)  # type: ignore[arg-type]
             part.backward()
             total += float(part.detach())
     return total, [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -149,3 +149,100 @@ def test_update_moves_the_policy_toward_positive_advantage(tiny_model_dir: Path)
     for _ in range(3):
         m = ppo_update(model, opt, batch, PPOConfig(clip_low=10.0, clip_high=10.0))
     assert m["grad_norm"] > 0 and mean_lp() > before
+
+
+def reference_terms(model: torch.nn.Module, batch: Batch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per row: (new logprobs, full tempered log-distribution, trainable-token mask) from a full forward."""
+    from harnessrl.modeling.logprobs import tempered_log_softmax
+
+    out = []
+    for row in batch.rows:
+        ids = torch.tensor([row.tokens])
+        logits = model(ids)[0, :-1]
+        full = tempered_log_softmax(logits, row.temperature)
+        new = full.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        out.append((new, full, torch.tensor(row.loss_mask[1:], dtype=torch.bool)))
+    return out
+
+
+def test_tis_loss_and_gradient_match_the_formula(tiny_model_dir: Path) -> None:
+    """Epoch 1 with a TIS cap: ρ = 1 against the proximal (current) policy, so the loss value is
+    −Σ w ι A and the gradient is −Σ w ι A ∇π, with ι = min(exp(π − μ), C)."""
+    model = load_model(tiny_model_dir)
+    batch = random_batch(6, seed=5)
+    cap = 1e-3  # the tiny random model's π ≈ −10.8 against μ in [−6, −0.1]: ι spans 2e-5..8e-3
+    cfg = PPOConfig(micro_batch_tokens=10**6, tis_cap=cap)
+    model.zero_grad(set_to_none=True)
+    loss, stats, _ = micro_batch_loss(model, batch, list(range(6)), cfg)  # type: ignore[arg-type]
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    ref = torch.zeros(())
+    truncated = 0
+    for (new, _, mask), row, adv, w in zip(
+        reference_terms(model, batch), batch.rows, batch.advantages, batch.weights, strict=True
+    ):
+        mu = torch.tensor(row.old_logprobs[1:])
+        iota = torch.clamp(torch.exp(new.detach() - mu), max=cap)
+        truncated += int(((iota >= cap) & mask).sum())
+        ref = ref + (-(iota * adv * torch.exp(new - new.detach())) * torch.tensor(w[1:]) * mask).sum()
+    ref.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5, abs=1e-9)
+    assert stats["tis_truncated"] == truncated and 0 < truncated < stats["tokens"]
+    for a, b in zip(got, [p.grad for p in model.parameters() if p.grad is not None], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
+
+
+def test_kl_penalty_and_entropy_match_full_forwards(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    ref_model = load_model(tiny_model_dir)
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    batch = random_batch(5, seed=6)
+    idx = list(range(5))
+    plain, stats0, _ = micro_batch_loss(model, batch, idx, PPOConfig())  # type: ignore[arg-type]
+    with_kl, stats, _ = micro_batch_loss(model, batch, idx, PPOConfig(kl_coef=0.5), ref_model=ref_model)  # type: ignore[arg-type]
+    want_kl, want_ent, n = 0.0, 0.0, 0
+    with torch.no_grad():
+        for (new, full, mask), (ref_new, _, _), w in zip(
+            reference_terms(model, batch), reference_terms(ref_model, batch), batch.weights, strict=True
+        ):
+            d = ref_new - new
+            k3 = torch.exp(d) - d - 1
+            want_kl += float((k3 * torch.tensor(w[1:]) * mask).sum())
+            want_ent += float((-(full.exp() * full).sum(-1) * mask).sum())
+            n += int(mask.sum())
+    assert float((with_kl - plain).detach()) == pytest.approx(0.5 * want_kl, rel=1e-4)
+    assert want_kl > 0 and stats["kl_sum"] > 0 and stats0["kl_sum"] == 0.0
+    assert stats["entropy_sum"] / stats["tokens"] == pytest.approx(want_ent / n, rel=1e-5)
+    with pytest.raises(ValueError, match="reference model"):
+        micro_batch_loss(model, batch, idx, PPOConfig(kl_coef=0.1))  # type: ignore[arg-type]
+
+
+def test_a_second_epoch_clips_against_the_proximal_policy(tiny_model_dir: Path) -> None:
+    """With a TIS cap and 2 epochs, the second epoch's ratio is π_new / π_epoch1, not π / μ."""
+    model = load_model(tiny_model_dir)
+    batch = random_batch(4, seed=7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # no movement: the proximal ratio stays 1
+    m = ppo_update(model, opt, batch, PPOConfig(tis_cap=5.0, epochs=2))
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m["clip_frac"] == 0.0
+    m_plain = ppo_update(model, opt, batch, PPOConfig(epochs=2))  # against μ: random, far from 1
+    assert abs(m_plain["ratio_mean"] - 1.0) > 0.1
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_lr_schedule(schedule: str) -> None:
+    from harnessrl.trainer.ppo import lr_lambda
+
+    f = lr_lambda(schedule, warmup_steps=4, total_steps=14, min_ratio=0.1)
+    assert [f(n) for n in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    tail = [f(n) for n in range(4, 20)]
+    assert all(a >= b - 1e-12 for a, b in zip(tail, tail[1:], strict=False))  # never increases
+    if schedule == "constant":
+        assert tail == [1.0] * len(tail)
+    else:
+        assert f(14) == pytest.approx(0.1) and f(19) == pytest.approx(0.1)
+        assert f(9) == pytest.approx(0.55)  # the midpoint of both decays
+    with pytest.raises(ValueError, match="unknown lr schedule"):
+        lr_lambda("step", 0, 10)

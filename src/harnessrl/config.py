@@ -53,8 +53,9 @@ class ControllerSection(_Section):
 
 
 class TrainSection(_Section):
-    """The sync RL schedule and the PPO update."""
+    """The RL schedule (sync or collocated async) and the PPO update."""
 
+    schedule: Literal["sync", "async"] = "sync"
     steps: int = 20
     batch_groups: int = 4  # tasks per step
     group_size: int = 8  # rollouts per task (GRPO siblings)
@@ -74,6 +75,28 @@ class TrainSection(_Section):
     keep_checkpoints: int = 2
     seed: int = 0
     threads: int | None = None
+    # async schedule: groups kept in flight, and the oldest weight version a trained row may come from
+    max_inflight_groups: int = 8
+    max_staleness: int | None = None  # rows staler than this many versions are dropped (None: keep all)
+    tis_cap: float | None = None  # truncated importance sampling cap C (None: plain PPO against μ)
+    kl_coef: float = 0.0  # β of the k3 KL penalty to the initial model (0: no reference model loaded)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # the decayed schedules end at lr × this
+    max_row_tokens: int | None = None  # rows longer than this are cut (see adapter.length)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSection:
+        if self.schedule == "async" and self.max_inflight_groups < self.batch_groups:
+            raise ValueError(
+                f"max_inflight_groups ({self.max_inflight_groups}) must be at least batch_groups "
+                f"({self.batch_groups}) for the async schedule"
+            )
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError("tis_cap must be positive")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        return self
 
 
 class EvalSection(_Section):

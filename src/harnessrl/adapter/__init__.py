@@ -7,6 +7,14 @@ from harnessrl.adapter.advantage import (
     sample_level_advantages,
 )
 from harnessrl.adapter.batch import AdvantageLevel, Batch, ZeroVariance, build_batch
+from harnessrl.adapter.length import (
+    LengthReport,
+    StalenessReport,
+    apply_length_limit,
+    filter_stale,
+    row_staleness,
+    truncate_row,
+)
 from harnessrl.adapter.loss_weights import LossMode, loss_weights
 from harnessrl.adapter.merge import BreakCause, MergeResult, MergeStats, Row, classify_break, merge_calls
 
@@ -15,16 +23,22 @@ __all__ = [
     "Batch",
     "BreakCause",
     "Estimator",
+    "LengthReport",
     "LossMode",
     "MergeResult",
     "MergeStats",
     "Row",
+    "StalenessReport",
     "ZeroVariance",
+    "apply_length_limit",
     "build_batch",
     "classify_break",
+    "filter_stale",
     "group_advantages",
     "loss_weights",
     "merge_calls",
     "rollout_advantages",
+    "row_staleness",
     "sample_level_advantages",
+    "truncate_row",
 ]

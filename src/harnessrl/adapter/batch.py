@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from harnessrl.adapter.advantage import Estimator, rollout_advantages, sample_level_advantages
+from harnessrl.adapter.length import LengthReport, StalenessReport, apply_length_limit, filter_stale
 from harnessrl.adapter.loss_weights import LossMode, loss_weights
 from harnessrl.adapter.merge import MergeStats, Row, merge_calls
 from harnessrl.schema import RolloutDetail, RolloutState
@@ -39,6 +40,8 @@ class Batch:
     groups: int = 0  # groups with at least one graded rollout
     zero_variance_groups: int = 0  # of those, groups whose rewards were all equal
     dropped_rows: int = 0  # rows left out because their group had zero variance (ZeroVariance.DROP)
+    length: LengthReport = field(default_factory=LengthReport)  # rows cut or dropped by the length limit
+    staleness: StalenessReport = field(default_factory=StalenessReport)  # rows per staleness, dropped
 
     @property
     def n_trainable_tokens(self) -> int:
@@ -52,11 +55,18 @@ def build_batch(
     estimator: Estimator = Estimator.GRPO,
     loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN,
     zero_variance: ZeroVariance = ZeroVariance.KEEP,
+    max_row_tokens: int | None = None,
+    version: int | None = None,
+    max_staleness: int | None = None,
 ) -> Batch:
     """Turn graded rollouts into a batch. Rollouts without a reward are left out; only the calls of a
     rollout's last attempt are used (earlier attempts died for infrastructure reasons). Groups whose
     rewards are all equal are counted, and kept with advantage 0 or dropped (`zero_variance`); the
-    advantages of the other groups do not depend on that choice (statistics are per group)."""
+    advantages of the other groups do not depend on that choice (statistics are per group).
+
+    Then rows staler than `max_staleness` at weight `version` are dropped and rows longer than
+    `max_row_tokens` cut (rules in `adapter.length`); loss weights are computed on what remains, and
+    every row of a rollout keeps that rollout's advantage."""
     stats = MergeStats()
     rows_of: dict[str, list[Row]] = {}
     rewards: dict[str, float] = {}
@@ -85,6 +95,11 @@ def build_batch(
     }
     keep = [rid for rid in rows_of if not (zero_variance == ZeroVariance.DROP and groups[rid] in flat)]
     rows = [row for rid in keep for row in rows_of[rid]]
+    zero_var_dropped = sum(len(v) for v in rows_of.values()) - len(rows)
+    staleness = StalenessReport()
+    if version is not None:
+        rows, staleness = filter_stale(rows, version, max_staleness)
+    rows, length = apply_length_limit(rows, max_row_tokens)
     return Batch(
         rows=rows,
         advantages=[adv[r.rollout_id] for r in rows],
@@ -93,5 +108,7 @@ def build_batch(
         stats=stats,
         groups=len(members),
         zero_variance_groups=len(flat),
-        dropped_rows=sum(len(v) for v in rows_of.values()) - len(rows),
+        dropped_rows=zero_var_dropped,
+        length=length,
+        staleness=staleness,
     )

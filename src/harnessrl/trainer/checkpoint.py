@@ -1,4 +1,5 @@
-"""Checkpoints of the training state: model weights, optimizer, step, RNG states, loop bookkeeping.
+"""Checkpoints of the training state: model weights, optimizer, LR schedule, step, RNG states, loop
+bookkeeping (for the async schedule: the next group index and the groups still in flight).
 
 Layout: `<dir>/step-<n>/{model.safetensors, config.json, optimizer.pt, state.json}`; a checkpoint is
 written into a temporary directory and renamed, so a crash never leaves a half-written one.
@@ -25,6 +26,7 @@ def save_checkpoint(
     model: LlamaForCausalLM,
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> Path:
     """Write the checkpoint of `step` (the number of completed updates) atomically."""
     final = ckpt_dir / f"step-{step}"
@@ -34,6 +36,7 @@ def save_checkpoint(
     torch.save(
         {
             "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
@@ -56,11 +59,19 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def load_checkpoint(path: Path, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and RNG states in place; return the saved loop state (with `step`)."""
+def load_checkpoint(
+    path: Path,
+    model: LlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> dict[str, Any]:
+    """Restore model, optimizer, LR schedule and RNG states in place; return the saved loop state
+    (with `step`)."""
     load_weights_into(model, load_state_dict_file(path))
     blob = torch.load(path / "optimizer.pt", weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
+    if scheduler is not None and blob.get("scheduler") is not None:
+        scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])
     np.random.set_state(blob["numpy_rng"])
     random.setstate(blob["python_rng"])

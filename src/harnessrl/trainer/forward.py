@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from harnessrl.modeling.llama import LlamaForCausalLM
-from harnessrl.modeling.logprobs import token_logprobs
+from harnessrl.modeling.logprobs import tempered_log_softmax
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -44,10 +44,16 @@ class Selected:
     logprobs: Tensor  # [N]
     row: Tensor  # [N] row index within the micro-batch
     pos: Tensor  # [N] full-sequence position of the predicting token
+    entropy: Tensor | None = None  # [N] entropy of the tempered distribution there (no gradient)
 
 
 def selected_logprobs(
-    model: LlamaForCausalLM, tokens: Tensor, select: Tensor, temps: Tensor, prefix: int
+    model: LlamaForCausalLM,
+    tokens: Tensor,
+    select: Tensor,
+    temps: Tensor,
+    prefix: int,
+    entropy: bool = False,
 ) -> Selected:
     """Logprobs of tokens[b, t+1] for every (b, t) with select[b, t] (select: [B, L-1] bool).
 
@@ -83,5 +89,10 @@ def selected_logprobs(
         raise ValueError("a selected position lies inside the shared prefix")
     hidden = model.model.norm(xs[row, pos - prefix])
     logits = model.lm_head(hidden)
-    lp = token_logprobs(logits, tokens[row, pos + 1], temps[row])
-    return Selected(lp, row, pos)
+    full = tempered_log_softmax(logits, temps[row])  # the same function the engine's logprobs use
+    lp = full.gather(-1, tokens[row, pos + 1].unsqueeze(-1)).squeeze(-1)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = -(full.exp() * full).sum(-1)
+    return Selected(lp, row, pos, ent)

@@ -4,6 +4,9 @@ for step in range(start, steps):
     outcomes = controller.run(batch_groups tasks × group_size rollouts)   # harness + grader
     batch    = build_batch(rollout details)                              # merge, advantage, weights
     gateway.pause(); ppo_update(batch); engine.load_weights(step + 1); gateway.resume()
+
+The collocated async schedule (`trainer.async_loop`) shares `make_batch`, `apply_update` and the
+checkpoint helpers with it.
 """
 
 from __future__ import annotations
@@ -67,12 +70,16 @@ class TrainContext:
     optimizer: torch.optim.Optimizer
     metrics: MetricsLogger
     progress: Callable[[str, int, int], None] = lambda label, done, total: None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    ref_model: LlamaForCausalLM | None = None  # frozen initial weights, for the KL penalty
 
     @property
     def ppo(self) -> PPOConfig:
         """The update's hyperparameters."""
         t = self.cfg.train
-        return PPOConfig(t.clip_low, t.clip_high, t.max_grad_norm, t.micro_batch_tokens, t.epochs)
+        return PPOConfig(
+            t.clip_low, t.clip_high, t.max_grad_norm, t.micro_batch_tokens, t.epochs, t.tis_cap, t.kl_coef
+        )
 
 
 async def run_rollouts(ctx: TrainContext, requests: list[RolloutRequest], label: str) -> list[RolloutOutcome]:
@@ -127,27 +134,48 @@ async def fetch_details(client: ControlClient, outcomes: list[RolloutOutcome]) -
     return list(await asyncio.gather(*(client.rollout(o.rollout_id) for o in ok)))
 
 
+def make_batch(ctx: TrainContext, details: list[RolloutDetail], version: int | None = None) -> Batch:
+    """The training batch of graded rollouts under the run's adapter settings (staleness at `version`)."""
+    t = ctx.cfg.train
+    return build_batch(
+        details, t.advantage_level, t.estimator, t.loss_mode, t.zero_variance,
+        max_row_tokens=t.max_row_tokens, version=version, max_staleness=t.max_staleness,
+    )  # fmt: skip
+
+
+async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dict[str, Any]:
+    """Pause the gateway (in-flight calls drain), update, publish weights `new_version`, resume."""
+    t0 = time.perf_counter()
+    await ctx.client.pause()
+    t1 = time.perf_counter()
+    update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo, ctx.ref_model, ctx.scheduler)
+    t2 = time.perf_counter()
+    await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", new_version)
+    await ctx.client.resume(weight_version=new_version)
+    t3 = time.perf_counter()
+    return {
+        **update,
+        "time_drain_s": t1 - t0,
+        "time_update_s": t2 - t1,
+        "time_weight_sync_s": t3 - t2,
+        "time_paused_s": t3 - t0,
+        "weight_version": new_version,
+    }
+
+
 async def train_step(ctx: TrainContext, train_tasks: list[Task], step: int) -> dict[str, Any]:
     """One sync step; returns its metrics. The engine serves version `step + 1` afterwards."""
     t0 = time.perf_counter()
     outcomes = await run_rollouts(ctx, step_requests(ctx, train_tasks, step), f"step {step + 1} rollouts")
     details = await fetch_details(ctx.client, outcomes)
-    t = ctx.cfg.train
-    batch = build_batch(details, t.advantage_level, t.estimator, t.loss_mode, t.zero_variance)
+    batch = make_batch(ctx, details, version=step)
     t1 = time.perf_counter()
-    await ctx.client.pause()
-    update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo)
-    t2 = time.perf_counter()
-    await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", step + 1)
-    await ctx.client.resume(weight_version=step + 1)
-    t3 = time.perf_counter()
+    update = await apply_update(ctx, batch, step + 1)
     return {
         **batch_metrics(batch, outcomes),
         **update,
         "time_rollout_s": t1 - t0,
-        "time_update_s": t2 - t1,
-        "time_weight_sync_s": t3 - t2,
-        "weight_version": step + 1,
+        "time_step_s": time.perf_counter() - t0,
     }
 
 
@@ -170,36 +198,46 @@ def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any
         "groups": batch.groups,
         "zero_variance_groups": batch.zero_variance_groups,
         "dropped_rows": batch.dropped_rows,
+        "truncated_rows": batch.length.truncated_rows,
+        "dropped_long_rows": batch.length.dropped_rows,
+        "staleness": batch.staleness.as_dict(),
+        "dropped_stale_rows": batch.staleness.dropped_rows,
     }
 
 
-async def restore(ctx: TrainContext) -> int:
-    """Resume from the newest checkpoint, if any; returns the first step to run."""
+async def restore(ctx: TrainContext) -> dict[str, Any]:
+    """Resume from the newest checkpoint, if any: restore the training state, publish its weights and
+    return the saved loop state (`{"step": 0}` for a fresh run)."""
     ckpt = latest_checkpoint(ctx.run_dir / "checkpoints")
     if ckpt is None:
-        return 0
-    state = load_checkpoint(ckpt, ctx.model, ctx.optimizer)
+        return {"step": 0}
+    state = load_checkpoint(ckpt, ctx.model, ctx.optimizer, ctx.scheduler)
     step = int(state["step"])
     await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", step)
     await ctx.client.resume(weight_version=step)
     log.info("resumed step=%d checkpoint=%s", step, ckpt)
-    return step
+    return state
+
+
+def maybe_checkpoint(ctx: TrainContext, step: int, loop_state: dict[str, Any] | None = None) -> None:
+    """Save a checkpoint after update `step` if the schedule says so (every N and the last one)."""
+    t = ctx.cfg.train
+    if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
+        state = {"run_id": ctx.run_id, **(loop_state or {})}
+        save_checkpoint(ctx.run_dir / "checkpoints", step, ctx.model, ctx.optimizer, state, ctx.scheduler)
+        prune_checkpoints(ctx.run_dir / "checkpoints", t.keep_checkpoints)
 
 
 async def run_sync(
     ctx: TrainContext, train_tasks: list[Task], on_step: Callable[[int, dict[str, Any]], None] | None = None
 ) -> int:
     """Train from the last checkpoint to `train.steps`; returns the number of steps done in total."""
-    start = await restore(ctx)
+    start = int((await restore(ctx))["step"])
     t = ctx.cfg.train
     for step in range(start, t.steps):
         metrics = await train_step(ctx, train_tasks, step)
         ctx.metrics.log(step + 1, metrics)
         if on_step is not None:
             on_step(step + 1, metrics)
-        if t.checkpoint_every and ((step + 1) % t.checkpoint_every == 0 or step + 1 == t.steps):
-            save_checkpoint(
-                ctx.run_dir / "checkpoints", step + 1, ctx.model, ctx.optimizer, {"run_id": ctx.run_id}
-            )
-            prune_checkpoints(ctx.run_dir / "checkpoints", t.keep_checkpoints)
+        maybe_checkpoint(ctx, step + 1)
     return t.steps

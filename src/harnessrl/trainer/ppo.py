@@ -1,20 +1,33 @@
 """The PPO-clip policy update on a batch of rows, with the engine's logprobs as the behaviour policy.
 
 Per trainable token t of a row with advantage A (the rollout's), new logprob π_t (recomputed by the
-trainer at the row's sampling temperature) and old logprob μ_t (the engine's, recorded in the call):
+trainer at the row's sampling temperature) and behaviour logprob μ_t (the engine's, recorded in the call):
 
     ρ_t = exp(π_t − μ_t)
     ℓ_t = −min(ρ_t · A, clip(ρ_t, 1 − ε_low, 1 + ε_high) · A)
     L   = Σ_t w_t · ℓ_t          (w_t: the adapter's loss weights, fixed for the whole batch)
 
+With truncated importance sampling (`tis_cap` = C, for stale rows of the async schedule and for
+engine/trainer mismatch) the clip is taken against the proximal policy π_prox — the trainer's own
+logprobs under the weights at the start of the update, no gradient — and the behaviour gap becomes a
+capped weight:
+
+    ρ_t = exp(π_t − π_prox,t),   ι_t = min(exp(π_prox,t − μ_t), C)
+    ℓ_t = −ι_t · min(ρ_t · A, clip(ρ_t, 1 − ε_low, 1 + ε_high) · A)
+
+An optional KL penalty to a frozen reference policy π_ref adds β · k3_t per token, with the
+non-negative estimator k3_t = exp(π_ref,t − π_t) − (π_ref,t − π_t) − 1, weighted by the same w_t.
+
 The batch is cut into micro-batches by a token budget (rows with a common prefix together; see
 `trainer.forward`); their losses are summed into the gradient, which therefore equals the whole
-batch's gradient. One optimizer step per epoch over the batch.
+batch's gradient. One optimizer step per epoch over the batch; the learning-rate schedule (if any)
+steps once per update.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +47,8 @@ class PPOConfig:
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096
     epochs: int = 1
+    tis_cap: float | None = None  # None: clip against the engine's logprobs; C: decoupled clip + IS cap C
+    kl_coef: float = 0.0  # β of the KL penalty to the reference model (needs `ref_model`)
 
 
 def ppo_token_loss(new_lp: Tensor, old_lp: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
@@ -41,6 +56,17 @@ def ppo_token_loss(new_lp: Tensor, old_lp: Tensor, adv: Tensor, clip_low: float,
     ratio = torch.exp(new_lp - old_lp)
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return -torch.minimum(ratio * adv, clipped * adv)
+
+
+def tis_weight(prox_lp: Tensor, behaviour_lp: Tensor, cap: float) -> Tensor:
+    """ι_t = min(exp(π_prox − μ), C): the truncated importance weight of a token (no gradient)."""
+    return torch.clamp(torch.exp(prox_lp - behaviour_lp), max=cap).detach()
+
+
+def k3_kl(ref_lp: Tensor, new_lp: Tensor) -> Tensor:
+    """k3 = exp(ref − new) − (ref − new) − 1 ≥ 0: a per-token estimate of KL(π ‖ π_ref)."""
+    d = ref_lp - new_lp
+    return torch.exp(d) - d - 1.0
 
 
 def micro_batches(rows: list[list[int]], first_trainable: list[int], token_budget: int) -> list[list[int]]:
@@ -102,31 +128,66 @@ def _pack(batch: Batch, idx: list[int], device: torch.device) -> _Packed:
 
 
 def micro_batch_loss(
-    model: LlamaForCausalLM, batch: Batch, idx: list[int], cfg: PPOConfig
-) -> tuple[Tensor, dict[str, float]]:
-    """Σ w_t ℓ_t over the rows `idx` (a differentiable scalar) and statistics of those tokens."""
+    model: LlamaForCausalLM,
+    batch: Batch,
+    idx: list[int],
+    cfg: PPOConfig,
+    prox: Tensor | None = None,
+    ref_model: LlamaForCausalLM | None = None,
+) -> tuple[Tensor, dict[str, float], Tensor]:
+    """Σ w_t ℓ_t over the rows `idx` (a differentiable scalar), statistics of those tokens, and the
+    new logprobs (detached: the proximal policy of later epochs). `prox` is needed when `cfg.tis_cap`
+    is set and this is not the first epoch; in the first epoch the proximal policy is the current one."""
     p = _pack(batch, idx, next(model.parameters()).device)
-    sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix)
-    old = p.old_lp[sel.row, sel.pos]
-    loss_t = ppo_token_loss(sel.logprobs, old, p.adv[sel.row], cfg.clip_low, cfg.clip_high)
-    loss = (loss_t * p.weights[sel.row, sel.pos]).sum()
+    sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, entropy=True)
+    behaviour = p.old_lp[sel.row, sel.pos]
+    adv, w = p.adv[sel.row], p.weights[sel.row, sel.pos]
+    if cfg.tis_cap is None:
+        base, iw = behaviour, torch.ones_like(behaviour)
+    else:
+        base = sel.logprobs.detach() if prox is None else prox
+        iw = tis_weight(base, behaviour, cfg.tis_cap)
+    loss_t = iw * ppo_token_loss(sel.logprobs, base, adv, cfg.clip_low, cfg.clip_high)
+    kl_sum = 0.0
+    if cfg.kl_coef > 0:
+        if ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        with torch.no_grad():
+            ref = selected_logprobs(ref_model, p.tokens, p.select, p.temps, p.prefix).logprobs
+        kl = k3_kl(ref, sel.logprobs)
+        loss_t = loss_t + cfg.kl_coef * kl
+        kl_sum = float(kl.detach().sum())
+    loss = (loss_t * w).sum()
     with torch.no_grad():
-        ratio = torch.exp(sel.logprobs - old)
+        ratio = torch.exp(sel.logprobs - base)
+        assert sel.entropy is not None
         stats = {
             "tokens": float(ratio.numel()),
             "clipped": float(((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)).sum()),
-            "logprob_diff_abs": float((sel.logprobs - old).abs().sum()),
+            "logprob_diff_abs": float((sel.logprobs - behaviour).abs().sum()),
             "ratio_sum": float(ratio.sum()),
+            "entropy_sum": float(sel.entropy.sum()),
+            "kl_sum": kl_sum,
+            "tis_truncated": float((iw >= cfg.tis_cap).sum()) if cfg.tis_cap is not None else 0.0,
         }
-    return loss, stats
+    return loss, stats, sel.logprobs.detach()
 
 
 def ppo_update(
-    model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: Batch, cfg: PPOConfig
+    model: LlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: PPOConfig,
+    ref_model: LlamaForCausalLM | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, float]:
-    """Run `cfg.epochs` optimizer steps over the batch; returns loss and diagnostic metrics."""
+    """Run `cfg.epochs` optimizer steps over the batch, then step the LR schedule; returns loss and
+    diagnostic metrics (of the last epoch; `mismatch` is mean |π − μ|, engine/trainer gap on epoch 1)."""
+    lr = optimizer.param_groups[0]["lr"]
     if not batch.rows or batch.n_trainable_tokens == 0:
-        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0}
+        if scheduler is not None:
+            scheduler.step()
+        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0, "lr": lr}
     groups = micro_batches(
         [r.tokens for r in batch.rows],
         [first_trainable(r.loss_mask) for r in batch.rows],
@@ -134,12 +195,15 @@ def ppo_update(
     )
     model.train()
     metrics: dict[str, float] = {}
-    for _ in range(cfg.epochs):
+    prox: list[Tensor | None] = [None] * len(groups)
+    for epoch in range(cfg.epochs):
         optimizer.zero_grad(set_to_none=True)
-        total_loss, agg = 0.0, {"tokens": 0.0, "clipped": 0.0, "logprob_diff_abs": 0.0, "ratio_sum": 0.0}
-        for idx in groups:
-            loss, stats = micro_batch_loss(model, batch, idx, cfg)
+        total_loss, agg = 0.0, dict.fromkeys(_STAT_KEYS, 0.0)
+        for g, idx in enumerate(groups):
+            loss, stats, new_lp = micro_batch_loss(model, batch, idx, cfg, prox[g], ref_model)
             loss.backward()
+            if epoch == 0:
+                prox[g] = new_lp
             total_loss += float(loss.detach())
             for k in agg:
                 agg[k] += stats[k]
@@ -151,8 +215,38 @@ def ppo_update(
             "loss": total_loss,
             "grad_norm": grad_norm,
             "clip_frac": agg["clipped"] / n,
-            "mismatch": agg["logprob_diff_abs"] / n,  # mean |π − μ|: engine/trainer mismatch on epoch 1
+            "mismatch": agg["logprob_diff_abs"] / n,
             "ratio_mean": agg["ratio_sum"] / n,
+            "entropy": agg["entropy_sum"] / n,
+            "kl": agg["kl_sum"] / n,
+            "tis_truncated_frac": agg["tis_truncated"] / n,
+            "lr": lr,
         }
+    if scheduler is not None:
+        scheduler.step()
     model.eval()
     return metrics
+
+
+_STAT_KEYS = ("tokens", "clipped", "logprob_diff_abs", "ratio_sum", "entropy_sum", "kl_sum", "tis_truncated")
+
+
+def lr_lambda(
+    schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.0
+) -> Callable[[int], float]:
+    """The LR multiplier of update n (0-based): linear warmup over `warmup_steps`, then constant,
+    linear decay or cosine decay to `min_ratio` at `total_steps`."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown lr schedule {schedule!r}; use constant, linear or cosine")
+
+    def f(n: int) -> float:
+        if n < warmup_steps:
+            return (n + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(total_steps - warmup_steps, 1)
+        frac = min(max((n - warmup_steps) / span, 0.0), 1.0)
+        decay = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+        return min_ratio + (1.0 - min_ratio) * decay
+
+    return f
