@@ -24,8 +24,10 @@ from harnessrl.gateway.client import ControlClient
 from harnessrl.modeling.loading import load_model, resolve_model
 from harnessrl.schema import Task
 from harnessrl.services import Service, free_port, start_engine, start_gateway
+from harnessrl.trainer.async_loop import run_async
 from harnessrl.trainer.loop import EvalResult, TrainContext, evaluate, run_sync
 from harnessrl.trainer.metrics import MetricsLogger
+from harnessrl.trainer.ppo import lr_lambda
 
 log = logging.getLogger(__name__)
 
@@ -162,14 +164,19 @@ async def _run_async(
     )  # fmt: skip
     model = load_model(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    tc = cfg.train
+    schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
     metrics = MetricsLogger(run_dir)
     ctx = TrainContext(
-        cfg, run_id_for(run_dir), run_dir, client, controller, engine, model, optimizer, metrics, progress
-    )
+        cfg, run_id_for(run_dir), run_dir, client, controller, engine, model, optimizer, metrics, progress,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        ref_model=load_model(model_dir).requires_grad_(False) if tc.kl_coef > 0 else None,
+    )  # fmt: skip
+    train = run_async if tc.schedule == "async" else run_sync
     try:
         temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
         before = [await evaluate(ctx, heldout, f"eval-before-t{t:g}", t) for t in temps]
-        steps = await run_sync(ctx, train_tasks, on_step)
+        steps = await train(ctx, train_tasks, on_step)
         after = [await evaluate(ctx, heldout, f"eval-after-{steps}-t{t:g}", t) for t in temps]
     finally:
         metrics.close()
@@ -211,9 +218,8 @@ def summarise(
         "rows_per_rollout": _mean([r["rows_per_rollout"] for r in records if "rows_per_rollout" in r]),
         "train_reward_first": records[0]["reward"] if records else None,
         "train_reward_last": records[-1]["reward"] if records else None,
-        "mean_step_seconds": _mean(
-            [r["time_rollout_s"] + r["time_update_s"] + r["time_weight_sync_s"] for r in records]
-        ),
+        "schedule": cfg.train.schedule,
+        "mean_step_seconds": _mean([r["time_step_s"] for r in records if "time_step_s" in r]),
     }
 
 
