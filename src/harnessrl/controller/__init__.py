@@ -2,7 +2,8 @@
 
 from harnessrl.controller.controller import Controller, RolloutOutcome, RolloutRequest
 from harnessrl.controller.grader import Grader, GraderError
-from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner
+from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner, Runner
+from harnessrl.controller.sandbox import SandboxRunner, SandboxSpec
 
 __all__ = [
     "AttemptResult",
@@ -14,4 +15,7 @@ __all__ = [
     "LocalRunner",
     "RolloutOutcome",
     "RolloutRequest",
+    "Runner",
+    "SandboxRunner",
+    "SandboxSpec",
 ]

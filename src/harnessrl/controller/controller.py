@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.controller.grader import Grader, GraderError, grade
-from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner
+from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner, Runner
 from harnessrl.gateway.client import ControlClient, ControlError
 from harnessrl.schema import (
     AttemptFinish,
@@ -61,7 +61,7 @@ class Controller:
         concurrency: int = 8,
         max_attempts: int = 2,
         grader_timeout_s: float = 60.0,
-        runner: LocalRunner | None = None,
+        runner: Runner | None = None,
     ) -> None:
         self.client = client
         self.gateway_url = gateway_url
@@ -70,7 +70,7 @@ class Controller:
         self.run_dir = run_dir
         self.max_attempts = max_attempts
         self.grader_timeout_s = grader_timeout_s
-        self.runner = runner or LocalRunner()
+        self.runner: Runner = runner or LocalRunner()
         self._slots = asyncio.Semaphore(concurrency)
 
     async def run(

@@ -11,7 +11,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +77,30 @@ def contract_env(
     return env
 
 
+class Runner(Protocol):
+    """Runs one attempt of a harness; the Controller takes any runner with this method."""
+
+    async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
+        """Run one attempt to its end (exit, timeout, or failure to start)."""
+        ...
+
+
+def prepare_workdir(spec: AttemptSpec) -> tuple[Path, Path]:
+    """Create the attempt's directory, its `output/` and `task.json`; return (output_dir, task_file)."""
+    spec.workdir.mkdir(parents=True, exist_ok=True)
+    output_dir = spec.workdir / "output"
+    output_dir.mkdir(exist_ok=True)
+    task_file = spec.workdir / "task.json"
+    task_file.write_text(json.dumps(spec.task_input))
+    return output_dir, task_file
+
+
 class LocalRunner:
     """Runs each attempt as a local subprocess in its own process group."""
 
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
         """Run one attempt to its end (exit, timeout, or failure to start)."""
-        spec.workdir.mkdir(parents=True, exist_ok=True)
-        output_dir = spec.workdir / "output"
-        output_dir.mkdir(exist_ok=True)
-        task_file = spec.workdir / "task.json"
-        task_file.write_text(json.dumps(spec.task_input))
+        output_dir, task_file = prepare_workdir(spec)
         env = contract_env(spec, harness, task_file, output_dir)
         out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
         with out_path.open("wb") as out, err_path.open("wb") as err:
@@ -117,8 +131,8 @@ class LocalRunner:
             exit_code=None if timed_out else proc.returncode,
             timed_out=timed_out,
             output_dir=output_dir,
-            stdout_tail=_tail(out_path, harness.max_output_bytes),
-            stderr_tail=_tail(err_path, harness.max_output_bytes),
+            stdout_tail=tail(out_path, harness.max_output_bytes),
+            stderr_tail=tail(err_path, harness.max_output_bytes),
         )
 
 
@@ -128,7 +142,8 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _tail(path: Path, limit: int) -> str:
+def tail(path: Path, limit: int) -> str:
+    """The last `limit` bytes of a file, decoded as UTF-8."""
     size = path.stat().st_size
     with path.open("rb") as f:
         if size > limit:

