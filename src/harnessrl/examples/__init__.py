@@ -22,7 +22,10 @@ class ExampleSpec:
     config_path: Path
 
 
-EXAMPLES = {"calc": "harnessrl.examples.calc"}
+EXAMPLES = {
+    "calc": "harnessrl.examples.calc",
+    "instruct": "harnessrl.examples.instruct",
+}
 
 
 def get_example(name: str) -> ExampleSpec:
