@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harnessrl.controller import RolloutOutcome, RolloutRequest
-from harnessrl.schema import SamplingOverrides, Task
+from harnessrl.schema import RolloutState, SamplingOverrides, Task
 from harnessrl.trainer.loop import (
     TrainContext,
     apply_update,
@@ -61,6 +61,7 @@ class GroupPool:
     def __init__(self, ctx: TrainContext, train_tasks: list[Task], next_group: int) -> None:
         self.ctx, self.train_tasks, self.next_group = ctx, train_tasks, next_group
         self.tasks: dict[int, asyncio.Task[list[RolloutOutcome]]] = {}
+        self.discarded = 0  # groups left out because a rollout of theirs was cancelled
 
     def launch(self, k: int) -> None:
         """Start group `k`."""
@@ -73,7 +74,13 @@ class GroupPool:
         return sum(not x.done() for x in self.tasks.values())
 
     def graded(self) -> list[int]:
-        """Indices of the groups whose rollouts all finished, oldest first."""
+        """Indices of the groups whose rollouts all finished, oldest first. A group with a cancelled
+        rollout (cancelled when an earlier run stopped with it in flight) is discarded: its siblings
+        alone would give it a wrong baseline."""
+        for k in [k for k, x in self.tasks.items() if x.done() and not x.cancelled()]:
+            if any(o.state == RolloutState.CANCELLED for o in self.tasks[k].result()):
+                del self.tasks[k]
+                self.discarded += 1
         return sorted(k for k, x in self.tasks.items() if x.done())
 
     def refill(self, limit: int) -> None:
@@ -137,6 +144,7 @@ async def run_async(
                 "engine_idle_s": update["time_paused_s"],  # the gateway holds every call
                 "groups_carried_over": carried,
                 "groups_running": pool.running(),
+                "groups_discarded": pool.discarded,
                 "time_step_s": time.perf_counter() - t0,
             }
             ctx.metrics.log(step, metrics)
