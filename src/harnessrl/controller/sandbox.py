@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
-import json
 import logging
 import os
 import random
@@ -331,14 +330,14 @@ class SandboxRunner:
                     kill_group(proc.pid)  # bwrap; --die-with-parent and the pid namespace do the rest
                     if proc.returncode is None:
                         await proc.wait()
-            status = _read_status(status_r)
+            ready, init_error = _read_status(status_r)
         finally:
             os.close(status_r)
             if status_w >= 0:
                 os.close(status_w)
         stderr_tail = tail(err_path, harness.max_output_bytes)
-        if not status.get("ready"):
-            why = status.get("error") or stderr_tail.strip()[-2000:] or f"bwrap exited {proc.returncode}"
+        if not ready:
+            why = init_error or stderr_tail.strip()[-2000:] or f"bwrap exited {proc.returncode}"
             if timed_out:
                 why = f"no harness started within {harness.timeout_s}s; {why}"
             return AttemptResult(None, timed_out, output_dir, "", stderr_tail,
@@ -352,15 +351,11 @@ class SandboxRunner:
         )
 
 
-def _read_status(fd: int) -> dict[str, object]:
-    """The status line sandbox_init wrote (empty when it never got that far)."""
+def _read_status(fd: int) -> tuple[bool, str]:
+    """(harness started, why not) from the line sandbox_init wrote; nothing written: (False, "")."""
     try:
-        raw = os.read(fd, 65536)
+        line = os.read(fd, 65536).decode(errors="replace").partition("\n")[0]
     except BlockingIOError:
-        return {}
-    try:
-        line = raw.decode().splitlines()[0] if raw else "{}"
-        value = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        return False, ""
+    word, _, rest = line.partition(" ")
+    return word == "ready", rest if word == "error" else ""

@@ -3,22 +3,21 @@
 It listens on 127.0.0.1:<port> in the sandbox's own network namespace, starts the harness as an
 unprivileged uid with resource limits, then relays every connection to that port over the Unix
 socket the host-side runner bridges to the gateway. It reports on a status pipe whether the harness
-started (`{"ready": true}`) or why not (`{"error": ...}`), so the runner can tell a sandbox failure
-(an infrastructure error, retried) from the harness's own exit (a result, graded). Its exit code is
-the harness's (128 + N when a signal N ended it).
+started (`ready <pid>`) or why not (`error <reason>`), so the runner can tell a sandbox failure (an
+infrastructure error, retried) from the harness's own exit (a result, graded). Its exit code is the
+harness's (128 + N when a signal N ended it).
+
+It runs once per attempt, so it imports only low-level modules (`_socket`, `_thread`: `socket`,
+`argparse` and `subprocess` would pull in `enum` and `re` and double its start-up time).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import _socket
+import _thread
 import os
 import resource
-import socket
-import subprocess
 import sys
-import threading
-from collections.abc import Callable
 
 SETUP_FAILED = 125
 LIMITS = {
@@ -29,100 +28,104 @@ LIMITS = {
     "nofile": resource.RLIMIT_NOFILE,
     "core": resource.RLIMIT_CORE,
 }
+USAGE = (
+    "usage: sandbox_init.py --status-fd N --port N --socket PATH [--uid N --gid N] [--cwd DIR]"
+    " [--limit NAME=VALUE]... -- COMMAND..."
+)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The launcher's arguments; everything after `--` is the harness command."""
-    p = argparse.ArgumentParser(prog="sandbox_init")
-    p.add_argument("--status-fd", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--socket", required=True, help="Unix socket bridged to the gateway")
-    p.add_argument("--uid", type=int, default=None)
-    p.add_argument("--gid", type=int, default=None)
-    p.add_argument("--cwd", default=None)
-    p.add_argument("--limit", action="append", default=[], help="name=value, name in " + ",".join(LIMITS))
-    p.add_argument("command", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
-    if args.command[:1] == ["--"]:
-        args.command = args.command[1:]
-    if not args.command:
-        p.error("no harness command")
-    return args
+def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
+    """(options, limits as NAME=VALUE, harness command) from `--key value ... -- command`."""
+    opts: dict[str, str] = {}
+    limits: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        key, value = argv[i].removeprefix("--"), argv[i + 1] if i + 1 < len(argv) else ""
+        if key == "limit":
+            limits.append(value)
+        else:
+            opts[key] = value
+        i += 2
+    command = argv[i + 1 :]
+    if not command or not {"status-fd", "port", "socket"} <= opts.keys():
+        raise SystemExit(USAGE)
+    return opts, limits, command
 
 
-def pre_exec(specs: list[str], cwd: str | None) -> Callable[[], None]:
-    """What the harness's process does after dropping to its uid: enter `cwd` (only reachable as
-    that uid) and set the hard and soft limits named in `specs` (`name=value`)."""
-    pairs = [(LIMITS[name], int(value)) for name, value in (s.split("=", 1) for s in specs)]
-
-    def apply() -> None:
-        try:
-            if cwd is not None:
-                os.chdir(cwd)
-            for which, value in pairs:
-                resource.setrlimit(which, (value, value))
-        except Exception as e:  # Popen reports only "Exception occurred in preexec_fn"
-            os.write(2, f"sandbox_init: {e!r}\n".encode())
-            raise
-
-    return apply
-
-
-def relay(src: socket.socket, dst: socket.socket) -> None:
+def relay(src: _socket.socket, dst: _socket.socket) -> None:
     """Copy bytes from `src` to `dst` until EOF, then half-close `dst`."""
     try:
         while data := src.recv(65536):
             dst.sendall(data)
     except OSError:
         pass
-    finally:
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+    try:
+        dst.shutdown(_socket.SHUT_WR)
+    except OSError:
+        pass
 
 
-def serve(listener: socket.socket, socket_path: str) -> None:
+def serve(listener: _socket.socket, socket_path: str) -> None:
     """Accept connections forever; each gets a fresh connection to the gateway bridge."""
     while True:
-        conn, _ = listener.accept()
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn = _socket.socket(fileno=listener._accept()[0])
+        upstream = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             upstream.connect(socket_path)
         except OSError:
             conn.close()
             upstream.close()
             continue
-        for a, b in ((conn, upstream), (upstream, conn)):
-            threading.Thread(target=relay, args=(a, b), daemon=True).start()
+        _thread.start_new_thread(relay, (conn, upstream))
+        _thread.start_new_thread(relay, (upstream, conn))
+
+
+def exec_harness(opts: dict[str, str], limits: list[str], command: list[str], errors: int) -> None:
+    """In the forked child: drop to the attempt's uid, enter its home, set the limits, exec."""
+    try:
+        if "uid" in opts:
+            os.setgroups([])
+            os.setresgid(int(opts["gid"]), int(opts["gid"]), int(opts["gid"]))
+            os.setresuid(int(opts["uid"]), int(opts["uid"]), int(opts["uid"]))
+        if "cwd" in opts:
+            os.chdir(opts["cwd"])
+        for name, value in (s.split("=", 1) for s in limits):
+            resource.setrlimit(LIMITS[name], (int(value), int(value)))
+        os.execvp(command[0], command)
+    except BaseException as e:
+        os.write(errors, f"{type(e).__name__}: {e}".encode(errors="replace"))
+    os._exit(127)
 
 
 def main(argv: list[str]) -> int:
     """Set up the forwarder, start the harness, relay until it exits; return its exit code."""
-    args = parse_args(argv)
-    status = os.fdopen(args.status_fd, "w")
+    opts, limits, command = parse_args(argv)
+    status = int(opts["status-fd"])
     try:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", args.port))
+        listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+        listener.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", int(opts["port"])))
         listener.listen(256)
-        # The harness starts while this process is still single-threaded (pre-exec is then safe);
-        # its connections wait in the listen backlog until the relay thread below accepts them.
-        proc = subprocess.Popen(
-            args.command,
-            user=args.uid,
-            group=args.gid,
-            extra_groups=[] if args.uid is not None else None,
-            preexec_fn=pre_exec(args.limit, args.cwd),
-        )
-    except (OSError, ValueError, subprocess.SubprocessError) as e:
-        status.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
-        status.close()
+        # Connections the harness makes before the relay thread runs wait in the listen backlog.
+        err_r, err_w = os.pipe()  # close-on-exec: EOF means the exec succeeded
+        pid = os.fork()
+        if pid == 0:
+            os.close(err_r)
+            os.close(status)
+            listener.close()
+            exec_harness(opts, limits, command, err_w)
+        os.close(err_w)
+        failure = os.read(err_r, 4096).decode(errors="replace")
+        os.close(err_r)
+    except OSError as e:
+        failure = f"{type(e).__name__}: {e}"
+    if failure:
+        os.write(status, f"error {failure}\n".encode())
         return SETUP_FAILED
-    status.write(json.dumps({"ready": True, "pid": proc.pid}) + "\n")
-    status.close()
-    threading.Thread(target=serve, args=(listener, args.socket), daemon=True).start()
-    code = proc.wait()
+    os.write(status, f"ready {pid}\n".encode())
+    os.close(status)
+    _thread.start_new_thread(serve, (listener, opts["socket"]))
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     return 128 - code if code < 0 else code
 
 
