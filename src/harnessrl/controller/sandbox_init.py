@@ -68,7 +68,7 @@ def relay(src: _socket.socket, dst: _socket.socket) -> None:
 def serve(listener: _socket.socket, socket_path: str) -> None:
     """Accept connections forever; each gets a fresh connection to the gateway bridge."""
     while True:
-        conn = _socket.socket(fileno=listener._accept()[0])
+        conn = _socket.socket(fileno=listener._accept()[0])  # type: ignore[attr-defined]
         upstream = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         try:
             upstream.connect(socket_path)
