@@ -50,6 +50,31 @@ class ControllerSection(_Section):
     harness_timeout_s: float = 300.0
     max_attempts: int = 2
     grader_timeout_s: float = 60.0
+    # Each attempt in a bubblewrap sandbox: no network but the gateway, a private filesystem view,
+    # resource limits (docs/sandbox.md). None: not limited.
+    sandbox: bool = False
+    sandbox_cpu_seconds: int | None = None
+    sandbox_memory_mb: int | None = 4096  # per process (RLIMIT_AS)
+    sandbox_max_processes: int | None = 256
+    sandbox_max_file_mb: int | None = 1024
+    sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness may read
+    sandbox_hide_git: bool = False
+    sandbox_disable_git: bool = False
+
+    def sandbox_spec(self) -> Any:
+        """The `SandboxSpec` these settings describe (for `SandboxRunner`)."""
+        from harnessrl.controller.sandbox import SandboxSpec
+
+        mb = lambda v: None if v is None else v << 20  # noqa: E731
+        return SandboxSpec(
+            cpu_seconds=self.sandbox_cpu_seconds,
+            memory_bytes=mb(self.sandbox_memory_mb),
+            max_processes=self.sandbox_max_processes,
+            max_file_bytes=mb(self.sandbox_max_file_mb),
+            ro_paths=tuple(self.sandbox_ro_paths),
+            hide_git=self.sandbox_hide_git,
+            disable_git=self.sandbox_disable_git,
+        )
 
 
 class TrainSection(_Section):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from harnessrl.config import RunConfig
-from harnessrl.controller import Controller, HarnessSpec
+from harnessrl.controller import Controller, HarnessSpec, SandboxRunner
 from harnessrl.examples import ExampleSpec, get_example, write_tasks
 from harnessrl.gateway.client import ControlClient
 from harnessrl.modeling.loading import load_model, resolve_model
@@ -161,6 +161,7 @@ async def _run_async(
         concurrency=cfg.controller.concurrency,
         max_attempts=cfg.controller.max_attempts,
         grader_timeout_s=cfg.controller.grader_timeout_s,
+        runner=SandboxRunner(cfg.controller.sandbox_spec()) if cfg.controller.sandbox else None,
     )  # fmt: skip
     model = load_model(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
