@@ -1,0 +1,155 @@
+"""`make bench-controller`: attempts started and graded per second at concurrency 64, plain
+subprocesses (LocalRunner) against bubblewrap sandboxes (SandboxRunner), in one run.
+
+A real gateway process over a real SQLite store, the real Controller (create rollout, start attempt,
+run the harness, finish the attempt, grade, write the reward, set the state), and a trivial harness
+(`python -c` writing answer.json; it makes no model call, so no engine runs). The per-attempt sandbox
+overhead is the difference of median attempt latencies run one at a time (the cost one attempt pays);
+the saturated figure (1000/rate_sandbox - 1000/rate_plain) is reported beside it.
+
+    python bench/controller.py --attempts 256 --concurrency 64 --out bench/results/controller.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harnessrl.controller import (
+    AttemptResult,
+    AttemptSpec,
+    Controller,
+    HarnessSpec,
+    LocalRunner,
+    RolloutRequest,
+    Runner,
+    SandboxRunner,
+)
+from harnessrl.gateway.client import ControlClient
+from harnessrl.schema import RolloutState, Task
+from harnessrl.services import free_port, start_gateway
+
+HARNESS = "import json, os; json.dump({'answer': 1}, open(os.path.join(os.environ['HARNESSRL_OUTPUT'], 'answer.json'), 'w'))"  # fmt: skip
+log = logging.getLogger("bench.controller")
+
+
+class Timed:
+    """Wraps a runner and records how long each attempt took, in seconds."""
+
+    def __init__(self, inner: Runner) -> None:
+        self.inner = inner
+        self.seconds: list[float] = []
+
+    async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
+        """Run the attempt with the wrapped runner, timing it."""
+        t0 = time.perf_counter()
+        result = await self.inner.run(spec, harness)
+        self.seconds.append(time.perf_counter() - t0)
+        return result
+
+
+def grader(task: Task, result: AttemptResult) -> float:
+    """1.0 when the harness wrote its answer."""
+    path = result.output_dir / "answer.json"
+    return float(path.exists() and json.loads(path.read_text()).get("answer") == 1)
+
+
+async def measure(
+    name: str, runner: Runner, gw_url: str, admin: str, work: Path, n: int, concurrency: int
+) -> dict[str, Any]:
+    """Run `n` rollouts at `concurrency`; attempts per second and attempt latencies (ms)."""
+    timed = Timed(runner)
+    client = ControlClient(gw_url, admin)
+    harness = HarnessSpec([sys.executable, "-c", HARNESS], timeout_s=120)
+    ctl = Controller(client, gw_url, harness, grader, work / name, concurrency=concurrency, runner=timed)
+    tag = secrets.token_hex(4)
+    reqs = [RolloutRequest(Task(task_id=f"t{i}", input={}), client_id=f"{name}-{tag}-{i}") for i in range(n)]
+    try:
+        t0 = time.perf_counter()
+        outcomes = await ctl.run(reqs)
+        wall = time.perf_counter() - t0
+    finally:
+        await client.aclose()
+    graded = sum(o.state == RolloutState.SUCCEEDED and o.reward == 1.0 for o in outcomes)
+    if graded != n:
+        errors = {o.error for o in outcomes if o.error}
+        raise RuntimeError(f"{name}: {n - graded} of {n} rollouts were not graded 1.0: {errors}")
+    ms = sorted(1e3 * s for s in timed.seconds)
+    return {"attempts": n, "concurrency": concurrency, "wall_s": wall, "attempts_per_s": n / wall,
+            "latency_p50_ms": statistics.median(ms), "latency_p90_ms": ms[int(0.9 * (len(ms) - 1))]}  # fmt: skip
+
+
+async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[str, Any]:
+    """Start the gateway; measure both runners saturated, then one attempt at a time."""
+    port, admin = free_port(), secrets.token_hex(16)
+    gw = start_gateway(work / "store.sqlite", "http://127.0.0.1:9", port, admin, work / "logs", 16)
+    try:
+        gw.wait_healthy(60)
+        runners: dict[str, Runner] = {"plain": LocalRunner(), "sandbox": SandboxRunner()}
+        for name, runner in runners.items():  # warm-up: imports, page cache, the store's first writes
+            await measure(f"warm-{name}", runner, gw.url, admin, work, 8, 8)
+        out: dict[str, Any] = {"saturated": {}, "sequential": {}}
+        for name, runner in runners.items():
+            out["saturated"][name] = r = await measure(name, runner, gw.url, admin, work, n, concurrency)
+            log.info("saturated runner=%s attempts_per_s=%.1f", name, r["attempts_per_s"])
+        for name, runner in runners.items():
+            out["sequential"][name] = await measure(f"seq-{name}", runner, gw.url, admin, work, sequential, 1)
+        return out
+    finally:
+        gw.stop()
+
+
+def main() -> int:
+    """Run the benchmark, print a table, write the JSON summary."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--attempts", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--sequential", type=int, default=30, help="attempts run one at a time per runner")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "controller.json")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-controller-") as tmp:
+        raw = asyncio.run(bench(args.attempts, args.concurrency, args.sequential, Path(tmp)))
+    sat, seq = raw["saturated"], raw["sequential"]
+    plain, sandbox = sat["plain"]["attempts_per_s"], sat["sandbox"]["attempts_per_s"]
+    summary = {
+        "attempts_per_s_plain": round(plain, 2),
+        "attempts_per_s_sandbox": round(sandbox, 2),
+        "sandbox_overhead_ms": round(seq["sandbox"]["latency_p50_ms"] - seq["plain"]["latency_p50_ms"], 1),
+        "sandbox_overhead_ms_saturated": round(1e3 / sandbox - 1e3 / plain, 2),
+        "throughput_ratio_sandbox_vs_plain": round(sandbox / plain, 3),
+        "concurrency": args.concurrency,
+        "attempts": args.attempts,
+        "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, {len(os.sched_getaffinity(0))} CPUs",
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after: others' work
+        "command": "make bench-controller",
+        "raw": raw,
+    }
+    print(
+        f"{'runner':<10}{'attempts/s @' + str(args.concurrency):>18}{'p50 ms @1':>12}{'p50 ms @' + str(args.concurrency):>14}"
+    )
+    for name in ("plain", "sandbox"):
+        print(f"{name:<10}{sat[name]['attempts_per_s']:>18.1f}{seq[name]['latency_p50_ms']:>12.1f}"
+              f"{sat[name]['latency_p50_ms']:>14.1f}")  # fmt: skip
+    print(f"sandbox overhead per attempt: {summary['sandbox_overhead_ms']} ms alone, "
+          f"{summary['sandbox_overhead_ms_saturated']} ms of wall time per attempt at saturation; "
+          f"throughput ratio {summary['throughput_ratio_sandbox_vs_plain']}")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
