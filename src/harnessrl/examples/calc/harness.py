@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import os
+import random
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,6 +123,15 @@ def format_number(x: float) -> str:
     return f"{x:.6f}".rstrip("0").rstrip(".")
 
 
+def tool_delay(spec: dict[str, Any] | None, rnd: random.Random) -> float:
+    """Seconds a slow calculator takes: lognormal with the given median and sigma, capped (for the
+    async-vs-sync benchmark: a tool whose latency has a long tail). No spec: no delay."""
+    if not spec:
+        return 0.0
+    median, sigma, cap = float(spec["median_s"]), float(spec.get("sigma", 1.0)), float(spec.get("max_s", 60))
+    return min(cap, median * math.exp(sigma * rnd.gauss(0.0, 1.0)))
+
+
 def run_tool(name: str, arguments: str) -> str:
     """Execute one tool call and return its result as text (errors included, as a tool would)."""
     if name != "calculator":
@@ -137,8 +149,9 @@ def final_number(text: str | None) -> str | None:
     return found[-1] if found else None
 
 
-def solve(client: OpenAI, question: str) -> dict[str, Any]:
-    """Run the agent loop on one question."""
+def solve(client: OpenAI, question: str, latency: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the agent loop on one question (the calculator sleeps per `latency`, if given)."""
+    rnd = random.Random(os.environ.get("HARNESSRL_ROLLOUT_ID", ""))
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *EXAMPLES]
     messages.append({"role": "user", "content": question})
     tool_calls = 0
@@ -153,6 +166,7 @@ def solve(client: OpenAI, question: str) -> dict[str, Any]:
         for tc in msg.tool_calls:
             tool_calls += 1
             fn = getattr(tc, "function", None)
+            time.sleep(tool_delay(latency, rnd))
             result = run_tool(fn.name, fn.arguments) if fn else "error: unsupported tool call"
             messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
     return {"answer": final_number(text), "text": text, "tool_calls": tool_calls}
@@ -165,7 +179,7 @@ def main() -> int:
         return 2
     task = json.loads(Path(os.environ["HARNESSRL_TASK"]).read_text())
     client = OpenAI(max_retries=5, timeout=600)
-    out = solve(client, task["question"])
+    out = solve(client, task["question"], task.get("tool_latency"))
     Path(os.environ["HARNESSRL_OUTPUT"], "answer.json").write_text(json.dumps(out))
     return 0
 
