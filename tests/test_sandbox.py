@@ -134,11 +134,12 @@ time.sleep(600)
 
 
 class EchoServer:
-    """A TCP server on all of this machine's addresses that the sandbox must not reach."""
+    """A TCP server on every address of this machine (IPv4 and IPv6) that the sandbox must not reach."""
 
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("0.0.0.0", 0))
+        self.sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        self.sock.bind(("::", 0))
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         self.accepted = 0
@@ -155,10 +156,11 @@ class EchoServer:
 
 
 def host_addresses() -> list[str]:
-    """This machine's IPv4 addresses: loopback first, then those of its links."""
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
-    found = [line.split()[3].split("/")[0] for line in out.splitlines()]
-    return ["127.0.0.1"] + [a for a in found if not a.startswith("127.")]
+    """This machine's addresses: loopback first, then those of its links (link-local ones left out).
+    The sandbox has no link of its own: its only interface is its own loopback."""
+    out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    found = [line.split()[3].split("/")[0] for line in out.splitlines() if " scope link" not in line]
+    return ["127.0.0.1", "::1"] + [a for a in found if a not in ("127.0.0.1", "::1")]
 
 
 @pytest.fixture
