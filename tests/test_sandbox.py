@@ -221,6 +221,28 @@ async def test_escapes_fail_and_the_gateway_works(make_gateway: Callable[..., Ga
     assert len(gw.store.calls(rid)) == 1  # the call went through the gateway and was recorded
 
 
+async def test_the_calc_example_runs_sandboxed(
+    make_gateway: Callable[..., GatewayHandle], tmp_path: Path
+) -> None:
+    """What `controller.sandbox=true` runs: the packaged calc harness (openai SDK, tool calls) through
+    the Controller; it answers (the tiny random model is graded 0 or 1) and its calls are recorded."""
+    from harnessrl.examples import get_example
+
+    gw = make_gateway(default_max_tokens=8)
+    example = get_example("calc")
+    client = ControlClient(gw.url, gw.admin_key)
+    harness = HarnessSpec(example.harness_command, timeout_s=60)
+    task = Task(task_id="t", input={"question": "What is 2 + 3?"}, reference={"answer": "5"})
+    try:
+        ctl = Controller(client, gw.url, harness, example.grader, tmp_path / "run", runner=SandboxRunner())
+        (out,) = await ctl.run([RolloutRequest(task, client_id="calc-0")])
+    finally:
+        await client.aclose()
+    assert out.state == RolloutState.SUCCEEDED and out.reward in (0.0, 1.0), out
+    assert gw.store.get_reward(out.rollout_id).details["exit_code"] == 0  # type: ignore[union-attr]
+    assert len(gw.store.calls(out.rollout_id)) >= 1
+
+
 async def test_resource_limits_hold(make_gateway: Callable[..., GatewayHandle], tmp_path: Path) -> None:
     gw = make_gateway()
     sandbox = SandboxSpec(cpu_seconds=1, memory_bytes=512 << 20, max_processes=16, max_file_bytes=1 << 20)
