@@ -207,6 +207,9 @@ def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_f
             mounts.append((p, ["--ro-bind-try", p, p]))
     mounts += [("/proc", ["--proc", "/proc"]), ("/dev", ["--dev", "/dev"])]
     mounts.append(("/tmp", ["--perms", "1777", "--size", str(sandbox.tmp_bytes), "--tmpfs", "/tmp"]))
+    mounts.append(
+        ("/run", ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", "/run"])
+    )  # host sockets hidden
     mounts.append((str(workdir), ["--bind", str(workdir), str(workdir)]))
     mounts += [(p, ["--bind-try", p, p]) for p in sandbox.rw_paths]
     mounts.append((SOCKET_IN_SANDBOX, ["--ro-bind", str(host_socket), SOCKET_IN_SANDBOX]))
@@ -230,17 +233,19 @@ def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_f
 
 
 def _parent_dirs(mounts: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
-    """`--dir` (mode 0755) for each missing parent of a mount point: bwrap would make them 0700,
-    which the attempt's uid could not traverse (e.g. /root on the way to a Python under it)."""
-    dests = {d for d, _ in mounts}
-    binds = [d for d, m in mounts if m[0] in ("--ro-bind-try", "--bind", "--bind-try", "--ro-bind")]
-    dirs: list[tuple[str, list[str]]] = []
-    for d in sorted(dests):
+    """`--dir` (mode 0755) for each parent of a mount point that no bind provides: bwrap would
+    make it 0700, which the attempt's uid could not traverse (e.g. /root on the way to Python)."""
+    kinds = {d: next(t for t in reversed(m) if t.startswith("--")) for d, m in mounts}  # "--tmpfs", ...
+    binds = {"--ro-bind-try", "--bind", "--bind-try", "--ro-bind"}
+    dirs: dict[str, list[str]] = {}
+    for d in sorted(kinds):
         for parent in list(Path(d).parents)[:-1]:
             a = str(parent)
-            if a not in dests and not any(_under(a, b) for b in binds) and all(x != a for x, _ in dirs):
-                dirs.append((a, ["--perms", "0755", "--dir", a]))
-    return dirs
+            covering = [m for m in kinds if m != a and _under(a, m)]
+            deepest = max(covering, key=lambda m: len(Path(m).parts), default=None)
+            if a not in kinds and (deepest is None or kinds[deepest] not in binds):
+                dirs[a] = ["--perms", "0755", "--dir", a]
+    return list(dirs.items())
 
 
 def _under(path: str, root: str) -> bool:
