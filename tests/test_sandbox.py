@@ -124,6 +124,20 @@ while True:
     pass
 """
 
+GREEDY = r"""
+import os, signal, time
+pids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        chunks = [bytearray(b"x") * (10 << 20) for _ in range(15)]  # 150 MiB, every page touched
+        time.sleep(1)
+        os._exit(0)
+    pids.append(pid)
+killed = sum(os.WTERMSIG(os.waitpid(p, 0)[1]) == signal.SIGKILL for p in pids)
+open(os.path.join(os.environ["HARNESSRL_OUTPUT"], "killed"), "w").write(str(killed))
+"""
+
 HANG = r"""
 import os, subprocess, sys, time
 marker = open(os.environ["HARNESSRL_TASK"]).read()
@@ -256,6 +270,25 @@ async def test_resource_limits_hold(make_gateway: Callable[..., GatewayHandle], 
     assert result.exit_code is not None and result.exit_code >= 128  # killed by RLIMIT_CPU
     if os.geteuid() == 0:
         assert _processes_of_uid_range(sandbox) == []
+
+
+async def test_cgroup_bounds_the_attempt_as_a_whole(
+    make_gateway: Callable[..., GatewayHandle], tmp_path: Path
+) -> None:
+    """Four processes of 150 MiB each stay under RLIMIT_AS alone; the attempt's 256 MiB cgroup stops them."""
+    from harnessrl.controller.cgroups import AttemptCgroup
+
+    probe = AttemptCgroup(1 << 30, 64).create()
+    await probe.aclose()
+    if not probe.available:
+        pytest.skip("this machine lets the controller create no memory+pids cgroup (rlimits still apply)")
+    gw = make_gateway()
+    sandbox = SandboxSpec(memory_bytes=1 << 30, cgroup="required", cgroup_memory_bytes=256 << 20)
+    harness = HarnessSpec([sys.executable, str(_write(tmp_path / "greedy.py", GREEDY))], timeout_s=60)
+    _, result = await _attempt(gw, tmp_path, sandbox, harness, {})
+    assert result.infra_error is None and result.exit_code == 0, result.stderr_tail
+    assert int((result.output_dir / "killed").read_text()) >= 1
+    assert "memory limit killed" in result.stderr_tail
 
 
 async def test_timeout_kills_everything(make_gateway: Callable[..., GatewayHandle], tmp_path: Path) -> None:

@@ -31,9 +31,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 import harnessrl
+from harnessrl.controller.bridge import GatewayBridge
+from harnessrl.controller.cgroups import AttemptCgroup
 from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
@@ -66,6 +69,11 @@ class SandboxSpec:
     rw_paths: tuple[str, ...] = ()  # host paths visible read-write (shared across attempts!)
     hide_git: bool = False  # an empty tmpfs over every `.git` in the attempt dir and extra paths
     disable_git: bool = False  # /dev/null over the `git` binary and git-core: running git fails
+    # One cgroup per attempt bounds all its processes together: "auto" where the machine allows it,
+    # "required" (no cgroup: infra_error), "off". See controller/cgroups.py.
+    cgroup: Literal["auto", "required", "off"] = "auto"
+    cgroup_memory_bytes: int | None = 8 << 30
+    cgroup_max_pids: int | None = 1024
     uid_base: int = 2_000_000  # attempt uids are uid_base .. uid_base + uid_slots - 1 (as root)
     uid_slots: int = 4096
     lock_dir: str = os.path.join(tempfile.gettempdir(), "harnessrl-sandbox-uids")
@@ -114,54 +122,6 @@ class UidSlot:
         if self._fd is not None:
             os.close(self._fd)  # closing releases the lock
             self._fd = None
-
-
-class GatewayBridge:
-    """A Unix socket whose every connection is piped to the gateway's TCP address."""
-
-    def __init__(self, path: Path, host: str, port: int) -> None:
-        self.path, self.host, self.port = path, host, port
-        self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    async def __aenter__(self) -> GatewayBridge:
-        self._server = await asyncio.start_unix_server(self._handle, path=str(self.path))
-        os.chmod(self.path, 0o600)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.close()
-        for w in list(self._writers):
-            w.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
-        except OSError as e:
-            log.warning("sandbox_bridge_connect_failed gateway=%s:%d error=%s", self.host, self.port, e)
-            writer.close()
-            return
-        self._writers.update((writer, up_writer))
-        try:
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        finally:
-            for w in (writer, up_writer):
-                self._writers.discard(w)
-                w.close()
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except (OSError, RuntimeError):
-        writer.close()
 
 
 def view_paths(sandbox: SandboxSpec) -> list[str]:
@@ -297,26 +257,35 @@ class SandboxRunner:
         if "HOME" not in harness.env:
             env["HOME"] = str(home)
         try:
-            with contextlib.ExitStack() as stack:
+            async with contextlib.AsyncExitStack() as stack:
                 uid = None
                 if os.geteuid() == 0:
                     uid = stack.enter_context(UidSlot(self.sandbox)).uid
                     for d in (output_dir, home):
                         os.chown(d, uid, uid)
                         os.chmod(d, 0o700)
+                cgroup = AttemptCgroup(self.sandbox.cgroup_memory_bytes, self.sandbox.cgroup_max_pids)
+                if self.sandbox.cgroup != "off":
+                    stack.push_async_callback(cgroup.create().aclose)
+                    if self.sandbox.cgroup == "required" and not cgroup.available:
+                        return failed("no cgroup with memory and pids limits can be created here")
                 sock_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hrl-")))
-                async with GatewayBridge(sock_dir / "gw.sock", gw.hostname, port) as bridge:
-                    return await self._sandboxed(spec, harness, bwrap, bridge.path, env, output_dir, uid, port)  # fmt: skip
+                bridge = await stack.enter_async_context(
+                    GatewayBridge(sock_dir / "gw.sock", gw.hostname, port)
+                )
+                return await self._sandboxed(spec, harness, bwrap, bridge.path, env, output_dir, uid, port, cgroup)  # fmt: skip
         except OSError as e:
             return failed(f"{type(e).__name__}: {e}")
 
     async def _sandboxed(self, spec: AttemptSpec, harness: HarnessSpec, bwrap: str, host_socket: Path,
-                         env: dict[str, str], output_dir: Path, uid: int | None, port: int) -> AttemptResult:  # fmt: skip
+                         env: dict[str, str], output_dir: Path, uid: int | None, port: int,
+                         cgroup: AttemptCgroup) -> AttemptResult:  # fmt: skip
         files = [a for a in harness.command if a.startswith("/") and os.path.isfile(a)]
         status_r, status_w = os.pipe()
         os.set_blocking(status_r, False)
         argv = [bwrap, *bwrap_args(self.sandbox, spec.workdir, host_socket, files), "--",
                 *init_args(self.sandbox, status_w, port, uid, Path(env["HOME"])), "--", *harness.command]  # fmt: skip
+        argv = cgroup.join_command(argv)
         out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
         timed_out = False
         try:
@@ -341,6 +310,9 @@ class SandboxRunner:
             if status_w >= 0:
                 os.close(status_w)
         stderr_tail = tail(err_path, harness.max_output_bytes)
+        if cgroup.available and (kills := cgroup.oom_kills()):
+            log.info("attempt_oom rollout=%s attempt=%d killed=%d", spec.rollout_id, spec.attempt, kills)
+            stderr_tail += f"\n[sandbox] the attempt's memory limit killed {kills} process(es)\n"
         if not ready:
             why = init_error or stderr_tail.strip()[-2000:] or f"bwrap exited {proc.returncode}"
             if timed_out:
