@@ -57,6 +57,9 @@ class ControllerSection(_Section):
     sandbox_memory_mb: int | None = 4096  # per process (RLIMIT_AS)
     sandbox_max_processes: int | None = 256
     sandbox_max_file_mb: int | None = 1024
+    sandbox_cgroup: Literal["auto", "required", "never"] = "auto"  # one cgroup bounds the whole attempt
+    sandbox_cgroup_memory_mb: int | None = 8192  # all of an attempt's processes together
+    sandbox_cgroup_max_pids: int | None = 1024
     sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness may read
     sandbox_hide_git: bool = False
     sandbox_disable_git: bool = False
@@ -71,6 +74,9 @@ class ControllerSection(_Section):
             memory_bytes=mb(self.sandbox_memory_mb),
             max_processes=self.sandbox_max_processes,
             max_file_bytes=mb(self.sandbox_max_file_mb),
+            cgroup=self.sandbox_cgroup,
+            cgroup_memory_bytes=mb(self.sandbox_cgroup_memory_mb),
+            cgroup_max_pids=self.sandbox_cgroup_max_pids,
             ro_paths=tuple(self.sandbox_ro_paths),
             hide_git=self.sandbox_hide_git,
             disable_git=self.sandbox_disable_git,

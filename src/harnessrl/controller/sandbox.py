@@ -70,8 +70,8 @@ class SandboxSpec:
     hide_git: bool = False  # an empty tmpfs over every `.git` in the attempt dir and extra paths
     disable_git: bool = False  # /dev/null over the `git` binary and git-core: running git fails
     # One cgroup per attempt bounds all its processes together: "auto" where the machine allows it,
-    # "required" (no cgroup: infra_error), "off". See controller/cgroups.py.
-    cgroup: Literal["auto", "required", "off"] = "auto"
+    # "required" (no cgroup: infra_error), "never". See controller/cgroups.py.
+    cgroup: Literal["auto", "required", "never"] = "auto"
     cgroup_memory_bytes: int | None = 8 << 30
     cgroup_max_pids: int | None = 1024
     uid_base: int = 2_000_000  # attempt uids are uid_base .. uid_base + uid_slots - 1 (as root)
@@ -265,7 +265,7 @@ class SandboxRunner:
                         os.chown(d, uid, uid)
                         os.chmod(d, 0o700)
                 cgroup = AttemptCgroup(self.sandbox.cgroup_memory_bytes, self.sandbox.cgroup_max_pids)
-                if self.sandbox.cgroup != "off":
+                if self.sandbox.cgroup != "never":
                     stack.push_async_callback(cgroup.create().aclose)
                     if self.sandbox.cgroup == "required" and not cgroup.available:
                         return failed("no cgroup with memory and pids limits can be created here")
