@@ -2,6 +2,7 @@
 
 from harnessrl.controller.controller import Controller, RolloutOutcome, RolloutRequest
 from harnessrl.controller.grader import Grader, GraderError
+from harnessrl.controller.kubernetes import KubernetesRunner, KubernetesSpec
 from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner, Runner
 from harnessrl.controller.sandbox import SandboxRunner, SandboxSpec
 
@@ -12,6 +13,8 @@ __all__ = [
     "Grader",
     "GraderError",
     "HarnessSpec",
+    "KubernetesRunner",
+    "KubernetesSpec",
     "LocalRunner",
     "RolloutOutcome",
     "RolloutRequest",
