@@ -7,6 +7,7 @@ work. Every address the tests touch belongs to this machine: servers they start 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -304,6 +305,26 @@ async def test_timeout_kills_everything(make_gateway: Callable[..., GatewayHandl
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _marked(marker), "a process of the sandbox survived its timeout"
+
+
+async def test_cancel_kills_everything(make_gateway: Callable[..., GatewayHandle], tmp_path: Path) -> None:
+    gw = make_gateway()
+    marker = f"harnessrl-sandbox-marker-{os.getpid()}-{time.monotonic_ns()}"
+    harness = HarnessSpec([sys.executable, str(_write(tmp_path / "hang.py", HANG))], timeout_s=600)
+    rid, key = gw.new_rollout()
+    spec = AttemptSpec(rid, 0, key, gw.url, {"m": marker}, tmp_path / "hang")
+    task = asyncio.create_task(SandboxRunner().run(spec, harness))
+    deadline = time.monotonic() + 30
+    while not (spec.workdir / "output" / "started").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert _marked(marker), "the harness's detached child should be running before the cancel"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 5
+    while _marked(marker) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not _marked(marker), "a process of the sandbox survived the cancel"
 
 
 async def test_setup_failure_is_an_infra_error_and_retried(make_gateway: Callable[..., GatewayHandle],
