@@ -3,6 +3,7 @@ batch is split into one micro-batch or many."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -151,7 +152,9 @@ def test_update_moves_the_policy_toward_positive_advantage(tiny_model_dir: Path)
     assert m["grad_norm"] > 0 and mean_lp() > before
 
 
-def reference_terms(model: torch.nn.Module, batch: Batch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def reference_terms(
+    model: torch.nn.Module, batch: Batch
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per row: (new logprobs, full tempered log-distribution, trainable-token mask) from a full forward."""
     from harnessrl.modeling.logprobs import tempered_log_softmax
 
@@ -238,7 +241,7 @@ def test_lr_schedule(schedule: str) -> None:
     f = lr_lambda(schedule, warmup_steps=4, total_steps=14, min_ratio=0.1)
     assert [f(n) for n in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     tail = [f(n) for n in range(4, 20)]
-    assert all(a >= b - 1e-12 for a, b in zip(tail, tail[1:], strict=False))  # never increases
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(tail))  # never increases
     if schedule == "constant":
         assert tail == [1.0] * len(tail)
     else:
