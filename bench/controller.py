@@ -5,7 +5,8 @@ A real gateway process over a real SQLite store, the real Controller (create rol
 run the harness, finish the attempt, grade, write the reward, set the state), and a trivial harness
 (`python -c` writing answer.json; it makes no model call, so no engine runs). The per-attempt sandbox
 overhead is the difference of median attempt latencies run one at a time (the cost one attempt pays);
-the saturated figure (1000/rate_sandbox - 1000/rate_plain) is reported beside it.
+the saturated figure (1000/rate_sandbox - 1000/rate_plain) is reported beside it, and so is the rate of
+the control path alone (a runner that writes the answer without starting any process).
 
     python bench/controller.py --attempts 256 --concurrency 64 --out bench/results/controller.json
 """
@@ -36,6 +37,7 @@ from harnessrl.controller import (
     Runner,
     SandboxRunner,
 )
+from harnessrl.controller.runner import prepare_workdir
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RolloutState, Task
 from harnessrl.services import free_port, start_gateway
@@ -57,6 +59,16 @@ class Timed:
         result = await self.inner.run(spec, harness)
         self.seconds.append(time.perf_counter() - t0)
         return result
+
+
+class NoHarness:
+    """Writes the answer itself instead of starting a process: the ceiling of the control path."""
+
+    async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
+        """Create the attempt's files and its answer; exit code 0."""
+        output_dir, _ = prepare_workdir(spec)
+        (output_dir / "answer.json").write_text('{"answer": 1}')
+        return AttemptResult(0, False, output_dir, "", "")
 
 
 def grader(task: Task, result: AttemptResult) -> float:
@@ -103,6 +115,9 @@ async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[s
         for name, runner in runners.items():
             out["saturated"][name] = r = await measure(name, runner, gw.url, admin, work, n, concurrency)
             log.info("saturated runner=%s attempts_per_s=%.1f", name, r["attempts_per_s"])
+        out["saturated"]["no-harness"] = await measure(
+            "none", NoHarness(), gw.url, admin, work, n, concurrency
+        )
         for name, runner in runners.items():
             out["sequential"][name] = await measure(f"seq-{name}", runner, gw.url, admin, work, sequential, 1)
         return out
@@ -130,6 +145,7 @@ def main() -> int:
         "sandbox_overhead_ms": round(seq["sandbox"]["latency_p50_ms"] - seq["plain"]["latency_p50_ms"], 1),
         "sandbox_overhead_ms_saturated": round(1e3 / sandbox - 1e3 / plain, 2),
         "throughput_ratio_sandbox_vs_plain": round(sandbox / plain, 3),
+        "attempts_per_s_no_harness": round(sat["no-harness"]["attempts_per_s"], 2),  # control path alone
         "concurrency": args.concurrency,
         "attempts": args.attempts,
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, {len(os.sched_getaffinity(0))} CPUs",
@@ -145,7 +161,8 @@ def main() -> int:
               f"{sat[name]['latency_p50_ms']:>14.1f}")  # fmt: skip
     print(f"sandbox overhead per attempt: {summary['sandbox_overhead_ms']} ms alone, "
           f"{summary['sandbox_overhead_ms_saturated']} ms of wall time per attempt at saturation; "
-          f"throughput ratio {summary['throughput_ratio_sandbox_vs_plain']}")  # fmt: skip
+          f"throughput ratio {summary['throughput_ratio_sandbox_vs_plain']}; the control path alone (no harness "
+          f"process) does {summary['attempts_per_s_no_harness']} attempts/s")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
