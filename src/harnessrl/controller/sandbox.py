@@ -9,10 +9,12 @@ How an attempt runs (see docs/sandbox.md):
   127.0.0.1:<gateway port> and relays to it. The harness contract points at that in-sandbox address.
 - The view: system directories, the Python installation and this package read-only, the attempt's
   directory (its `output/` and `home/` writable), a private size-capped `/tmp`, a fresh `/proc` and a
-  minimal `/dev`. Optionally `.git` directories hidden and `git` made unrunnable.
+  minimal `/dev`, an empty `/run`. Optionally `.git` directories hidden and `git` made unrunnable.
 - As root, the harness runs as a uid of its own (one per concurrent attempt, held with a lock file),
   so RLIMIT_NPROC bounds its processes; RLIMIT_CPU/AS/FSIZE/NOFILE bound the rest. Without root,
   bwrap uses a user namespace and the process limit is not applied.
+- Where cgroups can be created, one per attempt bounds the memory and processes of all its
+  processes together (`cgroups.py`); bwrap starts inside it.
 - Timeout or cancel kills bwrap; `--die-with-parent` and the pid namespace take everything with it.
 - A sandbox that fails to start is reported as `infra_error`, which the Controller retries.
 """
