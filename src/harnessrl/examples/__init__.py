@@ -24,6 +24,7 @@ class ExampleSpec:
 
 EXAMPLES = {
     "calc": "harnessrl.examples.calc",
+    "search": "harnessrl.examples.search",
     "instruct": "harnessrl.examples.instruct",
 }
 
