@@ -26,9 +26,10 @@ import pytest
 from harnessrl.controller.kubernetes import KubernetesRunner, KubernetesSpec, TokenBucket
 from harnessrl.controller.kubernetes_api import ClusterAccess
 from harnessrl.controller.kubernetes_jobs import OUTPUT_MARKER, network_policy, split_log, unpack_output
+from harnessrl.controller.kubernetes_tracker import JobTracker
 from harnessrl.controller.runner import AttemptSpec, HarnessSpec
 from tests.conftest import ThreadServer
-from tests.fixtures.kubernetes.fake_api import FakeKube
+from tests.fixtures.kubernetes.fake_api import HERE, FakeKube
 
 TEMPLATE = """
 metadata:
@@ -209,6 +210,26 @@ async def test_expired_resource_version_relists(fake: tuple[FakeKube, str], tmp_
         await runner.aclose()
     assert res.exit_code == 0 and kube.expired_sent == 1 and relists >= 2
     assert kube.watch_events_sent > 0  # the watch resumed after the relist and delivered completion
+
+
+async def test_tracker_reads_transcribed_watch_lines(fake: tuple[FakeKube, str]) -> None:
+    kube, url = fake
+    kube.canned_watch = (HERE / "watch_events.jsonl").read_text().splitlines(keepends=True)
+    runner = make_runner(url)
+    tracker = JobTracker(runner.api, "default", "harnessrl.io/run=run-1", 1.0)
+    seen: list[str] = []
+    observe = tracker.observe
+
+    def record(job: dict[str, Any]) -> None:
+        seen.append(job["metadata"]["resourceVersion"])
+        observe(job)
+
+    tracker.observe = record  # type: ignore[method-assign]
+    try:
+        await tracker._watch("1000")  # ADDED, MODIFIED, DELETED, BOOKMARK, then the stream ends
+    finally:
+        await runner.aclose()
+    assert seen == ["1102", "1109"] and tracker.gone == {"pi"} and "pi" not in tracker.jobs
 
 
 async def test_job_creation_is_rate_limited(fake: tuple[FakeKube, str], tmp_path: Path) -> None:
