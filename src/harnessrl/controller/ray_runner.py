@@ -30,6 +30,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 GUARD_MARK = "harnessrl-ray-guard:"
 NODE_ID_ENV = "HARNESSRL_RAY_NODE_ID"  # given to the harness: the Ray node it runs on
+_CONNECT_LOCK = threading.Lock()
 
 # The guard: argv = [worker_pid, node_workdir, harness command...], run as the attempt's process-group
 # leader. It forks a watcher into a session of its own (out of reach of Ray's clean-up of the worker's
@@ -210,18 +212,19 @@ class RayRunner:
         """Connect to the cluster (once; a no-op if this process is already connected)."""
         import ray
 
-        if not ray.is_initialized():
-            ray.init(
-                address=self.ray_spec.address,
-                namespace=self.ray_spec.namespace,
-                runtime_env=self.ray_spec.runtime_env,
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-            )
-            self._connected_here = True
-            log.info("ray_connected address=%s", self.ray_spec.address)
-        if self._remote is None:
-            self._remote = ray.remote(_ray_task)
+        with _CONNECT_LOCK:  # ray.init is per process; concurrent first attempts must not race
+            if not ray.is_initialized():
+                ray.init(
+                    address=self.ray_spec.address,
+                    namespace=self.ray_spec.namespace,
+                    runtime_env=self.ray_spec.runtime_env,
+                    logging_level=logging.WARNING,
+                    log_to_driver=False,
+                )
+                self._connected_here = True
+                log.info("ray_connected address=%s", self.ray_spec.address)
+            if self._remote is None:
+                self._remote = ray.remote(_ray_task)
 
     def close(self) -> None:
         """Disconnect from the cluster if this runner connected."""
