@@ -66,6 +66,7 @@ class SandboxSpec:
     max_file_bytes: int | None = 1 << 30  # RLIMIT_FSIZE: largest file, stdout/stderr included
     max_open_files: int | None = 4096  # RLIMIT_NOFILE
     tmp_bytes: int = 256 << 20  # size of the private /tmp (memory-backed)
+    shm_bytes: int = 64 << 20  # size of the private /dev/shm (multiprocessing's semaphores live there)
     system_paths: tuple[str, ...] = SYSTEM_PATHS  # host paths visible read-only ("/" for all)
     ro_paths: tuple[str, ...] = ()  # more host paths visible read-only
     rw_paths: tuple[str, ...] = ()  # host paths visible read-write (shared across attempts!)
@@ -169,9 +170,9 @@ def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_f
             mounts.append((p, ["--ro-bind-try", p, p]))
     mounts += [("/proc", ["--proc", "/proc"]), ("/dev", ["--dev", "/dev"])]
     mounts.append(("/tmp", ["--perms", "1777", "--size", str(sandbox.tmp_bytes), "--tmpfs", "/tmp"]))
-    mounts.append(
-        ("/run", ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", "/run"])
-    )  # host sockets hidden
+    mounts.append(("/dev/shm", ["--perms", "1777", "--size", str(sandbox.shm_bytes), "--tmpfs", "/dev/shm"]))
+    # an empty /run: the host daemons' sockets stay hidden; gateway.sock is bound below it
+    mounts.append(("/run", ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", "/run"]))
     mounts.append((str(workdir), ["--bind", str(workdir), str(workdir)]))
     mounts += [(p, ["--bind-try", p, p]) for p in sandbox.rw_paths]
     mounts.append((SOCKET_IN_SANDBOX, ["--ro-bind", str(host_socket), SOCKET_IN_SANDBOX]))
