@@ -177,13 +177,17 @@ async def _run_async(
     try:
         temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
         before = [await evaluate(ctx, heldout, f"eval-before-t{t:g}", t) for t in temps]
+        t_train = time.time()
         steps = await train(ctx, train_tasks, on_step)
+        train_wall = time.time() - t_train
         after = [await evaluate(ctx, heldout, f"eval-after-{steps}-t{t:g}", t) for t in temps]
     finally:
         metrics.close()
         await client.aclose()
         await engine.aclose()
-    return summarise(cfg, before, after, steps, metrics.read())
+    summary = summarise(cfg, before, after, steps, metrics.read())
+    summary["train_wall_seconds"] = train_wall
+    return summary
 
 
 def summarise(
@@ -215,6 +219,7 @@ def summarise(
         "train_steps": steps,
         "rollouts_per_step": cfg.train.batch_groups * cfg.train.group_size,
         "merge_rate": sum(rates) / len(rates) if rates else None,
+        "merge_breaks": _sum_counts([r.get("breaks", {}) for r in records]),
         "steps_with_multi_call_rollouts": multi,
         "rows_per_rollout": _mean([r["rows_per_rollout"] for r in records if "rows_per_rollout" in r]),
         "train_reward_first": records[0]["reward"] if records else None,
@@ -222,6 +227,15 @@ def summarise(
         "schedule": cfg.train.schedule,
         "mean_step_seconds": _mean([r["time_step_s"] for r in records if "time_step_s" in r]),
     }
+
+
+def _sum_counts(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Per-cause totals over the run's steps: the run's merge report."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + int(v)
+    return total
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -26,6 +26,7 @@ EXAMPLES = {
     "calc": "harnessrl.examples.calc",
     "search": "harnessrl.examples.search",
     "instruct": "harnessrl.examples.instruct",
+    "calc_slow": "harnessrl.examples.calc_slow",
 }
 
 
