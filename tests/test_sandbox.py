@@ -66,6 +66,13 @@ for host in cfg["hosts"]:
     attempt(f"tcp {host}", lambda h=host: connect(h, cfg["port"]))
 attempt("tcp gateway port on host address", lambda: connect(cfg["hosts"][-1], cfg["gateway_port"]))
 attempt("read secret", lambda: open(cfg["secret"]).read())
+def unix(address):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(2)
+    s.connect(address)
+    return "connected"
+attempt("unix socket file", lambda: unix(cfg["unix_path"]))
+attempt("unix abstract socket", lambda: unix("\0" + cfg["unix_abstract"]))
 for path in cfg["write_targets"]:
     attempt(f"write {path}", lambda p=path: open(p, "w").write("escaped"))
 attempt("write private tmp", lambda: open("/tmp/" + cfg["tmp_name"], "w").write("private"))
@@ -206,22 +213,33 @@ async def test_escapes_fail_and_the_gateway_works(make_gateway: Callable[..., Ga
     for host in hosts:  # the server is reachable from the host: failing inside means the sandbox held
         socket.create_connection((host, server.port), timeout=2).close()
     secret = _write(tmp_path / "secret" / "secret.txt", "the-answer-is-42")
+    unix_path, unix_abstract = str(tmp_path / "host.sock"), f"harnessrl-test-{os.getpid()}"
+    unix_servers = [socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)]
+    for srv, address in zip(unix_servers, (unix_path, "\0" + unix_abstract), strict=True):
+        srv.bind(address)
+        srv.listen(4)
+        with socket.socket(socket.AF_UNIX) as c:  # reachable from the host
+            c.connect(address)
+    os.chmod(unix_path, 0o777)  # by any uid: only invisibility can stop the sandbox
     workdir = tmp_path / "run" / "attempt"
     git_config = _write(workdir / "repo" / ".git" / "config", "[core]\n secret = yes\n")
     targets = [str(tmp_path / "escape.txt"), "/etc/harnessrl-escape", str(Path.cwd() / "escape.txt"),
                str(workdir / "escape.txt"), str(Path(sys.executable).parent / "escape")]  # fmt: skip
     tmp_name = f"harnessrl-private-{os.getpid()}"
     task = {"hosts": hosts, "port": server.port, "gateway_port": int(gw.url.rsplit(":", 1)[1]),
-            "secret": str(secret), "write_targets": targets, "tmp_name": tmp_name, "git_config": str(git_config)}  # fmt: skip
+            "secret": str(secret), "write_targets": targets, "tmp_name": tmp_name, "git_config": str(git_config),
+            "unix_path": unix_path, "unix_abstract": unix_abstract}  # fmt: skip
     harness = HarnessSpec([sys.executable, str(_write(tmp_path / "probe.py", PROBE))], timeout_s=60)
     sandbox = SandboxSpec(hide_git=True, disable_git=True)
     rid, result = await _attempt(gw, tmp_path, sandbox, harness, task, workdir)
+    for srv in unix_servers:
+        srv.close()
     assert result.infra_error is None and result.exit_code == 0, result.stderr_tail
     probe = json.loads((result.output_dir / "probe.json").read_text())
     must_fail = [
-        k for k in probe if k.startswith(("tcp", "read", "list", "run", "env", "write /", "write reward"))
+        k for k in probe if k.startswith(("tcp", "unix", "read", "run", "env", "write /", "write reward"))
     ]
-    assert len(must_fail) >= len(hosts) + 11
+    assert len(must_fail) >= len(hosts) + 13
     escaped = {k: v for k, v in probe.items() if k in must_fail and v["ok"]}
     assert not escaped, f"escapes that worked: {escaped}"
     assert server.accepted == len(hosts)  # only the host's own sanity connections
