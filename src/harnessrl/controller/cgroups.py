@@ -111,8 +111,10 @@ class AttemptCgroup:
         return 0
 
     async def aclose(self) -> None:
-        """Kill whatever is left inside, then remove the cgroups (retrying while processes exit)."""
-        for _ in range(100):
+        """Kill whatever is left inside, then remove the cgroups (retrying while processes exit:
+        the sandbox's last ones are usually gone within a few milliseconds of bwrap's exit)."""
+        delay, waited = 0.001, 0.0
+        while waited < 5.0:
             pids = set()
             for d in self.dirs:
                 with contextlib.suppress(OSError, ValueError):
@@ -122,7 +124,9 @@ class AttemptCgroup:
                     os.kill(pid, signal.SIGKILL)
             if self._remove():
                 return
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 0.1)
         log.warning("cgroup_not_removed dirs=%s", [str(d) for d in self.dirs])
 
     def _remove(self) -> bool:
