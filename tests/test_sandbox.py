@@ -76,6 +76,7 @@ attempt("unix abstract socket", lambda: unix("\0" + cfg["unix_abstract"]))
 for path in cfg["write_targets"]:
     attempt(f"write {path}", lambda p=path: open(p, "w").write("escaped"))
 attempt("write private tmp", lambda: open("/tmp/" + cfg["tmp_name"], "w").write("private"))
+attempt("plant symlink", lambda: os.symlink(cfg["secret"], os.path.join(out, "leak.txt")))
 attempt("write output", lambda: open(os.path.join(out, "answer.txt"), "w").write("42"))
 attempt("write home", lambda: open(os.path.join(os.environ["HOME"], "notes"), "w").write("x"))
 attempt("read hidden git", lambda: open(cfg["git_config"]).read())
@@ -250,6 +251,8 @@ async def test_escapes_fail_and_the_gateway_works(make_gateway: Callable[..., Ga
     assert probe["ls hidden git"] == {"ok": True, "value": []}  # an empty tmpfs over .git
     assert probe["write private tmp"]["ok"] and probe["write output"]["ok"] and probe["write home"]["ok"]
     assert (result.output_dir / "answer.txt").read_text() == "42"
+    assert probe["plant symlink"]["ok"] and not (result.output_dir / "leak.txt").is_symlink()  # the grader
+    assert "removed 1 symlink" in result.stderr_tail  # running outside would have followed it to the secret
     assert probe["openai sdk"] == {"ok": True, "value": "length"}, probe["openai sdk"]
     assert len(gw.store.calls(rid)) == 1  # the call went through the gateway and was recorded
 

@@ -316,6 +316,11 @@ class SandboxRunner:
         if cgroup.available and (kills := cgroup.oom_kills()):
             log.info("attempt_oom rollout=%s attempt=%d killed=%d", spec.rollout_id, spec.attempt, kills)
             stderr_tail += f"\n[sandbox] the attempt's memory limit killed {kills} process(es)\n"
+        if dropped := drop_symlinks(output_dir):
+            log.info(
+                "attempt_symlinks_dropped rollout=%s attempt=%d n=%d", spec.rollout_id, spec.attempt, dropped
+            )
+            stderr_tail += f"\n[sandbox] removed {dropped} symlink(s) from the output directory\n"
         if not ready:
             why = init_error or stderr_tail.strip()[-2000:] or f"bwrap exited {proc.returncode}"
             if timed_out:
@@ -329,6 +334,20 @@ class SandboxRunner:
             stdout_tail=tail(out_path, harness.max_output_bytes),
             stderr_tail=stderr_tail,
         )
+
+
+def drop_symlinks(root: Path) -> int:
+    """Remove every symlink under `root`; return how many. The grader runs as the controller's user
+    outside the sandbox: a link the harness planted (`answer.json -> /data/answers.json`) would let
+    it read what the harness never could."""
+    dropped = 0
+    for dirpath, dirnames, filenames in os.walk(root):  # does not descend into linked directories
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                os.unlink(path)
+                dropped += 1
+    return dropped
 
 
 def _read_status(fd: int) -> tuple[bool, str]:
