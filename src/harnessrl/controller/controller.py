@@ -1,5 +1,10 @@
 """The controller: tasks in, graded rollouts out. Creates rollouts at the gateway, runs attempts
-under a concurrency limit, retries infrastructure failures, grades outside the harness."""
+under a concurrency limit, retries infrastructure failures, grades outside the harness.
+
+Restart safety: rollout client ids are idempotent, so a restarted controller given the same requests
+finds the rollouts it had started. Finished ones are reported as stored; attempts still marked running
+are reaped (their process group killed) and recorded as infrastructure failures, then retried; an
+attempt that ended but was never graded is graded from its files, not run again."""
 
 from __future__ import annotations
 
@@ -11,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.controller.grader import Grader, GraderError, grade
-from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner, Runner
+from harnessrl.controller.runner import (
+    AttemptResult,
+    AttemptSpec,
+    HarnessSpec,
+    LocalRunner,
+    Runner,
+    reap_attempt,
+    tail,
+)
 from harnessrl.gateway.client import ControlClient, ControlError
 from harnessrl.schema import (
     AttemptFinish,
@@ -105,7 +118,12 @@ class Controller:
             value = detail.reward.value if detail.reward else None
             return RolloutOutcome(rid, req.task.task_id, req.group_id, detail.rollout.state, value)
         try:
-            return await self._attempts(req, rid, created.api_key)
+            used = 0
+            if not created.created:  # a rollout an earlier controller started: reconcile it first
+                resumed, used = await self._reconcile(req, rid)
+                if resumed is not None:
+                    return resumed
+            return await self._attempts(req, rid, created.api_key, self.max_attempts - used)
         except asyncio.CancelledError:
             await self._final(rid, RolloutState.CANCELLED)
             raise
@@ -114,9 +132,44 @@ class Controller:
             await self._final(rid, RolloutState.FAILED)
             return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, str(e))
 
-    async def _attempts(self, req: RolloutRequest, rid: str, api_key: str) -> RolloutOutcome:
+    def _workdir(self, rid: str, attempt: int) -> Path:
+        return self.run_dir / "rollouts" / rid / f"attempt-{attempt}"
+
+    async def _reconcile(self, req: RolloutRequest, rid: str) -> tuple[RolloutOutcome | None, int]:
+        """After a controller restart: attempts still marked running belonged to the dead controller —
+        kill what is left of them and record them as infrastructure failures (retryable). An attempt
+        that ended but was never graded is graded now, not run again. Returns (outcome if graded,
+        number of attempts already used up by infrastructure failures)."""
+        detail = await self.client.rollout(rid)
+        for a in detail.attempts:
+            if a.status == AttemptStatus.RUNNING:
+                killed = reap_attempt(self._workdir(rid, a.attempt))
+                log.warning("attempt_abandoned rollout=%s attempt=%d killed=%s", rid, a.attempt, killed)
+                error = "abandoned: the controller running it stopped"
+                await self.client.finish_attempt(
+                    rid, a.attempt, AttemptFinish(status=AttemptStatus.INFRA_ERROR, error=error)
+                )
+        detail = await self.client.rollout(rid)
+        used = sum(a.status == AttemptStatus.INFRA_ERROR for a in detail.attempts)
+        last = detail.attempts[-1] if detail.attempts else None
+        if last is not None and last.status in (AttemptStatus.EXITED, AttemptStatus.TIMEOUT):
+            workdir = self._workdir(rid, last.attempt)
+            result = AttemptResult(
+                exit_code=last.exit_code,
+                timed_out=last.status == AttemptStatus.TIMEOUT,
+                output_dir=workdir / "output",
+                stdout_tail=_read_tail(workdir / "stdout.txt", self.harness.max_output_bytes),
+                stderr_tail=_read_tail(workdir / "stderr.txt", self.harness.max_output_bytes),
+            )
+            log.info("attempt_regraded rollout=%s attempt=%d", rid, last.attempt)
+            return await self._grade(req, rid, result), used
+        if detail.rollout.state == RolloutState.RUNNING:
+            await self.client.set_state(rid, RolloutState.QUEUED)
+        return None, used
+
+    async def _attempts(self, req: RolloutRequest, rid: str, api_key: str, budget: int) -> RolloutOutcome:
         error = "no attempt was made"
-        for _ in range(self.max_attempts):
+        for _ in range(max(budget, 0)):
             attempt = await self.client.start_attempt(rid)
             spec = AttemptSpec(
                 rollout_id=rid,
@@ -124,7 +177,7 @@ class Controller:
                 api_key=api_key,
                 gateway_url=self.gateway_url,
                 task_input=req.task.input,
-                workdir=self.run_dir / "rollouts" / rid / f"attempt-{attempt.attempt}",
+                workdir=self._workdir(rid, attempt.attempt),
             )
             result = await self.runner.run(spec, self.harness)
             if result.infra_error is not None:
@@ -154,6 +207,13 @@ class Controller:
             await self.client.set_state(rid, state)
         except (ControlError, OSError) as e:
             log.error("state_update_failed rollout=%s state=%s error=%s", rid, state, e)
+
+
+def _read_tail(path: Path, limit: int) -> str:
+    try:
+        return tail(path, limit)
+    except OSError:
+        return ""
 
 
 def _finish(result: AttemptResult) -> AttemptFinish:

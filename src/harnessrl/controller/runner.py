@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -112,11 +113,13 @@ class LocalRunner:
                     stdout=out,
                     stderr=err,
                     start_new_session=True,
+                    preexec_fn=die_with_parent,
                 )
             except OSError as e:
                 return AttemptResult(
                     None, False, output_dir, "", "", infra_error=f"could not start harness: {e}"
                 )
+            record_process(spec.workdir, proc.pid)
             timed_out = False
             try:
                 await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
@@ -134,6 +137,47 @@ class LocalRunner:
             stdout_tail=tail(out_path, harness.max_output_bytes),
             stderr_tail=tail(err_path, harness.max_output_bytes),
         )
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the controller dies (Linux PR_SET_PDEATHSIG), so a
+    controller killed with -9 leaves no harness running unowned. Its own children are reaped by the
+    restarted controller (`reap_attempt`)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def record_process(workdir: Path, pid: int) -> None:
+    """Write `runner.json` (pid = process group, start time) so a restarted controller can find it."""
+    (workdir / "runner.json").write_text(json.dumps({"pgid": pid, "start_time": _start_time(pid)}))
+
+
+def reap_attempt(workdir: Path) -> bool:
+    """Kill what is left of an attempt whose controller died (its recorded process group, if that
+    process is still the one recorded — a reused pid is left alone). True if something was killed."""
+    try:
+        info = json.loads((workdir / "runner.json").read_text())
+    except (OSError, ValueError):
+        return False
+    pgid = int(info["pgid"])
+    start = _start_time(pgid)
+    if start is not None and start != info.get("start_time"):
+        return False  # the pid now belongs to another process
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def kill_group(pgid: int) -> None:
