@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller clean
+.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-train clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -60,3 +60,10 @@ bench-controller: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .bench runs .pytest_cache .mypy_cache .ruff_cache
+
+# Long (hours on 2 cores; not in CI): async vs sync on a slow-tool harness, the paper's ablation on
+# search, and harnessrl vs TRL's GRPOTrainer on instruct. Results in bench/results/, plots in docs/img/.
+bench-train: $(STAMP)
+	$(PY) bench/train_async.py
+	$(PY) bench/train_trl.py
+	$(PY) bench/train_ablation.py
