@@ -25,6 +25,7 @@ import pytest
 
 from harnessrl.controller import AttemptResult, AttemptSpec, Controller, HarnessSpec, RolloutRequest
 from harnessrl.controller.ray_runner import RayRunner, RaySpec, collect_files, write_files
+from harnessrl.controller.sandbox import SandboxSpec, find_bwrap
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import AttemptStatus, RewardIn, RolloutState, Task
@@ -54,10 +55,11 @@ elif mode == "crash":
     raise SystemExit(3)
 elif mode in ("hang", "hang-once"):
     open(task.get("mark", os.devnull), "w").close()
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    tmp = task["pidfile"] + ".tmp"
-    open(tmp, "w").write(f"{os.getpid()} {child.pid}")
-    os.replace(tmp, task["pidfile"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", task.get("token", "-")])
+    if "pidfile" in task:
+        tmp = task["pidfile"] + ".tmp"
+        open(tmp, "w").write(f"{os.getpid()} {child.pid}")
+        os.replace(tmp, task["pidfile"])
     time.sleep(600)
 """
 
@@ -138,6 +140,30 @@ def node_ids(resource: str) -> list[str]:
     import ray
 
     return [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+
+
+def _sandbox_refused() -> str | None:
+    """Why the sandbox cannot run here (None when it can)."""
+    bwrap = find_bwrap()
+    if bwrap is None:
+        return "no bwrap"
+    cmd = [bwrap, "--ro-bind", "/", "/", "--unshare-net", "--unshare-pid", "--proc", "/proc", "true"]
+    if os.geteuid() != 0:
+        cmd.insert(1, "--unshare-user")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    return None if r.returncode == 0 else f"the kernel refuses namespaces: {r.stderr.strip()}"
+
+
+def pids_with(token: str) -> list[int]:
+    """The live processes whose command line contains `token`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and token.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [p for p in found if alive(p)]
 
 
 def alive(pid: int) -> bool:
@@ -321,3 +347,29 @@ async def test_node_loss_is_retried_on_a_new_node(
     out = tmp_path / "run/rollouts" / outcome.rollout_id / f"attempt-{second.attempt}/output"
     where = json.loads((out / "where.json").read_text())
     assert where["node"] not in lost and where["node"] in node_ids("doomed")
+
+
+@needs_ray
+async def test_sandboxed_attempt_on_a_node(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    refused = _sandbox_refused()
+    if refused is not None:
+        pytest.skip(refused)
+    spec = RaySpec(
+        address=ray_cluster.address, num_cpus=0.5, resources={"worker": 0.1}, sandbox=SandboxSpec()
+    )
+    runner = RayRunner(spec)
+    ok = await runner.run(attempt(tmp_path, {"mode": "ok"}), harness_spec(tmp_path))
+    assert (ok.exit_code, ok.infra_error) == (0, None), ok.stderr_tail
+    assert (ok.output_dir / "sub" / "answer.txt").read_text() == "42"
+    token = "hrl-" + secrets.token_hex(8)  # pids inside the sandbox are not the host's: find it by token
+    run = asyncio.create_task(
+        runner.run(attempt(tmp_path, {"mode": "hang", "token": token}, "r2"), harness_spec(tmp_path))
+    )
+    deadline = time.monotonic() + 60
+    while not (pids := pids_with(token)):
+        assert time.monotonic() < deadline, "the sandboxed harness never started"
+        await asyncio.sleep(0.1)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert await wait_gone(pids) == []

@@ -159,6 +159,7 @@ def run_on_node(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec, node
     base = ray_spec.node_workdir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f"harnessrl-{spec.rollout_id}-a{spec.attempt}-", dir=base))
+    workdir.chmod(0o755)  # as the local runners' directories: the sandbox's attempt uid must enter it
     node_spec = dataclasses.replace(spec, workdir=workdir)
     env = {**harness.env, NODE_ID_ENV: node_id}
     try:
