@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("engine", help="run the builtin engine")
     sub.add_parser("gateway", help="run the gateway")
     args = parser.parse_args(argv)
+    # SIGTERM ends a run like Ctrl-C: its `finally` blocks stop the engine and gateway it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from harnessrl.config import ConfigError, load_config
 
     try:

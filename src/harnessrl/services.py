@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -61,6 +62,14 @@ class Service:
             self.proc.wait()
 
 
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when its parent dies (Linux PR_SET_PDEATHSIG), so a run or a
+    controller killed with -9 leaves no engine, gateway or harness running unowned."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
 def start_service(
     name: str, args: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None
 ) -> Service:
@@ -70,8 +79,9 @@ def start_service(
     full_env = {**os.environ, **(env or {})}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env
-        )
+            [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
     return Service(name=name, proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -13,6 +12,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from harnessrl.services import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -137,15 +138,6 @@ class LocalRunner:
             stdout_tail=tail(out_path, harness.max_output_bytes),
             stderr_tail=tail(err_path, harness.max_output_bytes),
         )
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the controller dies (Linux PR_SET_PDEATHSIG), so a
-    controller killed with -9 leaves no harness running unowned. Its own children are reaped by the
-    restarted controller (`reap_attempt`)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 def _start_time(pid: int) -> int | None:
