@@ -58,6 +58,7 @@ elif mode in ("hang", "hang-once"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", task.get("token", "-")])
     if "pidfile" in task:
         tmp = task["pidfile"] + ".tmp"
+        open(task["pidfile"] + ".cwd", "w").write(os.getcwd())
         open(tmp, "w").write(f"{os.getpid()} {child.pid}")
         os.replace(tmp, task["pidfile"])
     time.sleep(600)
@@ -312,10 +313,15 @@ async def test_cancel_kills_the_harness(runner: RayRunner, tmp_path: Path) -> No
         runner.run(attempt(tmp_path, {"mode": "hang", "pidfile": str(pidfile)}), harness_spec(tmp_path))
     )
     pids = await read_pids(pidfile)
+    node_dir = Path(Path(f"{pidfile}.cwd").read_text())
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
     assert await wait_gone(pids) == []
+    deadline = time.monotonic() + 20
+    while node_dir.exists():  # the janitor removes the attempt's directory on the node
+        assert time.monotonic() < deadline, f"{node_dir} was left behind"
+        await asyncio.sleep(0.1)
 
 
 @needs_ray

@@ -10,7 +10,8 @@ How an attempt runs:
   limit, the process-group kill and the output tails are the same as on one machine.
 - With `LocalRunner` the harness is started through a small guard (`GUARD`) that leaves a watcher in
   a session of its own: if the Ray worker dies (`ray.cancel(force=True)`, a crash, the node's raylet
-  gone), the watcher kills the harness's whole process group and removes the node-side directory. The sandbox
+  gone), the watcher kills the harness's whole process group. A detached janitor (`JANITOR`) removes
+  the node-side directory in that case (the task's own clean-up cannot run). The sandbox
   needs no guard: bwrap runs with `--die-with-parent` and a pid namespace.
 - The task returns the exit code, time-out flag, output tails and the output directory's regular
   files (size-capped); the controller writes those into the attempt's local `output/`, so graders
@@ -23,11 +24,13 @@ How an attempt runs:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -44,14 +47,13 @@ GUARD_MARK = "harnessrl-ray-guard:"
 NODE_ID_ENV = "HARNESSRL_RAY_NODE_ID"  # given to the harness: the Ray node it runs on
 _CONNECT_LOCK = threading.Lock()
 
-# The guard: argv = [worker_pid, node_workdir, harness command...], run as the attempt's process-group
-# leader. It forks a watcher into a session of its own (out of reach of Ray's clean-up of the worker's
-# children and process group), then becomes the harness (exec). The watcher waits for the harness or
-# the Ray worker to end and then kills the harness's process group; if the worker died, it also
-# removes the attempt's directory on the node (the task could not).
+# The guard: argv = [worker_pid, harness command...], run as the attempt's process-group leader. It
+# forks a watcher into a session of its own (out of reach of Ray's clean-up of the worker's children
+# and process group), then becomes the harness (exec). The watcher waits for the harness or the Ray
+# worker to end, then kills the harness's process group.
 GUARD = r"""
-import os, select, shutil, signal, sys
-worker_pid, workdir, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+import os, select, signal, sys
+worker_pid, cmd = int(sys.argv[1]), sys.argv[2:]
 group = os.getpgid(0)
 ready_r, ready_w = os.pipe()
 if os.fork() == 0:
@@ -59,11 +61,11 @@ if os.fork() == 0:
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
+    harness = os.pidfd_open(os.getppid())
     try:
         worker = os.pidfd_open(worker_pid)
     except ProcessLookupError:
         worker = None
-    harness = os.pidfd_open(os.getppid())
     os.close(ready_w)
     if worker is not None:
         select.select([worker, harness], [], [])
@@ -71,8 +73,6 @@ if os.fork() == 0:
         os.killpg(group, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    if worker is None or select.select([worker], [], [], 2.0)[0]:
-        shutil.rmtree(workdir, ignore_errors=True)
     os._exit(0)
 os.close(ready_w)
 os.read(ready_r, 1)  # returns once the watcher is in its own session and watching
@@ -82,6 +82,18 @@ except OSError as e:
     sys.stderr.write("GUARD_MARK could not start harness: %s\n" % e)
     sys.exit(127)
 """.replace("GUARD_MARK", GUARD_MARK)
+
+# The janitor: argv = [node_workdir]; stdin is a pipe from the Ray task. Detached (double fork, its own
+# session), it removes the directory if the pipe closes without a word: the worker died mid-attempt.
+JANITOR = r"""
+import os, shutil, sys, time
+if os.fork() != 0:
+    os._exit(0)
+os.setsid()
+if sys.stdin.buffer.read(1) == b"":
+    time.sleep(1.0)  # let the harness's group be killed first
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
 
 
 @dataclass(frozen=True)
@@ -160,6 +172,14 @@ def run_on_node(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec, node
     os.makedirs(base, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f"harnessrl-{spec.rollout_id}-a{spec.attempt}-", dir=base))
     workdir.chmod(0o755)  # as the local runners' directories: the sandbox's attempt uid must enter it
+    janitor = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", JANITOR, str(workdir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    janitor.wait()  # its detached grandchild holds the pipe's read end
     node_spec = dataclasses.replace(spec, workdir=workdir)
     env = {**harness.env, NODE_ID_ENV: node_id}
     try:
@@ -168,7 +188,7 @@ def run_on_node(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec, node
                 SandboxRunner(ray_spec.sandbox).run(node_spec, dataclasses.replace(harness, env=env))
             )
         else:
-            result = asyncio.run(LocalRunner().run(node_spec, guarded(harness, env, workdir)))
+            result = asyncio.run(LocalRunner().run(node_spec, guarded(harness, env)))
         infra_error = result.infra_error
         if infra_error is None and result.exit_code == 127 and GUARD_MARK in result.stderr_tail:
             infra_error = result.stderr_tail[result.stderr_tail.index(GUARD_MARK) + len(GUARD_MARK) :].strip()
@@ -187,11 +207,17 @@ def run_on_node(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec, node
     finally:
         if not ray_spec.keep_node_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+        # Only now tell the janitor it is not needed: Ray may kill this worker at any point above
+        # (a forced cancel kills the harness first, so this code can still be running).
+        assert janitor.stdin is not None
+        with contextlib.suppress(OSError):
+            janitor.stdin.write(b"done")
+            janitor.stdin.close()
 
 
-def guarded(harness: HarnessSpec, env: dict[str, str], workdir: Path) -> HarnessSpec:
+def guarded(harness: HarnessSpec, env: dict[str, str]) -> HarnessSpec:
     """The harness command wrapped in the guard that kills its process group if this worker dies."""
-    command = [sys.executable, "-I", "-S", "-c", GUARD, str(os.getpid()), str(workdir), *harness.command]
+    command = [sys.executable, "-I", "-S", "-c", GUARD, str(os.getpid()), *harness.command]
     return dataclasses.replace(harness, command=command, env=env)
 
 
