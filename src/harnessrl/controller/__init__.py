@@ -3,6 +3,7 @@
 from harnessrl.controller.controller import Controller, RolloutOutcome, RolloutRequest
 from harnessrl.controller.grader import Grader, GraderError
 from harnessrl.controller.kubernetes import KubernetesRunner, KubernetesSpec
+from harnessrl.controller.ray_runner import RayRunner, RaySpec  # ray itself is imported lazily
 from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner, Runner
 from harnessrl.controller.sandbox import SandboxRunner, SandboxSpec
 
@@ -16,6 +17,8 @@ __all__ = [
     "KubernetesRunner",
     "KubernetesSpec",
     "LocalRunner",
+    "RayRunner",
+    "RaySpec",
     "RolloutOutcome",
     "RolloutRequest",
     "Runner",
