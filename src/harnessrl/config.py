@@ -115,6 +115,7 @@ class TrainSection(_Section):
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # the decayed schedules end at lr × this
     max_row_tokens: int | None = None  # rows longer than this are cut (see adapter.length)
+    time_budget_s: float | None = None  # stop after the step during which this much training time ran out
 
     @model_validator(mode="after")
     def _check(self) -> TrainSection:

@@ -113,7 +113,9 @@ class GroupPool:
 async def run_async(
     ctx: TrainContext, train_tasks: list[Task], on_step: Callable[[int, dict[str, Any]], None] | None = None
 ) -> int:
-    """Train from the last checkpoint to `train.steps` with the async schedule; returns the steps done."""
+    """Train from the last checkpoint to `train.steps` (or until `train.time_budget_s` ran out) with the
+    async schedule; returns the steps done."""
+    started = time.monotonic()
     t = ctx.cfg.train
     state = await restore(ctx)
     step = int(state["step"])
@@ -151,6 +153,8 @@ async def run_async(
             if on_step is not None:
                 on_step(step, metrics)
             maybe_checkpoint(ctx, step, {"next_group": pool.next_group, "pending_groups": sorted(pool.tasks)})
+            if t.time_budget_s is not None and time.monotonic() - started >= t.time_budget_s:
+                return step
     finally:
         await pool.cancel()
     return t.steps

@@ -231,7 +231,9 @@ def maybe_checkpoint(ctx: TrainContext, step: int, loop_state: dict[str, Any] | 
 async def run_sync(
     ctx: TrainContext, train_tasks: list[Task], on_step: Callable[[int, dict[str, Any]], None] | None = None
 ) -> int:
-    """Train from the last checkpoint to `train.steps`; returns the number of steps done in total."""
+    """Train from the last checkpoint to `train.steps` (or until `train.time_budget_s` ran out); returns
+    the number of steps done in total."""
+    started = time.monotonic()
     start = int((await restore(ctx))["step"])
     t = ctx.cfg.train
     for step in range(start, t.steps):
@@ -240,4 +242,6 @@ async def run_sync(
         if on_step is not None:
             on_step(step + 1, metrics)
         maybe_checkpoint(ctx, step + 1)
+        if t.time_budget_s is not None and time.monotonic() - started >= t.time_budget_s:
+            return step + 1
     return t.steps
