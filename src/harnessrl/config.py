@@ -63,6 +63,23 @@ class ControllerSection(_Section):
     sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness may read
     sandbox_hide_git: bool = False
     sandbox_disable_git: bool = False
+    # Attempts as Ray tasks on a cluster (docs/ray.md): "auto", "host:port" or "ray://…"; None: local.
+    # With `sandbox: true` each attempt is sandboxed on its node.
+    ray_address: str | None = None
+    ray_num_cpus: float = 1.0
+    ray_memory_mb: int | None = None
+    ray_resources: dict[str, float] = Field(default_factory=dict)
+
+    def runner(self) -> Any:
+        """The runner these settings describe: local, sandboxed, on Ray (sandboxed or not)."""
+        from harnessrl.controller import LocalRunner, RayRunner, RaySpec, SandboxRunner
+
+        sandbox = self.sandbox_spec() if self.sandbox else None
+        if self.ray_address is not None:
+            memory = None if self.ray_memory_mb is None else self.ray_memory_mb << 20
+            return RayRunner(RaySpec(address=self.ray_address, num_cpus=self.ray_num_cpus,
+                                     memory_bytes=memory, resources=dict(self.ray_resources), sandbox=sandbox))  # fmt: skip
+        return SandboxRunner(sandbox) if sandbox is not None else LocalRunner()
 
     def sandbox_spec(self) -> Any:
         """The `SandboxSpec` these settings describe (for `SandboxRunner`)."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from harnessrl.config import RunConfig
-from harnessrl.controller import Controller, HarnessSpec, SandboxRunner
+from harnessrl.controller import Controller, HarnessSpec
 from harnessrl.examples import ExampleSpec, get_example, write_tasks
 from harnessrl.gateway.client import ControlClient
 from harnessrl.modeling.loading import load_model, resolve_model
@@ -156,12 +156,13 @@ async def _run_async(
     client = ControlClient(gateway_url, admin_key)
     engine = engine_admin(cfg.engine.kind, engine_url)
     harness = HarnessSpec(command=example.harness_command, timeout_s=cfg.controller.harness_timeout_s)
+    runner = cfg.controller.runner()
     controller = Controller(
         client, gateway_url, harness, example.grader, run_dir,
         concurrency=cfg.controller.concurrency,
         max_attempts=cfg.controller.max_attempts,
         grader_timeout_s=cfg.controller.grader_timeout_s,
-        runner=SandboxRunner(cfg.controller.sandbox_spec()) if cfg.controller.sandbox else None,
+        runner=runner,
     )  # fmt: skip
     model = load_model(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
@@ -185,6 +186,8 @@ async def _run_async(
         metrics.close()
         await client.aclose()
         await engine.aclose()
+        if hasattr(runner, "close"):
+            runner.close()
     summary = summarise(cfg, before, after, steps, metrics.read())
     summary["train_wall_seconds"] = train_wall
     return summary
