@@ -27,6 +27,7 @@ EXAMPLES = {
     "search": "harnessrl.examples.search",
     "instruct": "harnessrl.examples.instruct",
     "calc_slow": "harnessrl.examples.calc_slow",
+    "coding": "harnessrl.examples.coding",
 }
 
 
