@@ -140,6 +140,33 @@ def test_an_agent_that_edits_the_tests_gets_zero(task: Task, tmp_path: Path) -> 
     assert reward.details["changed"] == [] and reward.details["passed"] == len(task.reference["pass_to_pass"])
 
 
+def test_harness_outputs_feed_the_grader(task: Task, tmp_path: Path) -> None:
+    """What the launcher writes after the loop (diff, changed files, changes.json) is what the grader
+    applies: a repository edited to the fix scores 1, its diff names the module."""
+    from harnessrl.examples.coding import harness
+
+    repo, out = tmp_path / "repo", tmp_path / "output"
+    out.mkdir()
+    harness.write_repo(repo, task.input["files"])
+    module = task.reference["module_path"]
+    (repo / module).write_text(task.reference["fixed_module"])
+    (repo / "notes.txt").write_text("scratch\n")
+    (repo / "__pycache__").mkdir()
+    (repo / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    changes = harness.write_outputs(
+        out, task.input["files"], harness.read_repo(repo), {"exit_status": "Submitted"}
+    )
+    assert changes == {"changed": [module], "added": ["notes.txt"], "deleted": []}
+    patch = (out / "patch.diff").read_text()
+    assert f"--- a/{module}" in patch and f"+++ b/{module}" in patch and "+++ b/notes.txt" in patch
+    reward = grader.grade(task, AttemptResult(0, False, out, "", ""))
+    assert (
+        reward.value == 1.0
+        and reward.details["changed"] == [module]
+        and reward.details["ignored"] == ["notes.txt"]
+    )
+
+
 def test_keep_drop_rule() -> None:
     counts = {f"t{i}": i % 5 for i in range(200)}  # k = 4: 0 never, 1-3 mixed, 4 always
     kept, dropped = pipeline.select_by_probe(counts, k=4, never_solved_share=0.25, seed=0)
@@ -280,3 +307,17 @@ async def test_mini_swe_agent_episode_end_to_end(
     assert (out / "patch.diff").exists() and (out / "traj.json").exists()
     traj = json.loads((out / "traj.json").read_text())
     assert traj["info"]["model_stats"]["api_calls"] == changes["n_calls"]
+
+
+async def test_probe_counts_solves_through_the_harness(
+    make_gateway: Callable[..., GatewayHandle], tmp_path: Path, task: Task
+) -> None:
+    """The pipeline's probe: k real episodes per task through the Controller; the tiny model solves none."""
+    pytest.importorskip("minisweagent")
+    from harnessrl.examples.coding.probe import probe_with_gateway
+
+    gw = make_gateway()
+    episode = Task(task_id=task.task_id, input={**task.input, "step_limit": 2}, reference=task.reference)
+    counts = await probe_with_gateway([episode], 2, gw.url, gw.admin_key, tmp_path / "probe", max_tokens=16)
+    assert counts == {task.task_id: 0}
+    assert pipeline.select_by_probe(counts, 2, never_solved_share=0.0)[0] == []
