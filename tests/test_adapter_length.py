@@ -104,3 +104,17 @@ def test_rows_of_one_rollout_never_get_different_advantages(
     full_adv = dict(zip([r.rollout_id for r in full.rows], full.advantages, strict=True))
     assert all(full_adv[rid] == adv for rid, adv in seen.items())
     assert sum(batch.staleness.histogram.values()) == len(full.rows)
+
+
+def test_calls_of_failed_attempts_are_kept_out_unless_asked_for() -> None:
+    d = _detail("r1", "g", 1.0, [0, 0], [3, 4])
+    calls = [d.calls[0].model_copy(update={"attempt": 0}), d.calls[1].model_copy(update={"attempt": 1})]
+    attempts = [d.attempts[0], d.attempts[0].model_copy(update={"attempt": 1})]
+    d = d.model_copy(update={"calls": calls, "attempts": attempts})
+    other = _detail("r2", "g", 0.0, [0], [2])
+    last_only = build_batch([d, other])
+    assert [len(r.tokens) for r in last_only.rows if r.rollout_id == "r1"] == [4 + 4]  # attempt 1's call
+    both = build_batch([d, other], include_failed_attempts=True)
+    assert sorted(len(r.tokens) for r in both.rows if r.rollout_id == "r1") == [4 + 3, 4 + 4]
+    adv = {r.rollout_id: a for r, a in zip(both.rows, both.advantages, strict=True)}
+    assert adv["r1"] > 0 > adv["r2"]

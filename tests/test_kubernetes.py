@@ -296,6 +296,10 @@ async def test_restarted_controller_adopts_instead_of_duplicating(
         assert (found.rollout_id, found.attempt, found.finished) == ("ro0123abcd", 1, False)
         adopted = await second.adopt(found, spec.workdir)
         assert adopted.exit_code == 0 and (adopted.output_dir / "answer.json").exists()
+        resumed = await second.resume(spec, harness())  # what the Controller's reconcile calls
+        assert resumed is not None and resumed.exit_code == 0
+        gone = attempt(tmp_path / "other", n=7, sleep=0)
+        assert await second.resume(gone, harness()) is None  # no Job of that attempt: lost
         again = await second.run(spec, harness())  # same attempt again: 409 → wait on the existing Job
         assert again.exit_code == 0 and len(kube.created_jobs) == 1
         assert (await running).exit_code == 0

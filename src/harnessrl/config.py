@@ -50,6 +50,7 @@ class ControllerSection(_Section):
     harness_timeout_s: float = 300.0
     max_attempts: int = 2
     grader_timeout_s: float = 60.0
+    grader_retries: int = 0  # a crashed grader runs again this many times before the rollout fails
     # Each attempt in a bubblewrap sandbox: no network but the gateway, a private filesystem view,
     # resource limits (docs/sandbox.md). None: not limited.
     sandbox: bool = False
@@ -132,6 +133,7 @@ class TrainSection(_Section):
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # the decayed schedules end at lr × this
     max_row_tokens: int | None = None  # rows longer than this are cut (see adapter.length)
+    train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
     time_budget_s: float | None = None  # stop after the step during which this much training time ran out
 
     @model_validator(mode="after")

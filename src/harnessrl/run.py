@@ -162,6 +162,7 @@ async def _run_async(
         concurrency=cfg.controller.concurrency,
         max_attempts=cfg.controller.max_attempts,
         grader_timeout_s=cfg.controller.grader_timeout_s,
+        grader_retries=cfg.controller.grader_retries,
         runner=runner,
     )  # fmt: skip
     model = load_model(model_dir)

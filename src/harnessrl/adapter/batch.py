@@ -58,9 +58,11 @@ def build_batch(
     max_row_tokens: int | None = None,
     version: int | None = None,
     max_staleness: int | None = None,
+    include_failed_attempts: bool = False,
 ) -> Batch:
     """Turn graded rollouts into a batch. Rollouts without a reward are left out; only the calls of a
-    rollout's last attempt are used (earlier attempts died for infrastructure reasons). Groups whose
+    rollout's last attempt are used (earlier attempts died for infrastructure reasons; with
+    `include_failed_attempts` each attempt's calls become rows of their own). Groups whose
     rewards are all equal are counted, and kept with advantage 0 or dropped (`zero_variance`); the
     advantages of the other groups do not depend on that choice (statistics are per group).
 
@@ -76,9 +78,12 @@ def build_batch(
             continue
         rid = d.rollout.rollout_id
         last = max((a.attempt for a in d.attempts), default=0)
-        result = merge_calls([c for c in d.calls if c.attempt == last])
-        stats.add(result)
-        rows_of[rid] = result.rows
+        used = sorted({c.attempt for c in d.calls}) if include_failed_attempts else [last]
+        rows_of[rid] = []
+        for attempt in used:
+            result = merge_calls([c for c in d.calls if c.attempt == attempt])
+            stats.add(result)
+            rows_of[rid].extend(result.rows)
         rewards[rid] = d.reward.value
         groups[rid] = d.rollout.group_id or rid
     if level == AdvantageLevel.ROLLOUT:

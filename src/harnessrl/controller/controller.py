@@ -75,6 +75,7 @@ class Controller:
         max_attempts: int = 2,
         grader_timeout_s: float = 60.0,
         runner: Runner | None = None,
+        grader_retries: int = 0,
     ) -> None:
         self.client = client
         self.gateway_url = gateway_url
@@ -83,6 +84,7 @@ class Controller:
         self.run_dir = run_dir
         self.max_attempts = max_attempts
         self.grader_timeout_s = grader_timeout_s
+        self.grader_retries = grader_retries  # a crashed grader is run again this many times, then FAILED
         self.runner: Runner = runner or LocalRunner()
         self._slots = asyncio.Semaphore(concurrency)
 
@@ -120,7 +122,7 @@ class Controller:
         try:
             used = 0
             if not created.created:  # a rollout an earlier controller started: reconcile it first
-                resumed, used = await self._reconcile(req, rid)
+                resumed, used = await self._reconcile(req, rid, created.api_key)
                 if resumed is not None:
                     return resumed
             return await self._attempts(req, rid, created.api_key, self.max_attempts - used)
@@ -135,20 +137,35 @@ class Controller:
     def _workdir(self, rid: str, attempt: int) -> Path:
         return self.run_dir / "rollouts" / rid / f"attempt-{attempt}"
 
-    async def _reconcile(self, req: RolloutRequest, rid: str) -> tuple[RolloutOutcome | None, int]:
-        """After a controller restart: attempts still marked running belonged to the dead controller —
-        kill what is left of them and record them as infrastructure failures (retryable). An attempt
-        that ended but was never graded is graded now, not run again. Returns (outcome if graded,
-        number of attempts already used up by infrastructure failures)."""
+    async def _reconcile(
+        self, req: RolloutRequest, rid: str, api_key: str
+    ) -> tuple[RolloutOutcome | None, int]:
+        """After a controller restart: an attempt still marked running belonged to the dead controller.
+        A runner that can reattach (`resume`, e.g. Kubernetes: the Job is still there) waits on it and
+        its result is graded; otherwise what is left of it is killed and it is recorded as an
+        infrastructure failure (retryable). An attempt that ended but was never graded is graded now,
+        not run again. Returns (outcome if graded, attempts used up by infrastructure failures)."""
         detail = await self.client.rollout(rid)
         for a in detail.attempts:
-            if a.status == AttemptStatus.RUNNING:
-                killed = reap_attempt(self._workdir(rid, a.attempt))
-                log.warning("attempt_abandoned rollout=%s attempt=%d killed=%s", rid, a.attempt, killed)
-                error = "abandoned: the controller running it stopped"
-                await self.client.finish_attempt(
-                    rid, a.attempt, AttemptFinish(status=AttemptStatus.INFRA_ERROR, error=error)
-                )
+            if a.status != AttemptStatus.RUNNING:
+                continue
+            resume = getattr(self.runner, "resume", None)
+            if resume is not None:
+                spec = AttemptSpec(rid, a.attempt, api_key, self.gateway_url, req.task.input,
+                                   self._workdir(rid, a.attempt))  # fmt: skip
+                result: AttemptResult | None = await resume(spec, self.harness)
+                if result is not None:
+                    await self.client.finish_attempt(rid, a.attempt, _finish(result))
+                    if result.infra_error is None:
+                        log.info("attempt_resumed rollout=%s attempt=%d", rid, a.attempt)
+                        return await self._grade(req, rid, result), 0
+                    continue
+            killed = reap_attempt(self._workdir(rid, a.attempt))
+            log.warning("attempt_abandoned rollout=%s attempt=%d killed=%s", rid, a.attempt, killed)
+            error = "abandoned: the controller running it stopped"
+            await self.client.finish_attempt(
+                rid, a.attempt, AttemptFinish(status=AttemptStatus.INFRA_ERROR, error=error)
+            )
         detail = await self.client.rollout(rid)
         used = sum(a.status == AttemptStatus.INFRA_ERROR for a in detail.attempts)
         last = detail.attempts[-1] if detail.attempts else None
@@ -192,12 +209,17 @@ class Controller:
         return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error)
 
     async def _grade(self, req: RolloutRequest, rid: str, result: AttemptResult) -> RolloutOutcome:
-        try:
-            reward = await grade(self.grader, req.task, result, self.grader_timeout_s)
-        except GraderError as e:
-            log.error("grader_error rollout=%s error=%s", rid, e)
+        reward, error = None, ""
+        for tries in range(self.grader_retries + 1):
+            try:
+                reward = await grade(self.grader, req.task, result, self.grader_timeout_s)
+                break
+            except GraderError as e:
+                log.error("grader_error rollout=%s try=%d error=%s", rid, tries, e)
+                error = str(e)
+        if reward is None:  # the grader crashed every time: the rollout fails, reported as such
             await self.client.set_state(rid, RolloutState.FAILED)
-            return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, str(e))
+            return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error)
         await self.client.set_reward(rid, reward)
         await self.client.set_state(rid, RolloutState.SUCCEEDED)
         return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, reward.value)

@@ -148,6 +148,14 @@ class KubernetesRunner:
             await asyncio.shield(self._cleanup(job.name))
             raise
 
+    async def resume(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult | None:
+        """After a controller restart: wait on the Job of this attempt if it is still in the cluster
+        (the Controller's reconcile calls this); None if it is gone, so the attempt counts as lost."""
+        for job in await self.list_attempt_jobs():
+            if job.rollout_id == spec.rollout_id and job.attempt == spec.attempt:
+                return await self.adopt(job, spec.workdir, harness.max_output_bytes)
+        return None
+
     async def list_attempt_jobs(self) -> list[AttemptJob]:
         """The run's Jobs in the cluster, finished or not (for reconciling after a restart)."""
         listing = await self.api.list_jobs(self.namespace, run_selector(self.spec.run))
