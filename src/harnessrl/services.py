@@ -76,7 +76,8 @@ def start_service(
     """Start `python -m <args...>` with its output in `<log_dir>/<name>.log`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    full_env = {**os.environ, **(env or {})}
+    # a fatal error (segfault, abort) prints the Python stacks into the service's log
+    full_env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,

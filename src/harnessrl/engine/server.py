@@ -86,5 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: load the model and serve until interrupted; returns the exit status."""
     config = parse_args(argv)
     engine = Engine(config)
-    uvicorn.run(build_app(engine), host=config.host, port=config.port, log_level="warning")
+    # the gateway's pool expires idle connections after 4 s, well before the server closes them
+    uvicorn.run(
+        build_app(engine), host=config.host, port=config.port, log_level="warning", timeout_keep_alive=30
+    )
     return 0

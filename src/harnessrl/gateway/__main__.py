@@ -12,6 +12,8 @@ import uvicorn
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.store import SQLiteStore
 
+KEEP_ALIVE_S = 30  # our clients expire idle connections sooner (ControlClient after 2 s)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY."""
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         sglang_incremental_streaming=args.sglang_incremental_streaming,
     )
     app = create_app(config, SQLiteStore(args.store, synchronous=args.synchronous))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
     return 0
 
 

@@ -36,10 +36,15 @@ class ControlClient:
 
     def __init__(self, base_url: str, admin_key: str, timeout_s: float = 700.0) -> None:
         self.base_url = base_url.rstrip("/")
+        # A pooled connection idle for longer than the server's keep-alive timeout (uvicorn: 5 s by
+        # default, 30 s in our services) may be closed by the server just as a request goes out on it
+        # ("Server disconnected without sending a response"); never reuse one idle for 2 s or more.
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {admin_key}"},
             timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(keepalive_expiry=2.0),
+            transport=httpx.AsyncHTTPTransport(retries=2),  # connection failures only: never a resend
         )
 
     async def _req(self, method: str, path: str, json: Any = None, params: Any = None) -> Any:

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
+
+# Below uvicorn's default keep-alive timeout (5 s; vLLM and SGLang servers use it): a connection is
+# never reused at the moment the server closes it for idleness.
+IDLE_EXPIRY_S = 4.0
 
 
 def _parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:
@@ -184,14 +189,16 @@ class HTTPPool:
         self.prefix = parts.path.rstrip("/")
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._idle: list[_Connection] = []
+        self._idle: list[tuple[_Connection, float]] = []  # with the time each went idle
         self._host_header = f"{self.host}:{self.port}".encode()
 
     async def _connect(self) -> _Connection:
         while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed:
+            conn, since = self._idle.pop()
+            if not conn.closed and time.monotonic() - since < IDLE_EXPIRY_S:
                 return conn
+            if conn.transport is not None:
+                conn.transport.close()
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
@@ -222,7 +229,7 @@ class HTTPPool:
         keep = conn.response.keep_alive and not conn.closed
         conn.response = None
         if keep:
-            self._idle.append(conn)
+            self._idle.append((conn, time.monotonic()))
         else:
             conn.transport.close()
         return status, data
@@ -263,13 +270,13 @@ class HTTPPool:
             conn.response = None
             keep = clean and not conn.closed and parser.headers.get(b"connection", b"").lower() != b"close"
             if keep:
-                self._idle.append(conn)
+                self._idle.append((conn, time.monotonic()))
             elif conn.transport is not None:
                 conn.transport.close()
 
     async def aclose(self) -> None:
         """Close idle connections."""
-        for conn in self._idle:
+        for conn, _ in self._idle:
             if conn.transport is not None:
                 with contextlib.suppress(Exception):
                     conn.transport.close()
