@@ -102,3 +102,45 @@ async def test_a_crashing_grader_is_retried_then_fails_the_rollout(
     assert twice.state == RolloutState.FAILED and twice.reward is None and calls["twice"] == 2
     assert "grader crashed" in (twice.error or "") and "crash 2" in (twice.error or "")
     assert len(gw.store.attempts(twice.rollout_id)) == 1  # the harness is not run again for a grader crash
+
+
+SELF_REWARD = r"""
+import json, os, urllib.error, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/harnessrl/reward", method="PUT",
+                             data=json.dumps({"value": 0.7}).encode(),
+                             headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                      "Content-Type": "application/json"})
+try:
+    status = urllib.request.urlopen(req).status
+except urllib.error.HTTPError as e:
+    status = e.code
+open(os.path.join(os.environ["HARNESSRL_OUTPUT"], "status.txt"), "w").write(str(status))
+"""
+
+
+async def test_a_harness_writes_its_reward_only_if_its_task_allows(
+    make_gateway: Callable[..., GatewayHandle], tmp_path: Path
+) -> None:
+    gw = make_gateway()
+    graded: list[str] = []
+
+    def grader(task: Task, result: AttemptResult) -> float:
+        graded.append(task.task_id)
+        return 1.0
+
+    client = ControlClient(gw.url, gw.admin_key)
+    ctl = Controller(client, gw.url, HarnessSpec([sys.executable, "-c", SELF_REWARD], timeout_s=30), grader,
+                     tmp_path / "run")  # fmt: skip
+    try:
+        allowed, denied = await ctl.run([
+            RolloutRequest(Task(task_id="allowed", input={}, allow_self_reward=True), "c-allowed"),
+            RolloutRequest(Task(task_id="denied", input={}), "c-denied"),
+        ])  # fmt: skip
+    finally:
+        await client.aclose()
+    out = tmp_path / "run" / "rollouts"
+    assert (out / allowed.rollout_id / "attempt-0/output/status.txt").read_text() == "200"
+    assert (allowed.state, allowed.reward) == (RolloutState.SUCCEEDED, 0.7)
+    assert (out / denied.rollout_id / "attempt-0/output/status.txt").read_text() == "403"
+    assert (denied.reward, gw.store.get_reward(denied.rollout_id).value) == (1.0, 1.0)  # type: ignore[union-attr]
+    assert graded == ["denied"]  # the harness's own reward stood; the grader ran only where it had to

@@ -90,6 +90,9 @@ class Task(BaseModel):
     task_id: str
     input: dict[str, Any]
     reference: dict[str, Any] = Field(default_factory=dict)
+    # The harness may write its own reward (PUT /v1/harnessrl/reward with its key); off by default:
+    # then only the grader, outside the harness, can.
+    allow_self_reward: bool = False
 
 
 class SamplingOverrides(Strict):

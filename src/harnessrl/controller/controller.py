@@ -104,13 +104,14 @@ class Controller:
 
     async def run_one(self, req: RolloutRequest) -> RolloutOutcome:
         """Create (or find) the rollout, run attempts until one yields a gradable result, grade it."""
+        metadata = {**req.metadata, "allow_self_reward": True} if req.task.allow_self_reward else req.metadata
         created = await self.client.create_rollout(
             RolloutCreate(
                 client_id=req.client_id,
                 task_id=req.task.task_id,
                 input=req.task.input,
                 group_id=req.group_id,
-                metadata=req.metadata,
+                metadata=metadata,
                 sampling=req.sampling,
             )
         )
@@ -209,6 +210,11 @@ class Controller:
         return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error)
 
     async def _grade(self, req: RolloutRequest, rid: str, result: AttemptResult) -> RolloutOutcome:
+        if req.task.allow_self_reward:  # the harness may have written its reward: it stands
+            own = (await self.client.rollout(rid)).reward
+            if own is not None:
+                await self.client.set_state(rid, RolloutState.SUCCEEDED)
+                return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, own.value)
         reward, error = None, ""
         for tries in range(self.grader_retries + 1):
             try:

@@ -20,7 +20,7 @@ from starlette.routing import Route
 from harnessrl.chat import ChatFormatError
 from harnessrl.gateway import control, inference
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord, effective_sampling
-from harnessrl.gateway.errors import APIError
+from harnessrl.gateway.errors import APIError, validate
 from harnessrl.gateway.faces import Face, ResponseIds, Streamer, completions
 from harnessrl.gateway.faces.anthropic import AnthropicFace
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
@@ -40,7 +40,7 @@ from harnessrl.gateway.upstream import (
     UpstreamPool,
 )
 from harnessrl.gateway.writer import CallWriter
-from harnessrl.schema import Call, CallStatus, Rollout, now
+from harnessrl.schema import Call, CallStatus, RewardIn, Rollout, now
 from harnessrl.store import Store
 
 log = logging.getLogger(__name__)
@@ -485,6 +485,15 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "harnessrl"} for n in names]
         return JSONResponse({"object": "list", "data": data})
 
+    async def self_reward(request: Request) -> Response:
+        g = gw()
+        rollout = g.rollout_for(request, request.path_params.get("rollout_id"))
+        if rollout.metadata.get("allow_self_reward") is not True:
+            raise APIError(403, "this rollout's task does not let the harness write its reward")
+        value = validate(RewardIn, await read_json(request, g.config.max_body_bytes))
+        stored = g.store.set_reward(rollout.rollout_id, value)
+        return JSONResponse(stored.model_dump(mode="json"))
+
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})
 
@@ -505,6 +514,8 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         Route("/v1/completions", counted(completion), methods=["POST"]),
         Route("/r/{rollout_id}/v1/completions", counted(completion), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/harnessrl/reward", guarded(self_reward), methods=["PUT"]),
+        Route("/r/{rollout_id}/v1/harnessrl/reward", guarded(self_reward), methods=["PUT"]),
         Route("/r/{rollout_id}/v1/models", guarded(models), methods=["GET"]),
         *[Route(path, guarded(fn), methods=[m]) for path, m, fn in control.routes(gw)],
     ]

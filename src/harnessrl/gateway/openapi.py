@@ -84,6 +84,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/responses": {"post": _op("OpenAI Responses", "ResponsesRequest")},
         "/v1/messages": {"post": _op("Anthropic messages", "MessagesRequest")},
         "/v1/models": {"get": _op("served models")},
+        "/v1/harnessrl/reward": {"put": _op("the harness writes its rollout's reward (only if its task allows)", "RewardIn")},
         "/control/rollouts": {
             "post": _op("create a rollout (idempotent by client_id)", "RolloutCreate", admin),
             "get": _op("list rollouts", None, admin, list_params),
