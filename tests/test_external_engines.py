@@ -210,7 +210,8 @@ def test_gateway_records_exact_tokens_through_external_engine_wires(
     for call, content in zip(calls, [plain.choices[0].message.content or "", streamed], strict=True):
         assert call.prompt_ids == rendered
         assert len(call.completion_ids) == len(call.completion_logprobs) > 0
-        decoded = tok.decode([t for t in call.completion_ids if t != 2], skip_special_tokens=False)
+        # the answer's text leaves special tokens out (a random model samples <|endoftext|> at times)
+        decoded = tok.decode(call.completion_ids, skip_special_tokens=True)
         assert decoded.startswith(content), (decoded, content, call.completion_ids)
         assert call.weight_version == (3 if kind == "sglang" else None)  # vLLM sends none: the gateway's own
 
