@@ -55,7 +55,10 @@ def test_async_schedule_trains_carries_groups_over_and_resumes(tiny_model_dir: P
     # nothing is left running: groups still in flight at the end were cancelled (or had finished)
     assert all(ro.state in (RolloutState.SUCCEEDED, RolloutState.CANCELLED) for ro in rollouts)
     versions = {call.weight_version for ro in rollouts for call in store.calls(ro.rollout_id)}
-    assert {0, 1, 2} <= versions  # groups were served by the versions current when they ran
+    # groups were served by the versions current when they ran: the first groups by version 0, and
+    # step 3 trains groups launched after step 1 (at most 4 groups start under version 0), so a later
+    # version served something; which versions exactly depends on timing
+    assert 0 in versions and max(versions) >= 1 and versions <= {0, 1, 2, 3}
     store.close()
     state = json.loads((run_dir / "checkpoints" / "step-3" / "state.json").read_text())
     assert state["step"] == 3 and state["next_group"] >= 8 and len(state["pending_groups"]) >= 2

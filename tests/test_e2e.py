@@ -24,6 +24,7 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
         "train.group_size=3",
         "train.checkpoint_every=1",
         "train.lr=1e-3",
+        "train.engine_sleep_level=2",  # collocation: weights discarded during each update, reloaded after
         "controller.concurrency=6",
         "eval.n_heldout=4",
         "data.n_train=30",
@@ -61,6 +62,8 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
             for call in store.calls(ro.rollout_id):
                 versions_by_step.setdefault(ro.metadata["step"], set()).add(call.weight_version)
     assert versions_by_step == {0: {0}, 1: {1}}
+    engine_log = next((run_dir / "logs").glob("engine*.log")).read_text()
+    assert engine_log.count("event=engine_sleep_level_2") == engine_log.count("event=engine_wake") == 2
     harness_runs = list((run_dir / "rollouts").glob("*/attempt-0/output/answer.json"))
     assert len(harness_runs) == 2 * 6 + 2 * 2 * 4  # every rollout ran the real harness
     assert set(summary["heldout_by_temperature"]) == {"0", "1"}

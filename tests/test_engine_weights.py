@@ -167,9 +167,11 @@ def test_sleep_frees_the_kv_cache_and_requests_wait_for_wake_up(engine_tiny_dir:
     async def run() -> tuple[dict[str, object], dict[str, object], float]:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
             before = (await c.post("/v1/completions", json=body)).json()
-            assert (await c.post("/admin/sleep")).json() == {"sleeping": True}
+            weight_bytes = (await c.get("/admin/stats")).json()["weight_bytes"]
+            assert (await c.post("/admin/sleep")).json() == {"sleeping": True, "level": 1}
             stats = (await c.get("/admin/stats")).json()
             assert stats["sleeping"] and stats["kv_cache_bytes"] == 0
+            assert stats["weight_bytes"] == weight_bytes > 0  # level 1 on CPU: nothing to offload to
             waiting = asyncio.create_task(c.post("/v1/completions", json=body))
             await asyncio.sleep(0.3)
             assert not waiting.done()  # held while asleep, not failed
@@ -182,3 +184,35 @@ def test_sleep_frees_the_kv_cache_and_requests_wait_for_wake_up(engine_tiny_dir:
     assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]  # type: ignore[index]
     stats = httpx.get(server.url + "/admin/stats").json()
     assert not stats["sleeping"] and stats["kv_cache_bytes"] > 0
+
+
+def test_sleep_level_2_discards_weights_until_a_load(engine_tiny_dir: Path) -> None:
+    """Level 2 frees the weights too; after wake-up nothing is served until new weights are loaded (never
+    a sample from empty memory), and a load while still asleep is refused."""
+    server = start_server(engine_tiny_dir, "deep-sleep")
+    body = {"prompt": [1, 4093, 198], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> tuple[dict[str, object], dict[str, object]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            before = (await c.post("/v1/completions", json=body)).json()
+            assert (await c.post("/admin/sleep", params={"level": 3})).status_code == 400
+            assert (await c.post("/admin/sleep", params={"level": 2})).json()["level"] == 2
+            stats = (await c.get("/admin/stats")).json()
+            assert stats["needs_weights"] and stats["kv_cache_bytes"] == 0 and stats["weight_bytes"] < 1024
+            load = {"path": str(engine_tiny_dir), "version": 1}
+            refused = await c.post("/admin/load_weights", json=load)
+            assert refused.status_code == 409 and "wake it up" in refused.text
+            await c.post("/admin/wake_up")
+            waiting = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # awake, but no weights yet: held
+            assert (await c.get("/admin/stats")).json()["needs_weights"]
+            assert (await c.post("/admin/load_weights", json=load)).json() == {"weight_version": 1}
+            after = (await waiting).json()
+            stats = (await c.get("/admin/stats")).json()
+            assert not stats["needs_weights"] and stats["weight_bytes"] > 1024
+            return before, after
+
+    before, after = asyncio.run(run())
+    assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]  # type: ignore[index]
+    assert after["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]  # type: ignore[index]

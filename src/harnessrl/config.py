@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,8 @@ class EngineSection(_Section):
     max_batch: int = 32
     max_model_len: int = 2048
     threads: int | None = None
+    device: str = "cpu"  # builtin engine: "cpu" or "cuda[:N]"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # builtin engine's weights and KV cache
     # "vllm" / "sglang": a server already running at `url`, serving `model` (the trainer loads the same
     # directory); it must be able to read the run directory, where new weights are written
     kind: Literal["builtin", "vllm", "sglang"] = "builtin"
@@ -32,7 +35,13 @@ class EngineSection(_Section):
     def _external_needs_url(self) -> EngineSection:
         if self.kind != "builtin" and not self.url:
             raise ValueError(f"engine.kind {self.kind!r} needs engine.url (the running server)")
+        _check_device(self.device, "engine.device")
         return self
+
+
+def _check_device(device: str, name: str) -> None:
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', not {device!r}")
 
 
 class GatewaySection(_Section):
@@ -135,6 +144,10 @@ class TrainSection(_Section):
     max_row_tokens: int | None = None  # rows longer than this are cut (see adapter.length)
     train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
     time_budget_s: float | None = None  # stop after the step during which this much training time ran out
+    device: str = "cpu"  # where the policy (and reference) model trains: "cpu" or "cuda[:N]"
+    # collocation: put the engine to sleep during each update (1: KV cache freed, weights moved off the
+    # GPU; 2: weights discarded too, the new ones are loaded after wake-up); None keeps it awake
+    engine_sleep_level: Literal[1, 2] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TrainSection:
@@ -147,6 +160,7 @@ class TrainSection(_Section):
             raise ValueError("tis_cap must be positive")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
+        _check_device(self.device, "train.device")
         return self
 
 

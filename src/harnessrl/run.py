@@ -64,7 +64,8 @@ def start_services(
     if cfg.engine.kind == "builtin":
         engine_port = cfg.engine.port or free_port()
         engine = start_engine(model_dir, engine_port, run_dir / "logs", cfg.engine.max_batch,
-                              cfg.engine.max_model_len, cfg.engine.threads)  # fmt: skip
+                              cfg.engine.max_model_len, cfg.engine.threads, cfg.engine.device,
+                              cfg.engine.dtype)  # fmt: skip
         engine_url = engine.url
     else:
         engine_url = str(cfg.engine.url)
@@ -165,7 +166,7 @@ async def _run_async(
         grader_retries=cfg.controller.grader_retries,
         runner=runner,
     )  # fmt: skip
-    model = load_model(model_dir)
+    model = load_model(model_dir, device=cfg.train.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     tc = cfg.train
     schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
@@ -173,7 +174,7 @@ async def _run_async(
     ctx = TrainContext(
         cfg, run_id_for(run_dir), run_dir, client, controller, engine, model, optimizer, metrics, progress,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-        ref_model=load_model(model_dir).requires_grad_(False) if tc.kl_coef > 0 else None,
+        ref_model=load_model(model_dir, device=tc.device).requires_grad_(False) if tc.kl_coef > 0 else None,
     )  # fmt: skip
     train = run_async if tc.schedule == "async" else run_sync
     try:

@@ -87,11 +87,19 @@ def start_service(
 
 
 def start_engine(
-    model_dir: Path, port: int, log_dir: Path, max_batch: int, max_model_len: int, threads: int | None
+    model_dir: Path,
+    port: int,
+    log_dir: Path,
+    max_batch: int,
+    max_model_len: int,
+    threads: int | None,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> Service:
     """The builtin engine serving `model_dir`."""
     args = ["harnessrl.engine", "--model", str(model_dir), "--port", str(port)]
     args += ["--max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
+    args += ["--device", device, "--dtype", dtype]
     if threads:
         args += ["--threads", str(threads)]
     return start_service("engine", args, port, log_dir)

@@ -184,15 +184,18 @@ class Engine:
         except (FileNotFoundError, ValueError) as exc:
             raise EngineError(f"cannot load weights from {path}: {exc}", "path") from exc
 
-    async def sleep(self) -> None:
-        """Free the KV cache once running sequences finish (collocation: the trainer gets the memory).
-        Requests that arrive meanwhile wait until `wake_up`. Weights stay where they are."""
+    async def sleep(self, level: int = 1) -> None:
+        """Give memory to a collocated trainer once running sequences finish (see `Scheduler.sleep` for
+        the levels). Requests that arrive meanwhile wait until `wake_up` (level 2: and a weight load)."""
+        if level not in (1, 2):
+            raise EngineError(f"sleep level must be 1 or 2, not {level}", "level")
         fut, on_done = self._future()
-        self.scheduler.queue_maintenance(Maintenance("engine_sleep", self.scheduler.sleep, on_done))
+        op = Maintenance(f"engine_sleep_level_{level}", lambda: self.scheduler.sleep(level), on_done)
+        self.scheduler.queue_maintenance(op)
         await fut
 
     async def wake_up(self) -> None:
-        """Allocate the KV cache again and admit requests."""
+        """Take the memory back (KV cache; weights unless they were discarded) and admit requests."""
         fut, on_done = self._future()
         self.scheduler.queue_maintenance(Maintenance("engine_wake", self.scheduler.wake, on_done))
         await fut

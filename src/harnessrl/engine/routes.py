@@ -32,7 +32,7 @@ from harnessrl.engine.protocol import (
     error_body,
 )
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.scheduler import EngineAsleep, GenerationResult
 from harnessrl.engine.streaming import chat_events, completion_events
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ def _guard(fn: Handler) -> Handler:
             return await fn(request)
         except EngineError as exc:
             return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=400)
+        except EngineAsleep as exc:
+            return JSONResponse(error_body(str(exc), code="engine_asleep"), status_code=409)
         except ChatFormatError as exc:
             return JSONResponse(error_body(str(exc), "messages"), status_code=400)
         except Exception as exc:
@@ -219,12 +221,17 @@ class EngineRoutes:
         return JSONResponse({"weight_version": self.engine.weight_version})
 
     async def sleep(self, request: Request) -> Response:
-        """POST /admin/sleep: free the KV cache after running sequences finish (vLLM: /sleep?level=1)."""
-        await self.engine.sleep()
-        return JSONResponse({"sleeping": True})
+        """POST /admin/sleep?level=1|2 (as vLLM's /sleep): after running sequences finish, level 1 frees
+        the KV cache and moves weights off the accelerator; level 2 also discards the weights, so the
+        next weight load (after wake-up) must come before requests are served."""
+        raw = request.query_params.get("level", "1")
+        if raw not in ("1", "2"):
+            raise EngineError(f"level must be 1 or 2, not {raw!r}", "level")
+        await self.engine.sleep(int(raw))
+        return JSONResponse({"sleeping": True, "level": int(raw)})
 
     async def wake_up(self, request: Request) -> Response:
-        """POST /admin/wake_up: allocate the KV cache again."""
+        """POST /admin/wake_up: weights back on the device (or allocated, level 2) and the KV cache."""
         await self.engine.wake_up()
         return JSONResponse({"sleeping": False})
 

@@ -85,6 +85,16 @@ class Sequence:
         return (self.prompt_ids + self.output_ids)[: self.kv_len]
 
 
+class EngineAsleep(RuntimeError):
+    """A weight load reached an engine whose weights are discarded (sleep level 2) before `wake`."""
+
+
+def _release_device_memory(device: torch.device) -> None:
+    """Hand cached allocator blocks back to the driver, so another process (the trainer) can use them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class WeightLoad:
     """A queued weight swap, applied when no sequence is running."""
@@ -151,6 +161,8 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._loads: deque[WeightLoad | Maintenance] = deque()
         self.sleeping = False
+        self.sleep_level = 0  # 0 awake; 1 or 2 while asleep (see `sleep`)
+        self.needs_weights = False  # weights were discarded (sleep level 2) and no load came since
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -188,16 +200,40 @@ class Scheduler:
             self._loads.append(op)
             self._cond.notify_all()
 
-    def sleep(self) -> None:
-        """(scheduler thread, nothing running) Free the KV cache; admission waits until `wake`."""
+    def sleep(self, level: int = 1) -> None:
+        """(scheduler thread, nothing running) Give memory to a collocated trainer; admission waits until
+        `wake`. Level 1: free the KV cache and, on an accelerator, move the weights to CPU memory. Level 2:
+        also discard the weights (their storage is freed; shapes kept) — after `wake` a weight load must
+        come before anything is admitted (the trainer is about to publish new weights anyway)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level}")
         self.slots.clear_cache()
         self.cache.free()
-        self.sleeping = True
+        for p in self.model.parameters():  # tied weights are one Parameter, seen once
+            if level == 2:
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+            elif self.device.type != "cpu":
+                p.data = p.data.to("cpu")
+        if level == 2:
+            self.needs_weights = True
+        _release_device_memory(self.device)
+        self.sleeping, self.sleep_level = True, level
 
     def wake(self) -> None:
-        """(scheduler thread) Allocate the KV cache again and admit sequences."""
+        """(scheduler thread) Take the memory back: weights to the device (level 1) or allocated empty
+        (level 2: admission waits for a weight load), then the KV cache."""
+        if self.sleep_level == 2:
+            for p in self.model.parameters():
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+        elif self.sleep_level == 1 and self.device.type != "cpu":
+            for p in self.model.parameters():
+                p.data = p.data.to(self.device)
         self.cache.allocate()
-        self.sleeping = False
+        self.sleeping, self.sleep_level = False, 0
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held on the engine's device (0 while asleep at level 2 or offloaded)."""
+        return sum(p.untyped_storage().nbytes() for p in self.model.parameters() if p.device == self.device)
 
     def set_paused(self, paused: bool) -> None:
         """Pause (stop admitting; running sequences finish) or resume admission."""
@@ -215,6 +251,9 @@ class Scheduler:
                 "pending_weight_loads": len(self._loads),
                 "paused": self.paused,
                 "sleeping": self.sleeping,
+                "sleep_level": self.sleep_level,
+                "needs_weights": self.needs_weights,
+                "weight_bytes": self.weight_bytes(),
                 "kv_cache_bytes": self.cache.kv.numel() * self.cache.kv.element_size(),
                 "weight_version": self.weight_version,
             }
@@ -242,7 +281,7 @@ class Scheduler:
         return bool(self.slots.n_active or self._loads or (self._waiting and self._may_admit()))
 
     def _may_admit(self) -> bool:
-        return not self.paused and not self._loads and not self.sleeping
+        return not self.paused and not self._loads and not self.sleeping and not self.needs_weights
 
     def _step(self) -> None:
         self._drop_cancelled()
@@ -405,6 +444,9 @@ class Scheduler:
 
     def _apply_weight_load(self, load: WeightLoad) -> None:
         t0 = time.monotonic()
+        if self.sleep_level == 2:
+            load.on_done(EngineAsleep("the engine sleeps at level 2 (weights discarded): wake it up first"))
+            return
         try:
             load_weights_into(self.model, load.state)
         except Exception as exc:
@@ -412,6 +454,7 @@ class Scheduler:
             load.on_done(exc)
             return
         self.slots.clear_cache()  # cached K/V were computed by the old weights
+        self.needs_weights = False
         self.weight_version = load.version
         self.stats.weight_loads += 1
         log.info("event=weights_swapped version=%d seconds=%.2f", load.version, time.monotonic() - t0)

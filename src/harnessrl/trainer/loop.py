@@ -148,9 +148,14 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
     """Pause the gateway (in-flight calls drain), update, publish weights `new_version`, resume."""
     t0 = time.perf_counter()
     await ctx.client.pause()
+    sleep_level = ctx.cfg.train.engine_sleep_level
+    if sleep_level:  # collocated: the engine gives its memory to the update
+        await ctx.engine.sleep(sleep_level)
     t1 = time.perf_counter()
     update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo, ctx.ref_model, ctx.scheduler)
     t2 = time.perf_counter()
+    if sleep_level:
+        await ctx.engine.wake_up()
     await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", new_version)
     await ctx.client.resume(weight_version=new_version)
     t3 = time.perf_counter()

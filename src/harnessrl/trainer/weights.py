@@ -47,9 +47,11 @@ class EngineAdmin:
         resp = await self._call("GET", "/admin/weight_version")
         return int(resp.json()["weight_version"])
 
-    async def sleep(self) -> None:
-        """Free the engine's memory for the trainer (collocation); requests wait until `wake_up`."""
-        await self._call("POST", "/admin/sleep")
+    async def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory for the trainer (collocation); requests wait until `wake_up`. Level 1
+        frees the KV cache and moves the weights off the GPU; level 2 discards the weights too (the next
+        `load_weights` after `wake_up` brings new ones)."""
+        await self._call("POST", "/admin/sleep", params={"level": level})
 
     async def wake_up(self) -> None:
         """Take the memory back and serve again."""
@@ -104,9 +106,10 @@ class VLLMAdmin(EngineAdmin):
                 return int(v)
         return self._version
 
-    async def sleep(self) -> None:
-        """`POST /sleep?level=1`: weights offloaded to CPU, KV cache discarded."""
-        await self._call("POST", "/sleep", params={"level": 1})
+    async def sleep(self, level: int = 1) -> None:
+        """`POST /sleep?level=N`: level 1 offloads the weights to CPU, level 2 discards them (reloaded by
+        the next `update_weights`); the KV cache is discarded at both."""
+        await self._call("POST", "/sleep", params={"level": level})
 
     async def wake_up(self) -> None:
         """`POST /wake_up`."""
@@ -141,8 +144,9 @@ class SGLangAdmin(EngineAdmin):
                 raise EngineAdminError(f"sglang engine reports a weight version that is not a number: {v!r}")
         raise EngineAdminError("sglang engine has neither /model_info nor /get_model_info")
 
-    async def sleep(self) -> None:
-        """`POST /release_memory_occupation` (needs no request running)."""
+    async def sleep(self, level: int = 1) -> None:
+        """`POST /release_memory_occupation` (needs no request running); SGLang releases weights and KV
+        cache together, whatever the level."""
         await self._call("POST", "/release_memory_occupation", json={})
 
     async def wake_up(self) -> None:
