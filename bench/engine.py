@@ -75,15 +75,22 @@ class RSSSampler:
         self._thread.join()
 
 
-def _read_bandwidth_gbs() -> float:
-    """Memory read bandwidth with torch's threads: a sum over 1 GiB (best of 5)."""
-    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+def _read_bandwidth_gbs(device: str = "cpu") -> float:
+    """Memory read bandwidth of `device` with torch: a sum over 1 GiB (best of 5)."""
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(5):
+        _sync(device)
         t0 = time.perf_counter()
         x.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 async def _chat_level(url: str, path: str, bodies: list[dict[str, Any]]) -> tuple[float, int, list[int]]:
@@ -123,11 +130,13 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def bench_harnessrl(levels: list[int], words: int, max_tokens: int, dtype: str, threads: int | None,
-                    max_model_len: int) -> tuple[dict[int, float], dict[int | str, float], list[int]]:  # fmt: skip
+                    max_model_len: int, model: str = "smollm2", device: str = "cpu",
+                    ) -> tuple[dict[int, float], dict[int | str, float], list[int]]:  # fmt: skip
     """tok/s and peak RSS (MB) per level of the builtin engine in its own process."""
     port = free_port()
-    cmd = [sys.executable, "-m", "harnessrl.engine", "--port", str(port), "--dtype", dtype,
-           "--max-batch", str(max(levels)), "--max-model-len", str(max_model_len), "--log-level", "warning"]  # fmt: skip
+    cmd = [sys.executable, "-m", "harnessrl.engine", "--port", str(port), "--dtype", dtype, "--model", model,
+           "--device", device, "--max-batch", str(max(levels)), "--max-model-len", str(max_model_len),
+           "--log-level", "warning"]  # fmt: skip
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -176,13 +185,14 @@ def bench_llamacpp(python: str, levels: list[int], words: int, max_tokens: int) 
     return rates
 
 
-def bench_hf(levels: list[int], words: int, max_tokens: int) -> tuple[float, dict[int, float]]:
+def bench_hf(levels: list[int], words: int, max_tokens: int, model: str = "smollm2", device: str = "cpu",
+             dtype: str = "float32") -> tuple[float, dict[int, float]]:  # fmt: skip
     """transformers `generate`: one request at a time, and each level padded into one batch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = resolve_model("smollm2")
+    model_dir = resolve_model(model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
 
     def ids(i: int) -> list[int]:
         return list(tok.apply_chat_template(_messages(i, words), add_generation_prompt=True, tokenize=True,
@@ -191,20 +201,23 @@ def bench_hf(levels: list[int], words: int, max_tokens: int) -> tuple[float, dic
     kw = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": True, "temperature": 1.0,
           "pad_token_id": 2}  # fmt: skip
     with torch.inference_mode():
-        one = torch.tensor([ids(0)])
+        one = torch.tensor([ids(0)], device=device)
         hf.generate(one, max_new_tokens=4, do_sample=False, pad_token_id=2)  # type: ignore[operator]
+        _sync(device)
         t0 = time.perf_counter()
         hf.generate(one, **kw)  # type: ignore[operator]
+        _sync(device)
         naive = max_tokens / (time.perf_counter() - t0)
         print(f"hf naive: {naive:.1f} tok/s", flush=True)
         static = {}
         for c in levels:
             prompts = [ids(i) for i in range(c)]
             width = max(len(p) for p in prompts)
-            batch = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            batch = torch.tensor([[2] * (width - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
             t0 = time.perf_counter()
             hf.generate(input_ids=batch, attention_mask=mask, **kw)  # type: ignore[operator]
+            _sync(device)
             static[c] = c * max_tokens / (time.perf_counter() - t0)
             print(f"hf static c={c}: {static[c]:.1f} tok/s", flush=True)
     return naive, static
@@ -221,23 +234,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--llamacpp-python", default=None, help="Python with llama_cpp[server] (baseline c)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--model", default="smollm2", help="model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (engine, transformers and the ceiling)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     levels = args.concurrency
-    bandwidth = _read_bandwidth_gbs()
-    print(f"memory read bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    bandwidth = _read_bandwidth_gbs(args.device)
+    print(f"memory read bandwidth ({args.device}): {bandwidth:.1f} GB/s", flush=True)
     ours, rss, prompt_lens = bench_harnessrl(levels, args.prompt_words, args.max_tokens, args.dtype, args.threads,
-                                             args.max_model_len)  # fmt: skip
+                                             args.max_model_len, args.model, args.device)  # fmt: skip
     llama = (
         bench_llamacpp(args.llamacpp_python, levels, args.prompt_words, args.max_tokens)
         if args.llamacpp_python
         else {}
     )
-    naive, static = (None, {}) if args.skip_hf else bench_hf(levels, args.prompt_words, args.max_tokens)
+    naive, static = (
+        (None, {})
+        if args.skip_hf
+        else bench_hf(levels, args.prompt_words, args.max_tokens, args.model, args.device, args.dtype)
+    )
     from harnessrl.modeling.loading import load_config
 
-    cfg = load_config(resolve_model("smollm2"))
+    cfg = load_config(resolve_model(args.model))
     n_params = (
         cfg.vocab_size * cfg.hidden_size
         + cfg.num_hidden_layers
@@ -286,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
           f"(weights {weight_bytes / 2**20:.0f} MB + runtime); KV budget ({max(levels)} x {args.max_model_len} "
           f"tokens) {kv_budget_mb:.0f} MB; largest growth while serving {growth:.0f} MB")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "max_tokens": args.max_tokens,
+    meta = {"model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, "dtype": args.dtype,
+            "device": args.device, "max_tokens": args.max_tokens,
             "prompt_tokens": [min(prompt_lens), max(prompt_lens)], "bandwidth_gbs": bandwidth,
             "weight_bytes": weight_bytes, "memory_budget_mb": budget_mb, "kv_budget_mb": kv_budget_mb,
             "idle_rss_mb": rss["idle"], "threads": args.threads or os.cpu_count(),

@@ -8,7 +8,7 @@
 #
 # What it checks: the run finishes, every training call was recorded with token IDs and logprobs, and
 # vLLM served the new weights (weight loads through /pause, /update_weights, /reset_prefix_cache,
-# /resume). The trainer runs on the same GPU (device cuda) when torch sees one.
+# /resume). The trainer runs on the same GPU (train.device=cuda).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make -s .venv/.installed >/dev/null 2>&1 || make install
@@ -35,7 +35,7 @@ for _ in $(seq 1 300); do
 done
 start=$(date +%s)
 HF_HUB_OFFLINE=1 .venv/bin/harnessrl train --config src/harnessrl/examples/calc/config.yaml --fresh \
-  run_dir="$RUN_DIR" engine.kind=vllm engine.url="http://127.0.0.1:$PORT" \
+  run_dir="$RUN_DIR" engine.kind=vllm engine.url="http://127.0.0.1:$PORT" train.device=cuda \
   train.steps=3 eval.n_heldout=32 eval.extra_temperatures=[] controller.concurrency=32
 echo "gpu smoke: whole loop in $(( $(date +%s) - start )) s; summary: $RUN_DIR/summary.json"
 .venv/bin/python - "$RUN_DIR" <<'PY'

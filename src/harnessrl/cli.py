@@ -93,6 +93,12 @@ def _run(cfg: Any, fresh: bool) -> int:
             f"time {m['time_rollout_s'] + m['time_update_s'] + m['time_weight_sync_s']:.0f}s",
             file=sys.stderr,
         )
+        if m["rollouts"] and not m["calls"]:
+            tqdm.write(
+                f"warning: no rollout of step {step} made a model call; is the harness failing before its "
+                f"first call? Its output: {Path(cfg.run_dir).resolve()}/rollouts/*/attempt-*/stderr.txt",
+                file=sys.stderr,
+            )
 
     print(
         f"harnessrl: run directory {Path(cfg.run_dir).resolve()} (logs in harnessrl.log, logs/)",
