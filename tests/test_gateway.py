@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -197,6 +199,45 @@ def test_pause_holds_calls_then_429_and_resume_records_the_version(
         assert c.get("/control/status").json() == {"paused": False, "in_flight": 0, "weight_version": 0}
     sdk(gw, key).chat.completions.create(model="m", messages=msgs, max_tokens=2)  # type: ignore[arg-type]
     assert len(gw.store.calls(rid)) == 1
+
+
+def test_preempting_pause_cuts_a_generation_and_resends_it_after_resume(
+    make_gateway: Callable[..., GatewayHandle],
+) -> None:
+    """`preempt`: the pause does not wait for a long generation; the engine aborts it, the harness's
+    call waits, and after resume it is generated again whole and recorded once."""
+    gw = make_gateway()
+    rid, key = gw.new_rollout()
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1900}
+    aborted_before = httpx.get(f"{gw.engine_url}/admin/stats").json()["aborted"]
+    result: dict[str, httpx.Response] = {}
+
+    def harness_call() -> None:
+        result["r"] = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=300,
+                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+
+    thread = threading.Thread(target=harness_call)
+    thread.start()
+    with gw.admin() as c:
+        deadline = time.monotonic() + 30
+        while c.get("/control/status").json()["in_flight"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # generating now
+        paused = c.post("/control/pause", json={"drain_timeout_s": 30, "preempt": True}).json()
+        assert paused["drained"] is True and paused["preempted_calls"] == 1 and paused["in_flight"] == 0
+        deadline = time.monotonic() + 10  # the engine notices the closed connection within 0.25 s
+        while httpx.get(f"{gw.engine_url}/admin/stats").json()["aborted"] == aborted_before:
+            assert time.monotonic() < deadline, "the engine did not abort the cut generation"
+            time.sleep(0.05)
+        assert httpx.get(f"{gw.engine_url}/admin/stats").json()["running"] == 0
+        assert thread.is_alive() and gw.store.calls(rid) == []  # held, nothing recorded for the cut one
+        c.post("/control/resume", json={"weight_version": 0}).raise_for_status()
+    thread.join(300)
+    r = result["r"]
+    assert r.status_code == 200
+    (call,) = gw.store.calls(rid)
+    assert call.status == CallStatus.OK and call.weight_version == 0
+    assert len(call.completion_ids) == r.json()["usage"]["completion_tokens"] > 0
 
 
 def test_upstream_failure_is_recorded_as_a_failed_call(make_gateway: Callable[..., GatewayHandle]) -> None:

@@ -148,6 +148,9 @@ class TrainSection(_Section):
     # collocation: put the engine to sleep during each update (1: KV cache freed, weights moved off the
     # GPU; 2: weights discarded too, the new ones are loaded after wake-up); None keeps it awake
     engine_sleep_level: Literal[1, 2] | None = None
+    # at each update's pause, cut non-streaming generations still running and resend them after the
+    # update (under the new weights) instead of waiting for them (async: rollouts keep running)
+    preempt_on_pause: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> TrainSection:

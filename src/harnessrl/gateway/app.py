@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
@@ -104,6 +104,9 @@ class Gateway:
         self._idle = asyncio.Event()
         self._idle.set()
         self.in_flight = 0
+        self._preemptible: set[asyncio.Task[Any]] = set()  # non-streaming engine calls a pause may cut
+        self._preempted: set[asyncio.Task[Any]] = set()
+        self.preempted_calls = 0
         self.recent = RecentCalls(store)
         self.writer = CallWriter(store)
         self._rollouts: dict[str, Rollout] = {}  # read-through cache; control writes call `forget`
@@ -152,9 +155,18 @@ class Gateway:
         return rollout
 
     # pause ----------------------------------------------------------------------------------------
-    async def pause(self, drain_timeout_s: float) -> bool:
-        """Stop admitting calls and wait for in-flight ones; True if drained in time."""
+    async def pause(self, drain_timeout_s: float, preempt: bool = False) -> bool:
+        """Stop admitting calls and wait for in-flight ones; True if drained in time.
+
+        With `preempt`, non-streaming calls still generating are cut instead of waited for: the engine
+        aborts their sequences, and each is sent again, whole, once the gateway resumes (under the new
+        weights, which its record then names). The harness sees one slower answer. Streaming calls, whose
+        first bytes may be out already, are always waited for."""
         self._resumed.clear()
+        if preempt:
+            for task in list(self._preemptible):
+                self._preempted.add(task)
+                task.cancel()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=drain_timeout_s)
         except TimeoutError:
@@ -212,7 +224,9 @@ class Gateway:
             up = StickyUpstream(self.upstreams, rollout.rollout_id)
             call.upstream = up.served_by
             if streamer is None:
-                gen = await self._engine(call, up, served, chat, sampling, history, t0)
+                gen = await self._preemptible_call(
+                    lambda: self._engine(call, up, served, chat, sampling, history, t0)
+                )
                 out = face.render(gen, req, ids)
                 await self._record_ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
                                       _chat_record(chat, gen))  # fmt: skip
@@ -268,6 +282,27 @@ class Gateway:
         finally:
             self._release()
 
+    async def _preemptible_call(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Await `make()`; if a preempting pause cuts it, wait for resume (not counted in flight, so the
+        pause drains) and run it again."""
+        while True:
+            task = asyncio.ensure_future(make())
+            self._preemptible.add(task)
+            try:
+                return await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task not in self._preempted or (current is not None and current.cancelling()):
+                    raise  # the handler itself was cancelled (client gone, shutdown)
+            finally:
+                self._preemptible.discard(task)
+                self._preempted.discard(task)
+            self.preempted_calls += 1
+            self._release()
+            await self._resumed.wait()
+            self.in_flight += 1
+            self._idle.clear()
+
     async def _engine(
         self,
         call: Call,
@@ -320,8 +355,11 @@ class Gateway:
                 handed_over = True
                 relay = self._relay_completion(events, req, call, up, t0)
                 return StreamingResponse(relay, media_type="text/event-stream", headers=SSE_HEADERS)
-            work = inference.raw_completion(up, served, req.prompt, sampling, req.logprobs or 0)
-            resp, record = await self._guard(call, t0, work)
+            resp, record = await self._preemptible_call(
+                lambda: self._guard(
+                    call, t0, inference.raw_completion(up, served, req.prompt, sampling, req.logprobs or 0)
+                )
+            )
             out = completions.client_response(resp, req)
             await self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
             return JSONResponse(out)

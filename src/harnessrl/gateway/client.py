@@ -103,10 +103,11 @@ class ControlClient:
             params["cursor"] = cursor
         return RolloutPage.model_validate(await self._req("GET", "/control/rollouts", params=params))
 
-    async def pause(self, drain_timeout_s: float = 600.0) -> dict[str, Any]:
-        """Hold new calls and wait for in-flight ones to finish."""
+    async def pause(self, drain_timeout_s: float = 600.0, preempt: bool = False) -> dict[str, Any]:
+        """Hold new calls and wait for in-flight ones to finish (`preempt`: cut non-streaming ones, which
+        the gateway resends after resume)."""
         result: dict[str, Any] = await self._req(
-            "POST", "/control/pause", json={"drain_timeout_s": drain_timeout_s}
+            "POST", "/control/pause", json={"drain_timeout_s": drain_timeout_s, "preempt": preempt}
         )
         return result
 

@@ -37,6 +37,7 @@ class PauseRequest(BaseModel):
 
     model_config = {"extra": "forbid"}
     drain_timeout_s: float = Field(default=600.0, ge=0.0)
+    preempt: bool = False  # cut non-streaming calls and resend them after resume instead of waiting
 
 
 class ResumeRequest(BaseModel):
@@ -179,8 +180,9 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         g = gw()
         g.require_admin(request)
         req = await _body(request, PauseRequest, g)
-        drained = await g.pause(req.drain_timeout_s)
-        return JSONResponse({"paused": True, "drained": drained, "in_flight": g.in_flight})
+        drained = await g.pause(req.drain_timeout_s, req.preempt)
+        return JSONResponse({"paused": True, "drained": drained, "in_flight": g.in_flight,
+                             "preempted_calls": g.preempted_calls})  # fmt: skip
 
     async def resume(request: Request) -> Response:
         g = gw()

@@ -147,7 +147,7 @@ def make_batch(ctx: TrainContext, details: list[RolloutDetail], version: int | N
 async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dict[str, Any]:
     """Pause the gateway (in-flight calls drain), update, publish weights `new_version`, resume."""
     t0 = time.perf_counter()
-    await ctx.client.pause()
+    paused = await ctx.client.pause(preempt=ctx.cfg.train.preempt_on_pause)
     sleep_level = ctx.cfg.train.engine_sleep_level
     if sleep_level:  # collocated: the engine gives its memory to the update
         await ctx.engine.sleep(sleep_level)
@@ -165,6 +165,7 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
         "time_update_s": t2 - t1,
         "time_weight_sync_s": t3 - t2,
         "time_paused_s": t3 - t0,
+        "preempted_calls_total": paused.get("preempted_calls", 0),
         "weight_version": new_version,
     }
 
