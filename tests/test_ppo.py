@@ -249,3 +249,29 @@ def test_lr_schedule(schedule: str) -> None:
         assert f(9) == pytest.approx(0.55)  # the midpoint of both decays
     with pytest.raises(ValueError, match="unknown lr schedule"):
         lr_lambda("step", 0, 10)
+
+
+def test_zero_advantage_rows_are_skipped_without_changing_the_update(tiny_model_dir: Path) -> None:
+    """Rows with advantage 0 add no gradient (no KL term): the update skips them, and the step equals
+    the one computed over every row."""
+    batch = random_batch(8, seed=5)
+    batch.advantages = [0.0, 1.5, 0.0, -0.7, 0.0, 0.0, 2.0, 0.0]
+    cfg = PPOConfig(max_grad_norm=1e9)
+    ref = load_model(tiny_model_dir)
+    ref.train()
+    every_row = list(range(8))
+    loss, _, _ = micro_batch_loss(ref, batch, every_row, cfg)
+    loss.backward()
+    expected = {n: p.detach() - 1e-2 * p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+    model = load_model(tiny_model_dir)
+    m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1e-2), batch, cfg)
+    assert m["skipped_zero_adv_rows"] == 5 and m["loss"] != 0.0
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[n], rtol=1e-5, atol=1e-7)
+
+    batch.advantages = [0.0] * 8  # nothing to learn: no step at all
+    before = [p.detach().clone() for p in model.parameters()]
+    m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1e-2), batch, cfg)
+    assert m["skipped_zero_adv_rows"] == 8 and m["grad_norm"] == 0.0
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))

@@ -182,17 +182,27 @@ def ppo_update(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, float]:
     """Run `cfg.epochs` optimizer steps over the batch, then step the LR schedule; returns loss and
-    diagnostic metrics (of the last epoch; `mismatch` is mean |π − μ|, engine/trainer gap on epoch 1)."""
+    diagnostic metrics (of the last epoch; `mismatch` is mean |π − μ|, engine/trainer gap on epoch 1).
+
+    Rows whose advantage is exactly 0 (zero-variance groups kept with zero advantage, a common case with
+    sparse rewards) add nothing to the loss or its gradient when there is no KL term: they are not
+    run at all (their tokens still count in the other rows' normalisation, fixed in `batch.weights`).
+    The token statistics are then over the rows that were run; `skipped_zero_adv_rows` counts the rest.
+    If no row is left, no optimizer step is taken."""
     lr = optimizer.param_groups[0]["lr"]
-    if not batch.rows or batch.n_trainable_tokens == 0:
+    run_rows = [i for i, r in enumerate(batch.rows) if cfg.kl_coef > 0 or batch.advantages[i] != 0.0]
+    skipped = float(len(batch.rows) - len(run_rows))
+    if not run_rows or batch.n_trainable_tokens == 0:
         if scheduler is not None:
             scheduler.step()
-        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0, "lr": lr}
-    groups = micro_batches(
-        [r.tokens for r in batch.rows],
-        [first_trainable(r.loss_mask) for r in batch.rows],
+        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0, "lr": lr,
+                "skipped_zero_adv_rows": skipped}  # fmt: skip
+    local = micro_batches(
+        [batch.rows[i].tokens for i in run_rows],
+        [first_trainable(batch.rows[i].loss_mask) for i in run_rows],
         cfg.micro_batch_tokens,
     )
+    groups = [[run_rows[j] for j in idx] for idx in local]
     model.train()
     metrics: dict[str, float] = {}
     prox: list[Tensor | None] = [None] * len(groups)
@@ -221,6 +231,7 @@ def ppo_update(
             "kl": agg["kl_sum"] / n,
             "tis_truncated_frac": agg["tis_truncated"] / n,
             "lr": lr,
+            "skipped_zero_adv_rows": skipped,
         }
     if scheduler is not None:
         scheduler.step()
