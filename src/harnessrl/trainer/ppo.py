@@ -27,6 +27,7 @@ steps once per update.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -194,7 +195,9 @@ def ppo_update(
     skipped = float(len(batch.rows) - len(run_rows))
     if not run_rows or batch.n_trainable_tokens == 0:
         if scheduler is not None:
-            scheduler.step()
+            with warnings.catch_warnings():  # the schedule advances per update, taken or not
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                scheduler.step()
         return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0, "lr": lr,
                 "skipped_zero_adv_rows": skipped}  # fmt: skip
     local = micro_batches(
