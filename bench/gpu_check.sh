@@ -2,7 +2,7 @@
 # GPU checks of the builtin engine and the collocated loop, in one short run (about 5 minutes on one
 # GPU). Results go to $OUT (default bench/results/gpu): gpu_check.json (exactness per dtype, engine sleep
 # memory), engine_gpu_fp32.json / engine_gpu_bf16.json (bench/engine.py on the GPU against transformers
-# generate on the same GPU), loop_summary.json + loop_metrics.jsonl (the calc loop with engine and
+# generate on the same GPU), loop_summary.json + loop_metrics.jsonl (the $LOOP_EXAMPLE loop with engine and
 # trainer on the GPU, the engine asleep at level 2 during each update), and log.txt.
 #
 #   bash bench/gpu_check.sh                       # with the project installed (make install) and a GPU

@@ -205,8 +205,6 @@ class Scheduler:
         `wake`. Level 1: free the KV cache and, on an accelerator, move the weights to CPU memory. Level 2:
         also discard the weights (their storage is freed; shapes kept) — after `wake` a weight load must
         come before anything is admitted (the trainer is about to publish new weights anyway)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, not {level}")
         self.slots.clear_cache()
         self.cache.free()
         for p in self.model.parameters():  # tied weights are one Parameter, seen once

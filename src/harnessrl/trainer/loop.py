@@ -145,7 +145,9 @@ def make_batch(ctx: TrainContext, details: list[RolloutDetail], version: int | N
 
 
 async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dict[str, Any]:
-    """Pause the gateway (in-flight calls drain), update, publish weights `new_version`, resume."""
+    """Pause the gateway (in-flight generations cut and resent after resume, or drained; see
+    `train.preempt_on_pause`), update (the engine asleep if `train.engine_sleep_level`), publish weights
+    `new_version`, resume."""
     t0 = time.perf_counter()
     paused = await ctx.client.pause(preempt=ctx.cfg.train.preempt_on_pause)
     sleep_level = ctx.cfg.train.engine_sleep_level
