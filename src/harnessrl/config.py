@@ -26,6 +26,8 @@ class EngineSection(_Section):
     threads: int | None = None
     device: str = "cpu"  # builtin engine: "cpu" or "cuda[:N]"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # builtin engine's weights and KV cache
+    # builtin engine on CPU: oneDNN-packed linear weights, F.linear, or auto (see modeling/packed.py)
+    matmul: Literal["auto", "onednn", "aten"] = "auto"
     # "vllm" / "sglang": a server already running at `url`, serving `model` (the trainer loads the same
     # directory); it must be able to read the run directory, where new weights are written
     kind: Literal["builtin", "vllm", "sglang"] = "builtin"

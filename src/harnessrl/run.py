@@ -65,7 +65,7 @@ def start_services(
         engine_port = cfg.engine.port or free_port()
         engine = start_engine(model_dir, engine_port, run_dir / "logs", cfg.engine.max_batch,
                               cfg.engine.max_model_len, cfg.engine.threads, cfg.engine.device,
-                              cfg.engine.dtype)  # fmt: skip
+                              cfg.engine.dtype, cfg.engine.matmul)  # fmt: skip
         engine_url = engine.url
     else:
         engine_url = str(cfg.engine.url)

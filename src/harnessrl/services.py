@@ -95,11 +95,12 @@ def start_engine(
     threads: int | None,
     device: str = "cpu",
     dtype: str = "float32",
+    matmul: str = "auto",
 ) -> Service:
     """The builtin engine serving `model_dir`."""
     args = ["harnessrl.engine", "--model", str(model_dir), "--port", str(port)]
     args += ["--max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
-    args += ["--device", device, "--dtype", dtype]
+    args += ["--device", device, "--dtype", dtype, "--matmul", matmul]
     if threads:
         args += ["--threads", str(threads)]
     return start_service("engine", args, port, log_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -29,12 +30,17 @@ class EngineConfig:
     # KV memory budget in tokens: a sequence is admitted only while the running sequences' prompt +
     # max_tokens fit (None: max_batch * max_model_len, i.e. no limit beyond the slots).
     max_cached_tokens: int | None = None
+    # Linear layers on CPU: "onednn" (weights packed once, see modeling/packed.py), "aten" (F.linear, as
+    # the trainer), "auto" (onednn when a startup probe finds its logprobs within 1e-4 of F.linear's)
+    matmul: Literal["auto", "onednn", "aten"] = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
         if self.max_batch < 1 or self.max_model_len < 2:
             raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
+        if self.matmul not in ("auto", "onednn", "aten"):
+            raise ValueError(f"matmul must be auto, onednn or aten, not {self.matmul!r}")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         if self.max_cached_tokens is not None and self.max_cached_tokens < self.max_model_len:

@@ -23,6 +23,7 @@ from harnessrl.engine.sampling import SamplingParams, StepSample, make_generator
 from harnessrl.engine.slots import SlotTable
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_weights_into
+from harnessrl.modeling.packed import PackedLinears
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,10 @@ class Scheduler:
         threads: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         max_cached_tokens: int | None = None,
+        packed: PackedLinears | None = None,
     ) -> None:
         self.model, self.text, self.eos_ids = model, text, eos_ids
+        self.packed = packed  # oneDNN-packed copies of the linear weights: repacked when weights change
         self.prefill_chunk = prefill_chunk
         self.max_cached_tokens = max_cached_tokens or max_batch * max_model_len
         self.max_model_len = max_model_len
@@ -207,6 +210,8 @@ class Scheduler:
         come before anything is admitted (the trainer is about to publish new weights anyway)."""
         self.slots.clear_cache()
         self.cache.free()
+        if self.packed is not None:
+            self.packed.drop()
         for p in self.model.parameters():  # tied weights are one Parameter, seen once
             if level == 2:
                 p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
@@ -226,6 +231,8 @@ class Scheduler:
         elif self.sleep_level == 1 and self.device.type != "cpu":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
+        if self.packed is not None and self.sleep_level == 1:
+            self.packed.refresh()  # level 2: at the weight load that must come next
         self.cache.allocate()
         self.sleeping, self.sleep_level = False, 0
 
@@ -447,6 +454,8 @@ class Scheduler:
             return
         try:
             load_weights_into(self.model, load.state)
+            if self.packed is not None:
+                self.packed.refresh()
         except Exception as exc:
             log.exception("event=weight_load_failed version=%d", load.version)
             load.on_done(exc)

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import torch
 import uvicorn
 
 from harnessrl.engine.config import EngineConfig
@@ -74,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="prompt tokens prefilled per step while other sequences decode")  # fmt: skip
     p.add_argument("--max-cached-tokens", type=int, default=d.max_cached_tokens,
                    help="KV budget in tokens: running sequences' prompt + max_tokens must fit")  # fmt: skip
+    p.add_argument("--matmul", default=d.matmul, choices=["auto", "onednn", "aten"],
+                   help="CPU linear layers: oneDNN-packed weights, F.linear, or auto (probe-checked)")  # fmt: skip
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     logging.basicConfig(
@@ -85,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: load the model and serve until interrupted; returns the exit status."""
     config = parse_args(argv)
+    # Only the scheduler thread runs torch with `threads` threads; this thread and those the HTTP layer
+    # starts keep one, so no second OpenMP team slows the decode steps (see `Engine.__init__`).
+    torch.set_num_threads(1)
     engine = Engine(config)
     # the gateway's pool expires idle connections after 4 s, well before the server closes them
     uvicorn.run(

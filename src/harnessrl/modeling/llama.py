@@ -12,6 +12,7 @@ ones the trainer recomputes come from the same arithmetic:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
@@ -117,12 +118,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        # Inference only (modeling/packed.py): one product computing q, k and v side by side.
+        self.fused_qkv: Callable[[Tensor], Tensor] | None = None
 
     def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        if self.fused_qkv is not None:
+            kv_width = self.n_kv * self.hd
+            qp, kp, vp = self.fused_qkv(x).split([self.n_heads * self.hd, kv_width, kv_width], dim=-1)
+        else:
+            qp, kp, vp = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = qp.view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k = kp.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        v = vp.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _out(self, o: Tensor) -> Tensor:
@@ -185,9 +193,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # Inference only (modeling/packed.py): one product computing gate and up side by side.
+        self.fused_gate_up: Callable[[Tensor], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         """down(silu(gate(x)) * up(x))."""
+        if self.fused_gate_up is not None:
+            gate, up = self.fused_gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -1,0 +1,92 @@
+"""oneDNN-packed linear layers (modeling/packed.py): same results within the exactness bound, repacked
+when the weights change, dropped cleanly, and `auto` falls back to F.linear when its probe rejects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import harnessrl.modeling.packed as packed_mod
+from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.loading import load_model
+from harnessrl.modeling.packed import PackedLinears, choose_matmul, onednn_available
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+IDS = torch.tensor([[1, 4093, 198, 504, 2210, 30, 12, 777, 9001, 44]])
+
+
+def _logits(model: LlamaForCausalLM) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(IDS)[0]
+
+
+def _model(engine_tiny_dir: Path) -> LlamaForCausalLM:
+    model = load_model(engine_tiny_dir)
+    with torch.no_grad():  # larger logits than the init's near-zero ones, so a difference would show
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+def test_packed_layers_match_f_linear_and_drop_restores_it(engine_tiny_dir: Path) -> None:
+    model = _model(engine_tiny_dir)
+    plain = _logits(model)
+    packed = PackedLinears(model)
+    packed.refresh()
+    layer = model.model.layers[0]
+    assert packed.active and layer.self_attn.fused_qkv is not None and layer.mlp.fused_gate_up is not None
+    fast = _logits(model)
+    assert (torch.log_softmax(fast, -1) - torch.log_softmax(plain, -1)).abs().max() < 1e-4
+    packed.drop()
+    assert layer.self_attn.fused_qkv is None and layer.mlp.fused_gate_up is None
+    assert torch.equal(_logits(model), plain)  # back on F.linear, bit for bit
+
+
+def test_refresh_follows_new_weights(engine_tiny_dir: Path) -> None:
+    model = _model(engine_tiny_dir)
+    packed = PackedLinears(model)
+    packed.refresh()
+    before = _logits(model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # packed alone
+        model.model.layers[1].self_attn.v_proj.weight.mul_(3.0)  # inside the fused q/k/v product
+    stale = _logits(model)
+    assert torch.equal(stale, before)  # the packed copy does not see an in-place change...
+    packed.refresh()
+    fresh = _logits(model)
+    packed.drop()
+    want = _logits(model)  # F.linear with the new weights
+    assert not torch.allclose(fresh, before, atol=1e-3)
+    assert (
+        torch.log_softmax(fresh, -1) - torch.log_softmax(want, -1)
+    ).abs().max() < 1e-4  # ...a refresh does
+
+
+def test_choose_matmul_modes(engine_tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(engine_tiny_dir)
+    cpu = torch.device("cpu")
+    assert choose_matmul(model, "aten", cpu) == (None, "aten (asked)")
+    packed, why = choose_matmul(model, "auto", cpu)
+    assert packed is not None and packed.active and why.startswith("onednn (probe gap")
+    packed.drop()
+    plain = _logits(model)
+    monkeypatch.setattr(packed_mod, "PROBE_BOUND", -1.0)  # a probe that rejects everything
+    packed, why = choose_matmul(model, "auto", cpu)
+    assert packed is None and why.startswith("aten (oneDNN probe gap")
+    assert torch.equal(_logits(model), plain)  # nothing left installed
+    packed, why = choose_matmul(model, "onednn", cpu)  # asked for: no probe
+    assert packed is not None and why == "onednn (asked)"
+    packed.drop()
+    with pytest.raises(ValueError, match="needs a CPU engine"):
+        choose_matmul(model, "onednn", torch.device("cuda"))
+    assert choose_matmul(model, "auto", torch.device("cuda"))[0] is None
+    bf16 = load_model(engine_tiny_dir, dtype=torch.bfloat16)
+    assert choose_matmul(bf16, "auto", cpu)[1].startswith("aten (auto packs float32")
+
+
+def test_engine_reports_its_matmul_path(engine_server: object) -> None:
+    stats = httpx.get(engine_server.url + "/admin/stats").json()  # type: ignore[attr-defined]
+    assert stats["matmul"].startswith("onednn (probe gap")
