@@ -130,12 +130,12 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def bench_harnessrl(levels: list[int], words: int, max_tokens: int, dtype: str, threads: int | None,
-                    max_model_len: int, model: str = "smollm2", device: str = "cpu",
+                    max_model_len: int, model: str = "smollm2", device: str = "cpu", matmul: str = "auto",
                     ) -> tuple[dict[int, float], dict[int | str, float], list[int]]:  # fmt: skip
     """tok/s and peak RSS (MB) per level of the builtin engine in its own process."""
     port = free_port()
     cmd = [sys.executable, "-m", "harnessrl.engine", "--port", str(port), "--dtype", dtype, "--model", model,
-           "--device", device, "--max-batch", str(max(levels)), "--max-model-len", str(max_model_len),
+           "--device", device, "--matmul", matmul, "--max-batch", str(max(levels)), "--max-model-len", str(max_model_len),
            "--log-level", "warning"]  # fmt: skip
     if threads:
         cmd += ["--threads", str(threads)]
@@ -231,6 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-words", type=int, default=66, help="~100-token prompts with the chat template")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--matmul",
+        default="auto",
+        choices=["auto", "onednn", "aten"],
+        help="the builtin engine's CPU linear layers (see `harnessrl engine --help`)",
+    )
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--llamacpp-python", default=None, help="Python with llama_cpp[server] (baseline c)")
     p.add_argument("--skip-hf", action="store_true")
@@ -243,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = _read_bandwidth_gbs(args.device)
     print(f"memory read bandwidth ({args.device}): {bandwidth:.1f} GB/s", flush=True)
     ours, rss, prompt_lens = bench_harnessrl(levels, args.prompt_words, args.max_tokens, args.dtype, args.threads,
-                                             args.max_model_len, args.model, args.device)  # fmt: skip
+                                             args.max_model_len, args.model, args.device,
+                                             args.matmul)  # fmt: skip
     llama = (
         bench_llamacpp(args.llamacpp_python, levels, args.prompt_words, args.max_tokens)
         if args.llamacpp_python
@@ -306,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
           f"tokens) {kv_budget_mb:.0f} MB; largest growth while serving {growth:.0f} MB")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, "dtype": args.dtype,
-            "device": args.device, "max_tokens": args.max_tokens,
+            "device": args.device, "matmul": args.matmul, "max_tokens": args.max_tokens,
             "prompt_tokens": [min(prompt_lens), max(prompt_lens)], "bandwidth_gbs": bandwidth,
             "weight_bytes": weight_bytes, "memory_budget_mb": budget_mb, "kv_budget_mb": kv_budget_mb,
             "idle_rss_mb": rss["idle"], "threads": args.threads or os.cpu_count(),

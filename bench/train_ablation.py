@@ -66,7 +66,7 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def plot(results: list[dict[str, Any]], out: Path) -> None:
+def plot(results: list[dict[str, Any]], out: Path, example: str = "search") -> None:
     """Training reward against step, mean over seeds, one line per setting."""
     import matplotlib
 
@@ -84,7 +84,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         ax.plot(range(1, n + 1), mean, marker="o", label=f"{name} (held-out {sum(finals) / len(finals):.2f})")
     ax.set_xlabel("step")
     ax.set_ylabel("training reward (mean over seeds)")
-    ax.set_title("Ablation on search: advantage level × loss normalisation")
+    ax.set_title(f"Ablation on {example}: advantage level × loss normalisation")
     ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -116,10 +116,11 @@ def main() -> int:
     }
     a, b, c = (means.get(name, float("nan")) for name in SETTINGS)
     ordered = a < b < c
-    out = {"example": args.example, "steps": args.steps, "seeds": args.seeds, "mean_heldout_after": means,
+    out = {"example": args.example, "steps": args.steps, "seeds": args.seeds, "overrides": args.override,
+           "command": " ".join(sys.argv), "mean_heldout_after": means,
            "a_lt_b_lt_c": ordered, "results": results}  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=2))
-    plot(results, Path(args.plot))
+    plot(results, Path(args.plot), args.example)
     print(f"\n{'setting':<36} {'held-out after (mean over seeds)':>34}")
     for name, m in means.items():
         print(f"{name:<36} {m:>34.3f}")

@@ -87,6 +87,15 @@ def test_broken_conversations_keep_every_call_exactly_once(conv: tuple[list[Call
     assert len(merge_calls(calls).rows) <= 1 + n_breaks
 
 
+@settings(max_examples=100, deadline=None)
+@given(conversations(allow_breaks=False))
+def test_merge_off_makes_every_call_its_own_row(conv: tuple[list[Call], int]) -> None:
+    calls, _ = conv
+    result = merge_calls(calls, merge=False)
+    assert [r.tokens for r in result.rows] == [c.prompt_ids + c.completion_ids for c in calls]
+    assert result.breaks == [] and result.n_calls == len(calls)
+
+
 def test_call_may_extend_an_earlier_open_row() -> None:
     """Sub-agent pattern: main thread, a side call, then the main thread continues."""
     main1 = make_call(0, [10, 11], [12])

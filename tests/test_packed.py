@@ -12,7 +12,7 @@ import torch
 import harnessrl.modeling.packed as packed_mod
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_model
-from harnessrl.modeling.packed import PackedLinears, choose_matmul, onednn_available
+from harnessrl.modeling.packed import PackedLinears, choose_matmul, onednn_available, use_onednn_for_training
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -90,3 +90,33 @@ def test_choose_matmul_modes(engine_tiny_dir: Path, monkeypatch: pytest.MonkeyPa
 def test_engine_reports_its_matmul_path(engine_server: object) -> None:
     stats = httpx.get(engine_server.url + "/admin/stats").json()  # type: ignore[attr-defined]
     assert stats["matmul"].startswith("onednn (probe gap")
+
+
+def _loss(model: LlamaForCausalLM) -> torch.Tensor:
+    logp = torch.log_softmax(model(IDS)[0, :-1].float(), -1)
+    return -logp.gather(-1, IDS[0, 1:].unsqueeze(-1)).mean()
+
+
+def test_training_through_onednn_matches_f_linear_and_follows_each_step(engine_tiny_dir: Path) -> None:
+    plain, fast = _model(engine_tiny_dir), _model(engine_tiny_dir)
+    why = use_onednn_for_training(fast, "auto", torch.device("cpu"))
+    assert why.startswith("onednn (probe gap")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, fast)]
+    for step in range(3):  # the packed copies must follow every optimizer step
+        losses = []
+        for m, opt in zip((plain, fast), opts, strict=True):
+            opt.zero_grad()
+            loss = _loss(m)
+            loss.backward()
+            losses.append(loss)
+            if step < 2:
+                opt.step()
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in plain.named_parameters()}
+    for n, p in fast.named_parameters():
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-3, atol=1e-6, msg=n)
+    assert not torch.equal(plain.lm_head.weight, _model(engine_tiny_dir).lm_head.weight)  # it did train
+    bf16 = load_model(engine_tiny_dir, dtype=torch.bfloat16)
+    assert use_onednn_for_training(bf16, "auto", torch.device("cpu")).startswith("aten (auto uses oneDNN")
+    assert use_onednn_for_training(plain, "aten", torch.device("cpu")) == "aten (aten asked)"

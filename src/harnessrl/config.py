@@ -131,6 +131,9 @@ class TrainSection(_Section):
     advantage_level: AdvantageLevel = AdvantageLevel.ROLLOUT
     loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN
     zero_variance: ZeroVariance = ZeroVariance.KEEP  # groups whose rollouts all got the same reward
+    # token-prefix merging of a rollout's calls into rows; False: every call its own row (Agent
+    # Lightning's transitions; for ablations)
+    merge_calls: bool = True
     checkpoint_every: int = 5
     keep_checkpoints: int = 2
     seed: int = 0
@@ -147,6 +150,9 @@ class TrainSection(_Section):
     train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
     time_budget_s: float | None = None  # stop after the step during which this much training time ran out
     device: str = "cpu"  # where the policy (and reference) model trains: "cpu" or "cuda[:N]"
+    # linear layers of the policy on CPU: oneDNN-packed (forward and input gradient), F.linear, or auto
+    # (oneDNN when its probe logprobs are within 1e-4 of F.linear's; see modeling/packed.py)
+    matmul: Literal["auto", "onednn", "aten"] = "auto"
     # collocation: put the engine to sleep during each update (1: KV cache freed, weights moved off the
     # GPU; 2: weights discarded too, the new ones are loaded after wake-up); None keeps it awake
     engine_sleep_level: Literal[1, 2] | None = None

@@ -22,6 +22,7 @@ from harnessrl.controller import Controller, HarnessSpec
 from harnessrl.examples import ExampleSpec, get_example, write_tasks
 from harnessrl.gateway.client import ControlClient
 from harnessrl.modeling.loading import load_model, resolve_model
+from harnessrl.modeling.packed import use_onednn_for_training
 from harnessrl.schema import Task
 from harnessrl.services import Service, free_port, start_engine, start_gateway
 from harnessrl.trainer.async_loop import run_async
@@ -167,6 +168,10 @@ async def _run_async(
         runner=runner,
     )  # fmt: skip
     model = load_model(model_dir, device=cfg.train.device)
+    log.info(
+        "event=trainer_matmul path=%r",
+        use_onednn_for_training(model, cfg.train.matmul, model.lm_head.weight.device),
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     tc = cfg.train
     schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)

@@ -59,6 +59,7 @@ def build_batch(
     version: int | None = None,
     max_staleness: int | None = None,
     include_failed_attempts: bool = False,
+    merge: bool = True,
 ) -> Batch:
     """Turn graded rollouts into a batch. Rollouts without a reward are left out; only the calls of a
     rollout's last attempt are used (earlier attempts died for infrastructure reasons; with
@@ -68,7 +69,8 @@ def build_batch(
 
     Then rows staler than `max_staleness` at weight `version` are dropped and rows longer than
     `max_row_tokens` cut (rules in `adapter.length`); loss weights are computed on what remains, and
-    every row of a rollout keeps that rollout's advantage."""
+    every row of a rollout keeps that rollout's advantage. With `merge` False every call is a row of its
+    own (no token-prefix merging: the transitions of Agent Lightning, for ablations)."""
     stats = MergeStats()
     rows_of: dict[str, list[Row]] = {}
     rewards: dict[str, float] = {}
@@ -81,7 +83,7 @@ def build_batch(
         used = sorted({c.attempt for c in d.calls}) if include_failed_attempts else [last]
         rows_of[rid] = []
         for attempt in used:
-            result = merge_calls([c for c in d.calls if c.attempt == attempt])
+            result = merge_calls([c for c in d.calls if c.attempt == attempt], merge=merge)
             stats.add(result)
             rows_of[rid].extend(result.rows)
         rewards[rid] = d.reward.value

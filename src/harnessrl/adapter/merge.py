@@ -100,11 +100,14 @@ def usable(call: Call) -> bool:
     )
 
 
-def merge_calls(calls: Sequence[Call]) -> MergeResult:
-    """Merge one rollout's calls (in order) into rows; see the module docstring for the rule."""
+def merge_calls(calls: Sequence[Call], merge: bool = True) -> MergeResult:
+    """Merge one rollout's calls (in order) into rows; see the module docstring for the rule. With
+    `merge` False every usable call becomes a row of its own (no breaks are counted: nothing was tried)."""
     rows: list[Row] = []
     breaks: list[BreakCause] = []
     kept = [c for c in calls if usable(c)]
+    if not merge:
+        return MergeResult(rows=[_new_row(c) for c in kept], breaks=[], n_calls=len(kept))
     prev: Call | None = None
     for call in kept:
         candidates = [r for r in rows if _extends(r, call)]

@@ -19,7 +19,7 @@ SmolLM2), or is unavailable.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -143,3 +143,96 @@ def choose_matmul(model: nn.Module, want: Matmul, device: torch.device) -> tuple
         log.warning("event=matmul_probe_rejected gap=%.2e bound=%.0e: keeping F.linear", gap, PROBE_BOUND)
         return None, f"aten (oneDNN probe gap {gap:.1e} > {PROBE_BOUND:.0e})"
     return packed, f"onednn (probe gap {gap:.1e} <= {PROBE_BOUND:.0e})"
+
+
+# --- training ---------------------------------------------------------------------------------------
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x @ W.T through oneDNN-packed copies of W; backward: dx through a packed W.T, dW = dy.T @ x."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: _TrainPackedForward) -> Tensor:
+        ctx.save_for_backward(x, weight)  # autograd refuses the backward if W changed in place meanwhile
+        ctx.layer = layer
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed(), None, "none", [], "")
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, _ = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.mkldnn._linear_pointwise(grad, ctx.layer.packed_t(), None, "none", [], "")
+        if ctx.needs_input_grad[1]:
+            dw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return dx, dw, None
+
+
+class _TrainPackedForward:
+    """The replacement `forward` of one trainable linear layer. The packed copies follow the weight:
+    they are rebuilt whenever its version counter moved (every optimizer step or weight load bumps it),
+    so a stale copy can never be used."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer = layer
+        self._key: tuple[int, int] | None = None
+        self._packed: Tensor | None = None
+        self._packed_t: Tensor | None = None
+
+    def _current(self) -> None:
+        w = self.layer.weight
+        key = (w._version, w.data_ptr())
+        if key != self._key:
+            self._key, self._packed, self._packed_t = key, None, None
+
+    def packed(self) -> Tensor:
+        self._current()
+        if self._packed is None:
+            w = self.layer.weight.detach()
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+        return self._packed
+
+    def packed_t(self) -> Tensor:
+        self._current()
+        if self._packed_t is None:
+            wt = self.layer.weight.detach().t().contiguous()
+            self._packed_t = torch.ops.mkldnn._reorder_linear_weight(wt, PACK_ROWS_HINT)
+        return self._packed_t
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _OneDNNLinear.apply(x, self.layer.weight, self)  # type: ignore[no-any-return]
+
+
+def _train_linears(model: nn.Module) -> list[nn.Linear]:
+    linears = (m for m in model.modules() if isinstance(m, nn.Linear))
+    return [lin for lin in linears if lin.bias is None]
+
+
+def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device) -> str:
+    """Route a trainable model's linear layers through oneDNN (forward and the input gradient) when `want`
+    is "onednn", or "auto" and the probe accepts it (as `choose_matmul`); returns the reason for the log.
+    The weight gradient stays an ordinary matrix product."""
+    if want == "aten":
+        return "aten (aten asked)"
+    if device.type != "cpu" or not onednn_available():
+        if want == "onednn":
+            raise ValueError("matmul 'onednn' needs a CPU trainer and a torch build with oneDNN")
+        return f"aten (oneDNN is for CPU; device {device.type})"
+    dtype = next(model.parameters()).dtype
+    if want == "auto" and dtype != torch.float32:
+        return f"aten (auto uses oneDNN for float32 weights only; these are {dtype})"
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 32000))
+    reference = _probe_logprobs(model, vocab) if want == "auto" else None
+    for lin in _train_linears(model):
+        lin.forward = _TrainPackedForward(lin)  # type: ignore[method-assign, assignment]
+    if reference is None:
+        return "onednn (asked)"
+    top = reference.topk(min(PROBE_TOP, reference.shape[-1]), dim=-1).indices
+    gap = float((_probe_logprobs(model, vocab) - reference).gather(-1, top).abs().max())
+    if gap > PROBE_BOUND:
+        for lin in _train_linears(model):
+            del lin.forward
+        log.warning("event=matmul_probe_rejected gap=%.2e bound=%.0e: keeping F.linear", gap, PROBE_BOUND)
+        return f"aten (oneDNN probe gap {gap:.1e} > {PROBE_BOUND:.0e})"
+    return f"onednn (probe gap {gap:.1e} <= {PROBE_BOUND:.0e})"

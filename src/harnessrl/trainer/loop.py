@@ -140,7 +140,7 @@ def make_batch(ctx: TrainContext, details: list[RolloutDetail], version: int | N
     return build_batch(
         details, t.advantage_level, t.estimator, t.loss_mode, t.zero_variance,
         max_row_tokens=t.max_row_tokens, version=version, max_staleness=t.max_staleness,
-        include_failed_attempts=t.train_on_failed_attempts,
+        include_failed_attempts=t.train_on_failed_attempts, merge=t.merge_calls,
     )  # fmt: skip
 
 
