@@ -100,7 +100,7 @@ class Engine:
             "event=engine_ready model=%s dir=%s threads=%d max_batch=%d max_model_len=%d matmul=%r",
             config.model,
             self.model_dir,
-            torch.get_num_threads(),
+            config.num_threads,
             config.max_batch,
             self.max_model_len,
             self.matmul,
