@@ -19,6 +19,7 @@ SmolLM2), or is unavailable.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -77,8 +78,7 @@ class PackedLinears:
         self.active = False
 
     def _linears(self) -> list[nn.Linear]:
-        linears = (m for m in self.model.modules() if isinstance(m, nn.Linear))
-        return [lin for lin in linears if lin.bias is None]
+        return _bias_free_linears(self.model)
 
     def refresh(self) -> None:
         """(Re)pack every linear weight from the current parameters and route the layers through them."""
@@ -109,10 +109,24 @@ class PackedLinears:
         self.active = False
 
 
+def _bias_free_linears(model: nn.Module) -> list[nn.Linear]:
+    linears = (m for m in model.modules() if isinstance(m, nn.Linear))
+    return [lin for lin in linears if lin.bias is None]
+
+
 def _probe_logprobs(model: nn.Module, vocab: int) -> Tensor:
     ids = (torch.arange(PROBE_TOKENS) * 7919 + 13) % min(vocab, 32000)
     with torch.inference_mode():
         return torch.log_softmax(model(ids.unsqueeze(0))[0].float(), dim=-1)
+
+
+def _probe_gap(model: nn.Module, install: Callable[[], None]) -> float:
+    """Max |logprob| change of the probe's top tokens when `install` reroutes the model's products."""
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 32000))
+    reference = _probe_logprobs(model, vocab)
+    top = reference.topk(min(PROBE_TOP, reference.shape[-1]), dim=-1).indices
+    install()
+    return float((_probe_logprobs(model, vocab) - reference).gather(-1, top).abs().max())
 
 
 def choose_matmul(model: nn.Module, want: Matmul, device: torch.device) -> tuple[PackedLinears | None, str]:
@@ -133,11 +147,7 @@ def choose_matmul(model: nn.Module, want: Matmul, device: torch.device) -> tuple
         return packed, "onednn (asked)"
     if dtype != torch.float32:
         return None, f"aten (auto packs float32 weights only; these are {dtype})"
-    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 32000))
-    reference = _probe_logprobs(model, vocab)
-    top = reference.topk(min(PROBE_TOP, reference.shape[-1]), dim=-1).indices
-    packed.refresh()
-    gap = float((_probe_logprobs(model, vocab) - reference).gather(-1, top).abs().max())
+    gap = _probe_gap(model, packed.refresh)
     if gap > PROBE_BOUND:
         packed.drop()
         log.warning("event=matmul_probe_rejected gap=%.2e bound=%.0e: keeping F.linear", gap, PROBE_BOUND)
@@ -204,11 +214,6 @@ class _TrainPackedForward:
         return _OneDNNLinear.apply(x, self.layer.weight, self)  # type: ignore[no-any-return]
 
 
-def _train_linears(model: nn.Module) -> list[nn.Linear]:
-    linears = (m for m in model.modules() if isinstance(m, nn.Linear))
-    return [lin for lin in linears if lin.bias is None]
-
-
 def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device) -> str:
     """Route a trainable model's linear layers through oneDNN (forward and the input gradient) when `want`
     is "onednn", or "auto" and the probe accepts it (as `choose_matmul`); returns the reason for the log.
@@ -222,16 +227,17 @@ def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device
     dtype = next(model.parameters()).dtype
     if want == "auto" and dtype != torch.float32:
         return f"aten (auto uses oneDNN for float32 weights only; these are {dtype})"
-    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 32000))
-    reference = _probe_logprobs(model, vocab) if want == "auto" else None
-    for lin in _train_linears(model):
-        lin.forward = _TrainPackedForward(lin)  # type: ignore[method-assign, assignment]
-    if reference is None:
+
+    def install() -> None:
+        for lin in _bias_free_linears(model):
+            lin.forward = _TrainPackedForward(lin)  # type: ignore[method-assign, assignment]
+
+    if want == "onednn":
+        install()
         return "onednn (asked)"
-    top = reference.topk(min(PROBE_TOP, reference.shape[-1]), dim=-1).indices
-    gap = float((_probe_logprobs(model, vocab) - reference).gather(-1, top).abs().max())
+    gap = _probe_gap(model, install)
     if gap > PROBE_BOUND:
-        for lin in _train_linears(model):
+        for lin in _bias_free_linears(model):
             del lin.forward
         log.warning("event=matmul_probe_rejected gap=%.2e bound=%.0e: keeping F.linear", gap, PROBE_BOUND)
         return f"aten (oneDNN probe gap {gap:.1e} > {PROBE_BOUND:.0e})"
