@@ -7,10 +7,14 @@ numbers of calls):
 
 Each setting × seed is a full run (eval before, training, eval after) from the same initial model, in
 its own run directory. Writes bench/results/ablation.json (final held-out reward per setting and seed,
-the training-reward curves) and docs/img/ablation.png (training reward against step, mean over seeds),
-and prints whether (a) < (b) < (c) holds on the final held-out reward.
+the training-reward and held-out curves) and docs/img/ablation.png (held-out reward against step with
+`--eval-every 1`, else training reward against step; mean over seeds), and prints whether
+(a) < (b) < (c) holds on the final held-out reward.
 
-    .venv/bin/python bench/train_ablation.py [--seeds 0 1 2] [--steps 8] [--n-heldout 60]
+    .venv/bin/python bench/train_ablation.py [--seeds 0 1 2] [--steps 8] [--n-heldout 60] [--resume]
+
+Each finished run is written to the JSON at once; `--resume` keeps the runs the JSON already holds
+(same example, steps, held-out size and overrides — else it refuses) and runs only the missing ones.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         f"train.steps={args.steps}",
         f"eval.n_heldout={args.n_heldout}",
         "eval.extra_temperatures=[]",
+        f"eval.every={args.eval_every}",
         *SETTINGS[name],
         *args.override,
     ]
@@ -61,34 +66,63 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "heldout_ci95_after": summary["heldout_ci95_after"],
         "n_heldout": summary["n_heldout"],
         "train_reward": [r["reward"] for r in records],
+        "heldout_curve": summary["heldout_curve"],  # (step, held-out reward); every step with --eval-every 1
         "rows_per_rollout": summary["rows_per_rollout"],
         "wall_s": time.time() - t0,
     }
 
 
 def plot(results: list[dict[str, Any]], out: Path, example: str = "search") -> None:
-    """Training reward against step, mean over seeds, one line per setting."""
+    """Held-out reward against step (runs made with --eval-every) or else training reward against
+    step, mean over seeds, one line per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    heldout = all(len(r.get("heldout_curve", [])) > 2 for r in results)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in SETTINGS:
-        curves = [r["train_reward"] for r in results if r["setting"] == name]
-        if not curves:
+        runs = [r for r in results if r["setting"] == name]
+        if not runs:
             continue
+        if heldout:
+            curves = [[y for _, y in r["heldout_curve"]] for r in runs]
+            xs = [x for x, _ in runs[0]["heldout_curve"]]
+        else:
+            curves = [r["train_reward"] for r in runs]
+            xs = list(range(1, min(len(c) for c in curves) + 1))
         n = min(len(c) for c in curves)
         mean = [sum(c[i] for c in curves) / len(curves) for i in range(n)]
-        finals = [r["heldout_after"] for r in results if r["setting"] == name]
-        ax.plot(range(1, n + 1), mean, marker="o", label=f"{name} (held-out {sum(finals) / len(finals):.2f})")
+        final = sum(r["heldout_after"] for r in runs) / len(runs)
+        ax.plot(xs[:n], mean, marker="o", label=f"{name} (held-out after {final:.2f}, {len(runs)} seeds)")
     ax.set_xlabel("step")
-    ax.set_ylabel("training reward (mean over seeds)")
+    ax.set_ylabel(f"{'held-out' if heldout else 'training'} reward (mean over seeds)")
     ax.set_title(f"Ablation on {example}: advantage level × loss normalisation")
     ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
+
+
+def previous_results(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs an earlier (possibly stopped) invocation wrote to `path`, if it ran the same ablation."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    n_heldout = {r["n_heldout"] for r in old.get("results", [])}
+    old_key = {
+        "example": old.get("example"),
+        "steps": old.get("steps"),
+        "n_heldout": old.get("n_heldout", n_heldout.pop() if len(n_heldout) == 1 else None),
+        "overrides": old.get("overrides"),
+    }
+    if old.get("eval_every"):
+        old_key["eval_every"] = old["eval_every"]
+    if old_key != key:
+        raise SystemExit(f"--resume: {path} holds a different ablation ({old_key}), not {key}; "
+                         "pass another --out or drop --resume")  # fmt: skip
+    return list(old["results"])
 
 
 def main() -> int:
@@ -103,21 +137,37 @@ def main() -> int:
     ap.add_argument("--override", action="append", default=[], help="extra config overrides (a.b=value)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ablation.json"))
     ap.add_argument("--plot", default=str(Path(__file__).parent.parent / "docs" / "img" / "ablation.png"))
+    ap.add_argument(
+        "--eval-every", type=int, default=0, help="held-out evaluation every N steps (eval.every)"
+    )
+    ap.add_argument("--resume", action="store_true", help="keep the runs already in --out; run the rest")
     args = ap.parse_args()
-    results = []
+    key = {
+        "example": args.example,
+        "steps": args.steps,
+        "n_heldout": args.n_heldout,
+        "overrides": args.override,
+    }
+    if args.eval_every:
+        key["eval_every"] = args.eval_every
+    results = previous_results(Path(args.out), key) if args.resume else []
+    done = {(r["setting"], r["seed"]) for r in results}
     for seed in args.seeds:
         for name in args.settings:
+            if (name, seed) in done:
+                print(f"== {name} seed {seed}: kept from {args.out}", flush=True)
+                continue
             print(f"== {name} seed {seed}", flush=True)
             results.append(one(name, seed, args))
-            Path(args.out).write_text(json.dumps({"partial": True, "results": results}, indent=2))
+            Path(args.out).write_text(json.dumps({**key, "partial": True, "results": results}, indent=2))
+    results = [r for r in results if r["setting"] in args.settings and r["seed"] in args.seeds]
     means = {
         name: sum(r["heldout_after"] for r in results if r["setting"] == name) / len(args.seeds)
         for name in args.settings
     }
     a, b, c = (means.get(name, float("nan")) for name in SETTINGS)
     ordered = a < b < c
-    out = {"example": args.example, "steps": args.steps, "seeds": args.seeds, "overrides": args.override,
-           "command": " ".join(sys.argv), "mean_heldout_after": means,
+    out = {**key, "seeds": args.seeds, "command": " ".join(["python", *sys.argv]), "mean_heldout_after": means,
            "a_lt_b_lt_c": ordered, "results": results}  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=2))
     plot(results, Path(args.plot), args.example)

@@ -34,6 +34,7 @@ def test_async_schedule_trains_carries_groups_over_and_resumes(tiny_model_dir: P
         "eval.extra_temperatures=[]",
         "data.n_train=30",
         "gateway.default_max_tokens=16",
+        "eval.every=2",
     ]
     cfg = load_config(get_example("calc").config_path, overrides)
     seen: list[int] = []
@@ -47,6 +48,9 @@ def test_async_schedule_trains_carries_groups_over_and_resumes(tiny_model_dir: P
         assert sum(r["staleness"].values()) >= r["rows"] and set(r["staleness"]) <= {"0", "1", "2"}
         assert r["engine_idle_s"] >= r["time_update_s"] > 0 and r["trainer_idle_s"] >= 0
     assert all(int(s) <= 1 or r["dropped_stale_rows"] > 0 for r in records for s in r["staleness"])
+    # eval.every=2: one held-out evaluation during training, while groups stayed in flight
+    assert ["heldout_reward" in r for r in records] == [False, True, False]
+    assert [x for x, _ in summary["heldout_curve"]] == [0, 2, 3]
 
     store = SQLiteStore(run_dir / "store.sqlite")
     rollouts = [ro for ro in store.list_rollouts(limit=1000)[0] if "group" in ro.metadata]

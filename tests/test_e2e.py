@@ -31,6 +31,7 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
         "gateway.default_max_tokens=16",
         "eval.temperature=0.0",
         "eval.extra_temperatures=[1.0]",
+        "eval.every=1",  # a held-out evaluation after step 1 too (not after the last step: that is "after")
     ]
     cfg = load_config(get_example("calc").config_path, overrides)
     seen: list[int] = []
@@ -51,6 +52,15 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert list((run_dir / "tensorboard").iterdir())
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
+    assert "heldout_reward" in records[0] and "heldout_reward" not in records[1]
+    lo, hi = records[0]["heldout_ci95"]
+    assert 0 <= lo <= records[0]["heldout_reward"] <= hi <= 1 and records[0]["time_eval_s"] > 0
+    assert summary["heldout_curve"] == [
+        [0, summary["heldout_reward_before"]],
+        [1, records[0]["heldout_reward"]],
+        [2, summary["heldout_reward_after"]],
+    ]
+    assert 0 < summary["eval_during_train_seconds"] < summary["wall_seconds"] - summary["train_wall_seconds"]
     for r in records:
         assert r["rollouts"] == 6 and r["rollouts_failed"] == 0 and r["trainable_tokens"] > 0
         assert r["weight_version"] == r["step"]
@@ -65,7 +75,9 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
     engine_log = next((run_dir / "logs").glob("engine*.log")).read_text()
     assert engine_log.count("event=engine_sleep_level_2") == engine_log.count("event=engine_wake") == 2
     harness_runs = list((run_dir / "rollouts").glob("*/attempt-0/output/answer.json"))
-    assert len(harness_runs) == 2 * 6 + 2 * 2 * 4  # every rollout ran the real harness
+    # every rollout ran the real harness: training, evaluations before and after (2 temperatures),
+    # the one after step 1
+    assert len(harness_runs) == 2 * 6 + 2 * 2 * 4 + 4
     assert set(summary["heldout_by_temperature"]) == {"0", "1"}
     store.close()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1", "step-2"]

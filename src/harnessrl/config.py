@@ -181,6 +181,9 @@ class EvalSection(_Section):
     n_heldout: int = 100
     temperature: float = 0.0  # the reported held-out reward (0: greedy)
     extra_temperatures: list[float] = Field(default_factory=list)  # also evaluated and reported
+    # also evaluate (at `temperature`) after every N-th update during training, logged with the step
+    # as `heldout_reward` (0: only before and after); its time is left out of `train_wall_seconds`
+    every: int = Field(default=0, ge=0)
 
 
 class DataSection(_Section):

@@ -27,6 +27,20 @@ def reward_curve(metrics_path: Path, summary: dict[str, Any], out: Path) -> Path
             marker="o",
             label="train reward (batch mean)",
         )
+    mid = [r for r in records if "heldout_reward" in r]  # eval.every
+    if mid:
+        ax.errorbar(
+            [r["step"] for r in mid],
+            [r["heldout_reward"] for r in mid],
+            yerr=[
+                [r["heldout_reward"] - r["heldout_ci95"][0] for r in mid],
+                [r["heldout_ci95"][1] - r["heldout_reward"] for r in mid],
+            ],
+            fmt="s",
+            color="gray",
+            capsize=3,
+            label=f"held-out reward during training at T={summary.get('eval_temperature')}",
+        )
     steps = summary.get("train_steps", 0)
     markers = iter(["s", "D", "^", "v", "o"])
     for temp, r in summary.get("heldout_by_temperature", {}).items():

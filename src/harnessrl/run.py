@@ -180,6 +180,7 @@ async def _run_async(
         cfg, run_id_for(run_dir), run_dir, client, controller, engine, model, optimizer, metrics, progress,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
         ref_model=load_model(model_dir, device=tc.device).requires_grad_(False) if tc.kl_coef > 0 else None,
+        heldout=heldout,
     )  # fmt: skip
     train = run_async if tc.schedule == "async" else run_sync
     try:
@@ -187,7 +188,7 @@ async def _run_async(
         before = [await evaluate(ctx, heldout, f"eval-before-t{t:g}", t) for t in temps]
         t_train = time.time()
         steps = await train(ctx, train_tasks, on_step)
-        train_wall = time.time() - t_train
+        train_wall = time.time() - t_train - ctx.eval_seconds
         after = [await evaluate(ctx, heldout, f"eval-after-{steps}-t{t:g}", t) for t in temps]
     finally:
         metrics.close()
@@ -197,6 +198,7 @@ async def _run_async(
             runner.close()
     summary = summarise(cfg, before, after, steps, metrics.read())
     summary["train_wall_seconds"] = train_wall
+    summary["eval_during_train_seconds"] = ctx.eval_seconds
     return summary
 
 
@@ -226,6 +228,12 @@ def summarise(
         "n_heldout": before.n,
         "eval_temperature": cfg.eval.temperature,
         "heldout_by_temperature": by_temp,
+        # (step, held-out reward at eval.temperature): before, every `eval.every` steps, after
+        "heldout_curve": [
+            [0, before.mean],
+            *([r["step"], r["heldout_reward"]] for r in records if "heldout_reward" in r),
+            [steps, after.mean],
+        ],
         "train_steps": steps,
         "rollouts_per_step": cfg.train.batch_groups * cfg.train.group_size,
         "merge_rate": sum(rates) / len(rates) if rates else None,

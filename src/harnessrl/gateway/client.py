@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,6 +12,7 @@ import httpx
 from harnessrl.schema import (
     Attempt,
     AttemptFinish,
+    AttemptStatus,
     Reward,
     RewardIn,
     Rollout,
@@ -20,6 +23,16 @@ from harnessrl.schema import (
     RolloutPage,
     RolloutState,
 )
+
+log = logging.getLogger(__name__)
+
+RETRIES = 3  # resends of a request whose connection failed or was dropped before the answer
+
+
+class ControlUnreachable(ConnectionError):
+    """The control API could not be reached, dropped the connection before answering (after
+    `RETRIES` resends) or did not answer in time. An `OSError`: the controller fails the rollout it
+    was working on instead of stopping the run."""
 
 
 class ControlError(Exception):
@@ -47,8 +60,22 @@ class ControlClient:
             transport=httpx.AsyncHTTPTransport(retries=2),  # connection failures only: never a resend
         )
 
-    async def _req(self, method: str, path: str, json: Any = None, params: Any = None) -> Any:
-        resp = await self._http.request(method, path, json=json, params=params)
+    async def _req(
+        self, method: str, path: str, json: Any = None, params: Any = None, resend: bool = True
+    ) -> Any:
+        """One request; a dropped connection is resent (every control request but `start_attempt` is
+        idempotent: a repeat of one already carried out changes nothing)."""
+        for i in range(RETRIES + 1 if resend else 1):
+            try:
+                resp = await self._http.request(method, path, json=json, params=params)
+                break
+            except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                if not resend or i == RETRIES:
+                    raise ControlUnreachable(f"{method} {path}: {type(e).__name__}: {e}") from e
+                log.warning("control_resend method=%s path=%s try=%d error=%r", method, path, i + 1, e)
+                await asyncio.sleep(0.2 * 2**i)
+            except httpx.TimeoutException as e:
+                raise ControlUnreachable(f"{method} {path}: no answer in time ({type(e).__name__})") from e
         if resp.status_code >= 400:
             try:
                 msg = resp.json()["error"]["message"]
@@ -64,8 +91,21 @@ class ControlClient:
         )
 
     async def start_attempt(self, rollout_id: str) -> Attempt:
-        """Open the rollout's next attempt."""
-        return Attempt.model_validate(await self._req("POST", f"/control/rollouts/{rollout_id}/attempts"))
+        """Open the rollout's next attempt. Not idempotent, so not resent blindly: if the connection
+        drops, the request may have been carried out with its answer lost; the caller opens an attempt
+        only when none of the rollout's is running (one controller drives a rollout at a time), so a
+        running newest attempt is the one this request opened."""
+        path = f"/control/rollouts/{rollout_id}/attempts"
+        try:
+            return Attempt.model_validate(await self._req("POST", path, resend=False))
+        except ControlUnreachable as e:
+            attempts = (await self.rollout(rollout_id)).attempts
+            if attempts and attempts[-1].status == AttemptStatus.RUNNING:
+                log.warning("control_attempt_adopted rollout=%s attempt=%d error=%s", rollout_id,
+                            attempts[-1].attempt, e)  # fmt: skip
+                return attempts[-1]
+            log.warning("control_resend method=POST path=%s error=%s", path, e)
+            return Attempt.model_validate(await self._req("POST", path))
 
     async def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:
         """Record how an attempt ended."""

@@ -221,9 +221,11 @@ class HTTPPool:
         try:
             status, data = await asyncio.wait_for(asyncio.shield(conn.response.done), timeout=self.timeout_s)
         except TimeoutError as e:
+            conn.response.done.cancel()  # nobody waits for it any more: closing must not fail it
             conn.transport.close()
             raise HTTPError(f"no answer from {self.host}:{self.port} within {self.timeout_s}s") from e
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # e.g. a call cut by a preempting pause
+            conn.response.done.cancel()
             conn.transport.close()
             raise
         keep = conn.response.keep_alive and not conn.closed
@@ -249,6 +251,7 @@ class HTTPPool:
         try:
             status = await asyncio.wait_for(asyncio.shield(parser.head), timeout=self.timeout_s)
         except (TimeoutError, asyncio.CancelledError):
+            parser.head.cancel()
             conn.transport.close()
             raise
         return status, self._pieces(conn, parser)

@@ -33,6 +33,7 @@ from harnessrl.trainer.loop import (
     fetch_details,
     make_batch,
     maybe_checkpoint,
+    maybe_eval,
     restore,
 )
 
@@ -149,6 +150,8 @@ async def run_async(
                 "groups_discarded": pool.discarded,
                 "time_step_s": time.perf_counter() - t0,
             }
+            # groups in flight go on during an `eval.every` evaluation (its rollouts share the engine)
+            metrics.update(await maybe_eval(ctx, step))
             ctx.metrics.log(step, metrics)
             if on_step is not None:
                 on_step(step, metrics)

@@ -72,6 +72,8 @@ class TrainContext:
     progress: Callable[[str, int, int], None] = lambda label, done, total: None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     ref_model: LlamaForCausalLM | None = None  # frozen initial weights, for the KL penalty
+    heldout: list[Task] = field(default_factory=list)  # for `eval.every`
+    eval_seconds: float = 0.0  # spent in evaluations during training (`eval.every`)
 
     @property
     def ppo(self) -> PPOConfig:
@@ -107,6 +109,23 @@ async def evaluate(ctx: TrainContext, tasks: list[Task], label: str, temperature
     rewards = [o.reward if o.reward is not None else 0.0 for o in outcomes]
     mean, lo, hi = mean_ci95(rewards)
     return EvalResult(mean, lo, hi, len(rewards), rewards)
+
+
+async def maybe_eval(ctx: TrainContext, step: int) -> dict[str, Any]:
+    """The held-out evaluation after update `step` when `eval.every` asks for one (not after the last
+    update: the run evaluates then anyway); its metrics, or {} when there is none."""
+    every, steps = ctx.cfg.eval.every, ctx.cfg.train.steps
+    if not every or step % every or step >= steps or not ctx.heldout:
+        return {}
+    t0 = time.perf_counter()
+    temperature = ctx.cfg.eval.temperature
+    r = await evaluate(ctx, ctx.heldout, f"eval-step{step}-t{temperature:g}", temperature)
+    seconds = time.perf_counter() - t0
+    ctx.eval_seconds += seconds
+    log.info(
+        "event=heldout step=%d reward=%.3f ci95=[%.3f, %.3f] seconds=%.1f", step, r.mean, r.lo, r.hi, seconds
+    )
+    return {"heldout_reward": r.mean, "heldout_ci95": [r.lo, r.hi], "time_eval_s": seconds}
 
 
 def step_requests(ctx: TrainContext, train_tasks: list[Task], step: int) -> list[RolloutRequest]:
@@ -247,6 +266,7 @@ async def run_sync(
     t = ctx.cfg.train
     for step in range(start, t.steps):
         metrics = await train_step(ctx, train_tasks, step)
+        metrics.update(await maybe_eval(ctx, step + 1))
         ctx.metrics.log(step + 1, metrics)
         if on_step is not None:
             on_step(step + 1, metrics)
