@@ -325,7 +325,7 @@ def test_rollouts_stick_to_a_replica_and_fail_over(make_gateway: Callable[..., G
     gw = make_gateway(upstream_retries=0)
     gw = make_gateway(replica_urls=[gw.engine_url], upstream_retries=0)
     by_rollout = {}
-    for _ in range(8):
+    for _ in range(20):  # random rollout ids: with 8, all on one replica had a 1-in-128 chance
         rid, key = gw.new_rollout()
         for _ in range(2):
             sdk(gw, key).chat.completions.create(
@@ -343,3 +343,26 @@ def test_rollouts_stick_to_a_replica_and_fail_over(make_gateway: Callable[..., G
             model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2
         )
         assert [c.upstream for c in gw2.store.calls(rid)] == ["engine1"]
+
+
+@pytest.mark.parametrize("mode", ["passthrough", "tito"])
+def test_usage_reports_the_prompt_tokens_the_engine_had_cached(
+    make_gateway: Callable[..., GatewayHandle], tiny_model_dir, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The second of two calls with one long shared prefix is prefilled partly from the engine's prefix
+    cache; the gateway passes the count on (`usage.prompt_tokens_details.cached_tokens`, as OpenAI)."""
+    gw = make_gateway(mode=mode, tokenizer_path=str(tiny_model_dir))
+    _, key = gw.new_rollout()
+    system = {"role": "system", "content": f"You add numbers. Session {mode} " + "one two three " * 40}
+    client = sdk(gw, key)
+    first = client.chat.completions.create(
+        model="m", messages=[system, {"role": "user", "content": "2 + 3?"}], max_tokens=4
+    )
+    second = client.chat.completions.create(
+        model="m", messages=[system, {"role": "user", "content": "4 + 5?"}], max_tokens=4
+    )
+    assert first.usage is not None and second.usage is not None
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    # the system message (~125 tokens) is shared; the differing user turn is not
+    assert 100 < details.cached_tokens < second.usage.prompt_tokens

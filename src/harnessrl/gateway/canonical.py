@@ -79,6 +79,7 @@ class Generation:
     record: TokenRecord
     token_texts: list[str] = field(default_factory=list)  # text of each completion token (for logprobs)
     stopped_by: str | None = None  # the stop string that ended the text (the tokens then hold more text)
+    cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache, if it said
 
     def answer_message(self) -> dict[str, Any]:
         """The answer as an OpenAI assistant message (what a harness appends to its history)."""

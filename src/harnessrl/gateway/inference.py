@@ -65,6 +65,12 @@ def _version(resp: dict[str, Any]) -> int | None:
     return int(v) if isinstance(v, int) else None
 
 
+def _cached(resp: dict[str, Any]) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of an engine answer (vLLM and ours), if present."""
+    n = ((resp.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return n if isinstance(n, int) and n >= 0 else None
+
+
 async def passthrough(
     upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling
 ) -> Generation:
@@ -99,7 +105,7 @@ async def passthrough(
         raise BadUpstreamResponse(f"engine answer lacks token ids or logprobs: {e!r}") from e
     _check_lengths(record)
     finish = "tool_calls" if tool_calls else (record.finish_reason or "stop")
-    return Generation(text, tool_calls, finish, record, texts, _stop_string(choice))
+    return Generation(text, tool_calls, finish, record, texts, _stop_string(choice), _cached(resp))
 
 
 async def tito(
@@ -140,7 +146,9 @@ async def tito(
         raise BadUpstreamResponse("the engine reports prompt token ids other than those the gateway sent")
     parsed = parse_completion(text)
     finish = "tool_calls" if parsed.tool_calls else (record.finish_reason or "stop")
-    return Generation(parsed.content, parsed.tool_calls, finish, record, texts, _stop_string(choice))
+    return Generation(
+        parsed.content, parsed.tool_calls, finish, record, texts, _stop_string(choice), _cached(resp)
+    )
 
 
 def raw_completion_body(

@@ -153,6 +153,8 @@ def chat_response(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if gen.cached_tokens is not None:
+        out["usage"]["prompt_tokens_details"] = {"cached_tokens": gen.cached_tokens}
     if req.return_token_ids:
         out["prompt_token_ids"] = gen.record.prompt_ids
         choice["token_ids"] = gen.record.completion_ids

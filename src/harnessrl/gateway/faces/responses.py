@@ -189,7 +189,7 @@ def response_object(gen: Generation, req: ResponsesRequest, ids: ResponseIds) ->
         "truncation": "disabled",
         "usage": {
             "input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": gen.cached_tokens or 0, "cache_write_tokens": 0},
             "output_tokens": completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + completion_tokens,
