@@ -110,15 +110,7 @@ def previous_results(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    n_heldout = {r["n_heldout"] for r in old.get("results", [])}
-    old_key = {
-        "example": old.get("example"),
-        "steps": old.get("steps"),
-        "n_heldout": old.get("n_heldout", n_heldout.pop() if len(n_heldout) == 1 else None),
-        "overrides": old.get("overrides"),
-    }
-    if old.get("eval_every"):
-        old_key["eval_every"] = old["eval_every"]
+    old_key = {k: old.get(k, 0 if k == "eval_every" else None) for k in key}
     if old_key != key:
         raise SystemExit(f"--resume: {path} holds a different ablation ({old_key}), not {key}; "
                          "pass another --out or drop --resume")  # fmt: skip
@@ -147,9 +139,8 @@ def main() -> int:
         "steps": args.steps,
         "n_heldout": args.n_heldout,
         "overrides": args.override,
+        "eval_every": args.eval_every,
     }
-    if args.eval_every:
-        key["eval_every"] = args.eval_every
     results = previous_results(Path(args.out), key) if args.resume else []
     done = {(r["setting"], r["seed"]) for r in results}
     for seed in args.seeds:
