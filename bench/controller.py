@@ -1,5 +1,7 @@
 """`make bench-controller`: attempts started and graded per second at concurrency 64, plain
-subprocesses (LocalRunner) against bubblewrap sandboxes (SandboxRunner), in one run.
+subprocesses (LocalRunner) against bubblewrap sandboxes (SandboxRunner) and forks of a fork server
+(ForkServerRunner), in one run; then a harness that imports the `openai` SDK (as the examples' do),
+plain against forked from a fork server that preloaded it.
 
 A real gateway process over a real SQLite store, the real Controller (create rollout, start attempt,
 run the harness, finish the attempt, grade, write the reward, set the state), and a trivial harness
@@ -31,6 +33,7 @@ from harnessrl.controller import (
     AttemptResult,
     AttemptSpec,
     Controller,
+    ForkServerRunner,
     HarnessSpec,
     LocalRunner,
     RolloutRequest,
@@ -43,6 +46,7 @@ from harnessrl.schema import RolloutState, Task
 from harnessrl.services import free_port, start_gateway
 
 HARNESS = "import json, os; json.dump({'answer': 1}, open(os.path.join(os.environ['HARNESSRL_OUTPUT'], 'answer.json'), 'w'))"  # fmt: skip
+OPENAI_HARNESS = "import openai; " + HARNESS  # the SDK import is most of a real harness's start-up
 log = logging.getLogger("bench.controller")
 
 
@@ -78,12 +82,20 @@ def grader(task: Task, result: AttemptResult) -> float:
 
 
 async def measure(
-    name: str, runner: Runner, gw_url: str, admin: str, work: Path, n: int, concurrency: int
+    name: str,
+    runner: Runner,
+    gw_url: str,
+    admin: str,
+    work: Path,
+    n: int,
+    concurrency: int,
+    code: str = HARNESS,
 ) -> dict[str, Any]:
-    """Run `n` rollouts at `concurrency`; attempts per second and attempt latencies (ms)."""
+    """Run `n` rollouts of the harness `python -c code` at `concurrency`; attempts per second and
+    attempt latencies (ms)."""
     timed = Timed(runner)
     client = ControlClient(gw_url, admin)
-    harness = HarnessSpec([sys.executable, "-c", HARNESS], timeout_s=120)
+    harness = HarnessSpec([sys.executable, "-c", code], timeout_s=120)
     ctl = Controller(client, gw_url, harness, grader, work / name, concurrency=concurrency, runner=timed)
     tag = secrets.token_hex(4)
     reqs = [RolloutRequest(Task(task_id=f"t{i}", input={}), client_id=f"{name}-{tag}-{i}") for i in range(n)]
@@ -103,12 +115,14 @@ async def measure(
 
 
 async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[str, Any]:
-    """Start the gateway; measure both runners saturated, then one attempt at a time."""
+    """Start the gateway; measure the runners saturated, then one attempt at a time, then the openai
+    harness plain and forked."""
     port, admin = free_port(), secrets.token_hex(16)
     gw = start_gateway(work / "store.sqlite", "http://127.0.0.1:9", port, admin, work / "logs", 16)
     try:
         gw.wait_healthy(60)
-        runners: dict[str, Runner] = {"plain": LocalRunner(), "sandbox": SandboxRunner()}
+        fork = ForkServerRunner(["openai"])
+        runners: dict[str, Runner] = {"plain": LocalRunner(), "sandbox": SandboxRunner(), "fork": fork}
         for name, runner in runners.items():  # warm-up: imports, page cache, the store's first writes
             await measure(f"warm-{name}", runner, gw.url, admin, work, 8, 8)
         out: dict[str, Any] = {"saturated": {}, "sequential": {}}
@@ -120,8 +134,14 @@ async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[s
         )
         for name, runner in runners.items():
             out["sequential"][name] = await measure(f"seq-{name}", runner, gw.url, admin, work, sequential, 1)
+        out["openai"] = {}
+        for name in ("plain", "fork"):
+            out["openai"][name] = r = await measure(f"openai-{name}", runners[name], gw.url, admin, work, n // 4,
+                                                    concurrency, OPENAI_HARNESS)  # fmt: skip
+            log.info("openai harness runner=%s attempts_per_s=%.1f", name, r["attempts_per_s"])
         return out
     finally:
+        fork.close()
         gw.stop()
 
 
@@ -145,7 +165,13 @@ def main() -> int:
         "sandbox_overhead_ms": round(seq["sandbox"]["latency_p50_ms"] - seq["plain"]["latency_p50_ms"], 1),
         "sandbox_overhead_ms_saturated": round(1e3 / sandbox - 1e3 / plain, 2),
         "throughput_ratio_sandbox_vs_plain": round(sandbox / plain, 3),
+        "attempts_per_s_fork": round(sat["fork"]["attempts_per_s"], 2),
         "attempts_per_s_no_harness": round(sat["no-harness"]["attempts_per_s"], 2),  # control path alone
+        "openai_harness_attempts_per_s_plain": round(raw["openai"]["plain"]["attempts_per_s"], 2),
+        "openai_harness_attempts_per_s_fork": round(raw["openai"]["fork"]["attempts_per_s"], 2),
+        "openai_harness_ratio_fork_vs_plain": round(
+            raw["openai"]["fork"]["attempts_per_s"] / raw["openai"]["plain"]["attempts_per_s"], 2
+        ),
         "concurrency": args.concurrency,
         "attempts": args.attempts,
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, {len(os.sched_getaffinity(0))} CPUs",
@@ -156,13 +182,16 @@ def main() -> int:
     print(
         f"{'runner':<10}{'attempts/s @' + str(args.concurrency):>18}{'p50 ms @1':>12}{'p50 ms @' + str(args.concurrency):>14}"
     )
-    for name in ("plain", "sandbox"):
+    for name in ("plain", "sandbox", "fork"):
         print(f"{name:<10}{sat[name]['attempts_per_s']:>18.1f}{seq[name]['latency_p50_ms']:>12.1f}"
               f"{sat[name]['latency_p50_ms']:>14.1f}")  # fmt: skip
     print(f"sandbox overhead per attempt: {summary['sandbox_overhead_ms']} ms alone, "
           f"{summary['sandbox_overhead_ms_saturated']} ms of wall time per attempt at saturation; "
           f"throughput ratio {summary['throughput_ratio_sandbox_vs_plain']}; the control path alone (no harness "
           f"process) does {summary['attempts_per_s_no_harness']} attempts/s")  # fmt: skip
+    print(f"harness importing openai: plain {summary['openai_harness_attempts_per_s_plain']} attempts/s, "
+          f"fork server {summary['openai_harness_attempts_per_s_fork']} attempts/s "
+          f"({summary['openai_harness_ratio_fork_vs_plain']}x)")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     return 0

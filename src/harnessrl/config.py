@@ -65,6 +65,11 @@ class ControllerSection(_Section):
     # Each attempt in a bubblewrap sandbox: no network but the gateway, a private filesystem view,
     # resource limits (docs/sandbox.md). None: not limited.
     sandbox: bool = False
+    # Local runs: Python harnesses forked from a process that has already imported `preload`
+    # (docs/operations.md), saving each attempt's interpreter start and imports. With `sandbox` or
+    # `ray_address` it does not apply (those runners start every attempt themselves).
+    fork_server: bool = False
+    preload: list[str] = Field(default_factory=list)
     sandbox_cpu_seconds: int | None = None
     sandbox_memory_mb: int | None = 4096  # per process (RLIMIT_AS)
     sandbox_max_processes: int | None = 256
@@ -87,6 +92,10 @@ class ControllerSection(_Section):
         from harnessrl.controller import LocalRunner, RayRunner, RaySpec, SandboxRunner
 
         sandbox = self.sandbox_spec() if self.sandbox else None
+        if self.fork_server and sandbox is None and self.ray_address is None:
+            from harnessrl.controller import ForkServerRunner
+
+            return ForkServerRunner(self.preload)
         if self.ray_address is not None:
             memory = None if self.ray_memory_mb is None else self.ray_memory_mb << 20
             return RayRunner(RaySpec(address=self.ray_address, num_cpus=self.ray_num_cpus,

@@ -184,6 +184,8 @@ async def _run_async(
     )  # fmt: skip
     train = run_async if tc.schedule == "async" else run_sync
     try:
+        if hasattr(runner, "start"):
+            await runner.start()  # a fork server that cannot preload fails the run here, not per attempt
         temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
         before = [await evaluate(ctx, heldout, f"eval-before-t{t:g}", t) for t in temps]
         t_train = time.time()

@@ -1,6 +1,7 @@
 """Controller: turns tasks into rollouts, runs harnesses, grades them."""
 
 from harnessrl.controller.controller import Controller, RolloutOutcome, RolloutRequest
+from harnessrl.controller.forkserver import ForkServerError, ForkServerRunner
 from harnessrl.controller.grader import CommandGrader, Grader, GraderError
 from harnessrl.controller.kubernetes import KubernetesRunner, KubernetesSpec
 from harnessrl.controller.ray_runner import RayRunner, RaySpec  # ray itself is imported lazily
@@ -12,6 +13,8 @@ __all__ = [
     "AttemptSpec",
     "CommandGrader",
     "Controller",
+    "ForkServerError",
+    "ForkServerRunner",
     "Grader",
     "GraderError",
     "HarnessSpec",

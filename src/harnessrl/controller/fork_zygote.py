@@ -1,0 +1,224 @@
+"""The fork server's zygote (run by path, stdlib only: `python fork_zygote.py SOCKET [MODULE...]`).
+
+It imports the preload modules once, writes one JSON line to stdout (`{"ready": pid}`, or
+`{"error": why}` and exits 2), then listens on the Unix socket SOCKET. Each connection carries one
+request, a JSON line:
+
+    {"kind": "path" | "module" | "code", "target": SCRIPT | MODULE | CODE, "args": [...],
+     "cwd": DIR, "env": {...}, "stdout": FILE, "stderr": FILE}
+
+The zygote forks, answers `{"pid": N}`, and when that child exits answers `{"exit": CODE}` (-N when
+signal N ended it) and closes the connection. A request it cannot read is answered `{"error": why}`.
+
+The child becomes the harness: a session (process group) of its own, killed when the zygote dies,
+stdin from /dev/null, stdout/stderr into the given files, the attempt's cwd and exactly the given
+environment (with its `PYTHONPATH` entries put on `sys.path` when they differ from the zygote's);
+then `sys.argv` is set and `sys.path[0]` inserted, and the target runs as `__main__`, the way
+`python SCRIPT ARGS`, `python -m MODULE ARGS` or `python -c CODE ARGS` would run it, and the interpreter
+exits the normal way (atexit handlers, non-daemon threads joined, output flushed; an uncaught
+exception prints its traceback and exits 1). Python reseeds `random` in a forked child.
+
+The zygote is single-threaded (forking a process with threads is unsafe) and handles SIGCHLD through
+a wakeup fd, so one loop serves every connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+from typing import Any
+
+KINDS = ("path", "module", "code")
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
+def send(conn: socket.socket, msg: dict[str, Any]) -> None:
+    """Write one JSON line; a connection the runner has already closed is ignored."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(True)
+        conn.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def check(req: Any) -> str | None:
+    """Why a request cannot run (None: it can)."""
+    if not isinstance(req, dict):
+        return "request is not a JSON object"
+    if req.get("kind") not in KINDS:
+        return f"kind must be one of {KINDS}"
+    for key in ("target", "cwd", "stdout", "stderr"):
+        if not isinstance(req.get(key), str):
+            return f"{key} must be a string"
+    if not isinstance(req.get("args"), list) or not all(isinstance(a, str) for a in req["args"]):
+        return "args must be a list of strings"
+    env = req.get("env")
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        return "env must map strings to strings"
+    return None
+
+
+def serve(path: str) -> dict[str, Any]:
+    """Listen on `path` and fork one child per request. Returns only in a child, with its request."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(256)
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd is written
+    signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(wake_r, selectors.EVENT_READ, "sigchld")
+    reading: dict[socket.socket, bytes] = {}  # connections whose request is not complete yet
+    children: dict[int, socket.socket] = {}  # pid -> the connection that asked for it
+    sys.stdout.write(json.dumps({"ready": os.getpid()}) + "\n")
+    sys.stdout.flush()
+    while True:
+        for key, _ in sel.select():
+            if key.data == "accept":
+                with contextlib.suppress(OSError):
+                    conn, _ = listener.accept()
+                    conn.setblocking(False)
+                    reading[conn] = b""
+                    sel.register(conn, selectors.EVENT_READ, "request")
+            elif key.data == "sigchld":
+                with contextlib.suppress(OSError):
+                    while wake_r.recv(4096):
+                        pass
+                reap(children)
+            else:
+                client = key.fileobj
+                assert isinstance(client, socket.socket)
+                conn = client
+                try:
+                    chunk = conn.recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if not chunk:  # closed before its request was complete
+                    sel.unregister(conn)
+                    del reading[conn]
+                    conn.close()
+                    continue
+                reading[conn] += chunk
+                if b"\n" not in reading[conn]:
+                    continue
+                line = reading.pop(conn).split(b"\n", 1)[0]
+                sel.unregister(conn)
+                why: str | None
+                try:
+                    req = json.loads(line)
+                except ValueError as e:
+                    req, why = None, f"request is not JSON: {e}"
+                else:
+                    why = check(req)
+                if why is not None:
+                    send(conn, {"error": why})
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:  # the child: drop everything of the server's
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for c in [*reading, *children.values(), conn, listener, wake_r, wake_w]:
+                        c.close()
+                    sel.close()
+                    return req
+                children[pid] = conn
+                send(conn, {"pid": pid})
+
+
+def reap(children: dict[int, socket.socket]) -> None:
+    """Collect every child that has exited and tell its connection the exit code."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            conn.close()
+
+
+def redirect(fd: int, path: str, flags: int) -> None:
+    """Point file descriptor `fd` at `path`."""
+    new = os.open(path, flags, 0o644)
+    if new != fd:
+        os.dup2(new, fd)
+        os.close(new)
+
+
+def become(req: dict[str, Any]) -> None:
+    """In the child: turn into the harness the request describes and run it as `__main__`."""
+    import runpy
+
+    os.setsid()
+    die_with_parent()
+    redirect(0, os.devnull, os.O_RDONLY)
+    redirect(1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    redirect(2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.chdir(req["cwd"])
+    zygote_pythonpath = os.environ.get("PYTHONPATH", "")
+    os.environ.clear()
+    os.environ.update(req["env"])
+    pythonpath = req["env"].get("PYTHONPATH", "")
+    if pythonpath != zygote_pythonpath:  # the interpreter read the zygote's at start: add the attempt's
+        sys.path[0:0] = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
+    kind, target, args = req["kind"], req["target"], req["args"]
+    if kind == "path":
+        sys.argv = [target, *args]
+        sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
+        runpy.run_path(target, run_name="__main__")
+    elif kind == "module":
+        sys.argv = [target, *args]  # run_module puts the module's file in argv[0]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        import types
+
+        sys.argv = ["-c", *args]
+        sys.path.insert(0, "")
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(target, "<string>", "exec"), main.__dict__)
+
+
+def main(argv: list[str]) -> int:
+    """Preload, serve; in a child, run the harness."""
+    if len(argv) < 2:
+        sys.stderr.write("usage: fork_zygote.py SOCKET [MODULE...]\n")
+        return 2
+    die_with_parent()
+    sys.path.pop(0)  # this file's directory: not a place to import the preload modules from
+    for name in argv[2:]:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # any failure to import is reported, not raised
+            sys.stdout.write(json.dumps({"error": f"preload {name!r}: {type(e).__name__}: {e}"}) + "\n")
+            return 2
+    gc.freeze()  # the preloaded objects: never scanned by a child's collections (nor at its exit)
+    become(serve(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
