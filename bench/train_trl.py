@@ -14,14 +14,17 @@ step during which it ran out; evaluation is not counted in the budget.
   spent and evaluates the held-out tasks (greedy `model.generate`, `reward_text`, the same chat
   rendering) before, after and at `--mid-evals` points in between, with the clock paused.
 
-Writes `--out` (bench/results/trl.json: per arm held-out before/after with 95% intervals, steps,
-train wall, completions per second, the training-reward curve against training wall-clock) and
-`--plot` (docs/img/trl_vs_harnessrl.png), and prints a table. `eval_wall_s` is the time outside
+`--seeds` runs one pair per `train.seed` (harnessrl's task order and sampling, TRL's `seed`; the
+train and held-out tasks stay the same). Writes `--out` after every arm (bench/results/trl.json: per
+seed and arm held-out before/after with 95% intervals, steps, train wall, completions per second, the
+training-reward curve against training wall-clock; `over_seeds`: per-arm means and the harnessrl − TRL
+difference of held-out after, paired by seed, with its standard error; `--resume` keeps the arms
+already there) and `--plot` (docs/img/trl_vs_harnessrl.png), and prints a table. `eval_wall_s` is the time outside
 training: for harnessrl also the start of engine and gateway, for TRL the evaluations alone. Both arms
 run one after the other on this machine: run it when nothing else is (the load averages around each
 arm are in the JSON); `--threads 1` keeps a shared machine from stalling multi-threaded torch.
 
-    .venv/bin/python bench/train_trl.py [--budget-s 600] [--n-heldout 60] [--out bench/results/trl.json]
+    .venv/bin/python bench/train_trl.py [--seeds 0 1 2] [--budget-s 600] [--n-heldout 60] [--resume]
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # --- shared -----------------------------------------------------------------------------------------
 
 
-def bench_config(args: argparse.Namespace) -> RunConfig:
-    """The instruct example's config with the bench's overrides (both arms read their settings here)."""
+def bench_config(args: argparse.Namespace, seed: int) -> RunConfig:
+    """The instruct example's config with the bench's overrides for one seed (both arms read their
+    settings here; `train.seed` seeds harnessrl's task order and sampling and TRL's `seed`)."""
     overrides = [
-        f"run_dir={args.run_root}/harnessrl",
+        f"run_dir={args.run_root}/seed{seed}/harnessrl",
+        f"train.seed={seed}",
         f"eval.n_heldout={args.n_heldout}",
         "eval.extra_temperatures=[]",
         "train.steps=100000",  # more than any budget allows: the time budget stops the run
@@ -294,7 +299,7 @@ def run_trl(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    out_dir = Path(args.run_root) / "trl"
+    out_dir = Path(args.run_root) / f"seed{cfg.train.seed}" / "trl"
     shutil.rmtree(out_dir, ignore_errors=True)
     model_dir = resolve_model(cfg.engine.model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -372,8 +377,8 @@ def check_same_tasks(cfg: RunConfig, tok: Any) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], out: Path) -> None:
-    """Training reward (batch mean) against training wall-clock for each arm, held-out points with 95%
-    intervals on the same axes."""
+    """Training reward (batch mean) against training wall-clock for each arm and seed, held-out points
+    with 95% intervals on the same axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -381,24 +386,27 @@ def plot(result: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = {"harnessrl": "tab:blue", "trl": "tab:orange"}
-    for name, arm in result["arms"].items():
-        c = colors.get(name, "tab:gray")
-        xs = [p["train_s"] for p in arm["curve"]]
-        ax.plot(xs, [p["reward"] for p in arm["curve"]], marker=".", color=c, alpha=0.6,
-                label=f"{name}: train reward (batch mean), {arm['steps']} steps")  # fmt: skip
-        hx = [p["train_s"] for p in arm["heldout_curve"]]
-        hy = [p["mean"] for p in arm["heldout_curve"]]
-        err = [[y - p["ci95"][0] for y, p in zip(hy, arm["heldout_curve"], strict=True)],
-               [p["ci95"][1] - y for y, p in zip(hy, arm["heldout_curve"], strict=True)]]  # fmt: skip
-        ax.errorbar(hx, hy, yerr=err, fmt="s--", color=c, capsize=4, markeredgecolor="black",
-                    label=f"{name}: held-out greedy, 95% CI (n={result['n_heldout']})")  # fmt: skip
+    markers = "so^Dv"
+    for i, (seed, run_) in enumerate(sorted(result["runs"].items())):
+        for name, arm in run_["arms"].items():
+            c, m = colors.get(name, "tab:gray"), markers[i % len(markers)]
+            xs = [p["train_s"] for p in arm["curve"]]
+            ax.plot(xs, [p["reward"] for p in arm["curve"]], color=c, alpha=0.35, linewidth=1,
+                    label=f"{name}: train reward (batch mean)" if i == 0 else None)  # fmt: skip
+            hx = [p["train_s"] for p in arm["heldout_curve"]]
+            hy = [p["mean"] for p in arm["heldout_curve"]]
+            err = [[y - p["ci95"][0] for y, p in zip(hy, arm["heldout_curve"], strict=True)],
+                   [p["ci95"][1] - y for y, p in zip(hy, arm["heldout_curve"], strict=True)]]  # fmt: skip
+            ax.errorbar(hx, hy, yerr=err, fmt=m + "--", color=c, capsize=3, markeredgecolor="black",
+                        label=f"{name} seed {seed}: held-out greedy, {arm['steps']} steps")  # fmt: skip
     ax.axvline(result["budget_s"], color="gray", linestyle=":", label="time budget")
     ax.set_xlabel("training wall-clock (s, evaluation excluded)")
     ax.set_ylabel("reward (fraction of constraints met)")
     ax.set_ylim(-0.02, 1.02)
-    title = f"instruct, SmolLM2-135M, CPU: harnessrl vs TRL GRPOTrainer ({result['budget_s']:g} s budget)"
-    ax.set_title(title + ("\n" + result["note"] if result.get("note") else ""), fontsize=10)
-    ax.legend(loc="best", fontsize=8)
+    title = (f"instruct, SmolLM2-135M, CPU: harnessrl vs TRL GRPOTrainer ({result['budget_s']:g} s budget, "
+             f"held-out n={result['n_heldout']}, 95% CI)")  # fmt: skip
+    ax.set_title(title + ("\n" + result["note"] if result.get("note") else ""), fontsize=9)
+    ax.legend(loc="lower right", fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -407,18 +415,26 @@ def plot(result: dict[str, Any], out: Path) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The printed comparison."""
-    head = (f"{'arm':<10} {'steps':>5} {'train s':>8} {'compl/s':>8} {'eval s':>7} "
+    """The printed comparison: one line per seed and arm, then the means over seeds."""
+    head = (f"{'seed':<5} {'arm':<10} {'steps':>5} {'train s':>8} {'compl/s':>8} {'eval s':>7} "
             f"{'held-out before':>22} {'held-out after':>22}")  # fmt: skip
     lines = [head]
-    for name, a in result["arms"].items():
-        b, f = a["heldout_before"], a["heldout_after"]
-        cps = a["completions_per_s"] or 0.0
-        lines.append(
-            f"{name:<10} {a['steps']:>5} {a['train_wall_s']:>8.0f} {cps:>8.3f} {a['eval_wall_s']:>7.0f} "
-            f"{b['mean']:>8.3f} [{b['ci95'][0]:.2f}, {b['ci95'][1]:.2f}] "
-            f"{f['mean']:>8.3f} [{f['ci95'][0]:.2f}, {f['ci95'][1]:.2f}]"
-        )
+    for seed, run_ in sorted(result["runs"].items()):
+        for name, a in run_["arms"].items():
+            b, f = a["heldout_before"], a["heldout_after"]
+            cps = a["completions_per_s"] or 0.0
+            lines.append(
+                f"{seed:<5} {name:<10} {a['steps']:>5} {a['train_wall_s']:>8.0f} {cps:>8.3f} "
+                f"{a['eval_wall_s']:>7.0f} {b['mean']:>8.3f} [{b['ci95'][0]:.2f}, {b['ci95'][1]:.2f}] "
+                f"{f['mean']:>8.3f} [{f['ci95'][0]:.2f}, {f['ci95'][1]:.2f}]"
+            )
+    for name, agg in result["over_seeds"].get("arms", {}).items():
+        lines.append(f"mean  {name:<10} held-out after {agg['heldout_after_mean']:.3f} over seeds "
+                     f"{agg['seeds']} (per seed {', '.join(f'{v:.3f}' for v in agg['heldout_after'])}); "
+                     f"{agg['completions_per_s_mean']:.3f} completions/s")  # fmt: skip
+    if (d := result["over_seeds"].get("heldout_after_diff")) is not None:
+        lines.append(f"harnessrl - trl, held-out after, paired by seed: mean {d['mean']:+.3f} "
+                     f"(per seed {', '.join(f'{v:+.3f}' for v in d['per_seed'])}, SE {d['se']:.3f})")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -435,6 +451,40 @@ def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "completions_per_s_ratio": ratio(h["completions_per_s"], t["completions_per_s"]),
         "steps_ratio": ratio(h["steps"], t["steps"]),
     }
+
+
+def over_seeds(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per arm: held-out after and completions/s for every seed that ran it, and their means; the
+    harnessrl - TRL difference of held-out after, paired by seed, with its standard error."""
+    arms: dict[str, Any] = {}
+    for name in ARMS:
+        done = [(seed, r["arms"][name]) for seed, r in sorted(runs.items()) if name in r["arms"]]
+        if not done:
+            continue
+        after = [a["heldout_after"]["mean"] for _, a in done]
+        cps = [a["completions_per_s"] or 0.0 for _, a in done]
+        arms[name] = {"seeds": [seed for seed, _ in done], "heldout_after": after,
+                      "heldout_after_mean": sum(after) / len(after),
+                      "heldout_before": [a["heldout_before"]["mean"] for _, a in done],
+                      "steps": [a["steps"] for _, a in done], "completions_per_s_mean": sum(cps) / len(cps)}  # fmt: skip
+    out: dict[str, Any] = {"arms": arms}
+    diffs = [r["compare"]["heldout_after_diff"] for _, r in sorted(runs.items()) if r.get("compare")]
+    if diffs:
+        mean = sum(diffs) / len(diffs)
+        var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) if len(diffs) > 1 else float("nan")
+        out["heldout_after_diff"] = {"mean": mean, "per_seed": diffs, "se": (var / len(diffs)) ** 0.5}
+    return out
+
+
+def load_previous(args: argparse.Namespace, key: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """With --resume: the runs already in --out, refused unless they were made with the same key."""
+    path = Path(args.out)
+    if not args.resume or not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    if old.get("key") != key:
+        raise SystemExit(f"--resume: {path} was made with {old.get('key')}, not {key}")
+    return dict(old.get("runs", {}))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -455,6 +505,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="torch threads of every process of both arms (default: the libraries' own, all cores)")  # fmt: skip
     ap.add_argument("--override", action="append", default=[], help="extra config overrides (a.b=value)")
     ap.add_argument("--note", default=None, help="a note stored in the JSON (default: marks smoke runs)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each pair of runs")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the seeds' arms already in --out (made with the same budget, held-out size and overrides)")  # fmt: skip
     args = ap.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if bad := [a for a in args.arms if a not in ARMS]:
@@ -463,24 +516,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the arms one after the other, write the JSON and the plot, print the table."""
+    """Run the arms one after the other for every seed, write the JSON (after every arm) and the plot,
+    print the table."""
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is local; transformers and TRL load lazily
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cfg = bench_config(args)
     note = args.note
     if note is None and (args.budget_s < DEFAULT_BUDGET_S or args.n_heldout < DEFAULT_N_HELDOUT):
         note = f"SMOKE RUN (budget {args.budget_s:g} s, n_heldout {args.n_heldout}): not the comparison"
-    arms: dict[str, dict[str, Any]] = {}
-    for name in args.arms:
-        print(f"== {name} (budget {args.budget_s:g} s)", flush=True)
-        load_before = os.getloadavg()
-        arms[name] = run_harnessrl(cfg) if name == "harnessrl" else run_trl(cfg, args)
-        # a shared machine skews wall-clock: the 1/5/15-minute load averages around the arm say how much
-        arms[name]["loadavg"] = {"start": list(load_before), "end": list(os.getloadavg())}
+    key = {"budget_s": args.budget_s, "n_heldout": args.n_heldout, "overrides": args.override,
+           "threads": args.threads}  # fmt: skip
+    runs = load_previous(args, key)
+    cfg = bench_config(args, args.seeds[0])
     t = cfg.train
-    result = {
+    result: dict[str, Any] = {
         "note": note or "",
+        "key": key,
         "budget_s": args.budget_s,
         "n_heldout": args.n_heldout,
         "task": "instruct",
@@ -500,11 +551,26 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
         },
-        "compare": compare(arms),
-        "arms": arms,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        cfg = bench_config(args, seed)
+        run_ = runs.setdefault(str(seed), {"arms": {}})
+        for name in args.arms:
+            if name in run_["arms"]:
+                print(f"== seed {seed} {name}: kept from {out}", flush=True)
+                continue
+            print(f"== seed {seed} {name} (budget {args.budget_s:g} s)", flush=True)
+            load_before = os.getloadavg()
+            arm = run_harnessrl(cfg) if name == "harnessrl" else run_trl(cfg, args)
+            # a shared machine skews wall-clock: the 1/5/15-minute load averages around the arm say how much
+            arm["loadavg"] = {"start": list(load_before), "end": list(os.getloadavg())}
+            run_["arms"][name] = arm
+            run_["compare"] = compare(run_["arms"])
+            result.update(runs=runs, over_seeds=over_seeds(runs))
+            out.write_text(json.dumps(result, indent=2))
+    result.update(runs=runs, over_seeds=over_seeds(runs))
     out.write_text(json.dumps(result, indent=2))
     plot(result, Path(args.plot))
     print()
