@@ -244,3 +244,23 @@ def test_config_builds_the_runner_only_for_local_runs() -> None:
     assert isinstance(runner, ForkServerRunner) and runner.preload == ("openai", "json")
     assert type(load_config(path, ["controller.fork_server=false"]).controller.runner()) is LocalRunner
     assert type(load_config(path, ["controller.sandbox=true"]).controller.runner()) is SandboxRunner
+
+
+async def test_a_harness_whose_runner_went_away_is_killed(
+    fork_runner: ForkServerRunner, tmp_path: Path
+) -> None:
+    await fork_runner.start()
+    assert fork_runner._socket is not None
+    workdir = tmp_path / "orphan"
+    workdir.mkdir()
+    request = {"kind": "code", "target": "import time; time.sleep(600)", "args": [], "cwd": str(workdir),
+               "env": {}, "stdout": str(workdir / "out"), "stderr": str(workdir / "err")}  # fmt: skip
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(fork_runner._socket))
+        s.sendall(json.dumps(request).encode() + b"\n")
+        pid = json.loads(s.makefile().readline())["pid"]
+        assert _alive(pid)
+    deadline = time.monotonic() + 5  # the connection is closed without an exit report: nobody waits
+    while _alive(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not _alive(pid), "a forked harness outlived the connection of the runner that started it"

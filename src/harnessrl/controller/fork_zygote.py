@@ -18,8 +18,10 @@ then `sys.argv` is set and `sys.path[0]` inserted, and the target runs as `__mai
 exits the normal way (atexit handlers, non-daemon threads joined, output flushed; an uncaught
 exception prints its traceback and exits 1). Python reseeds `random` in a forked child.
 
-The zygote is single-threaded (forking a process with threads is unsafe) and handles SIGCHLD through
-a wakeup fd, so one loop serves every connection.
+The runner keeps the connection open until the exit is reported; a connection closed earlier (the
+runner was cancelled or died) gets its child's process group killed. The zygote is single-threaded
+(forking a process with threads is unsafe) and handles SIGCHLD through a wakeup fd, so one loop serves
+every connection.
 """
 
 from __future__ import annotations
@@ -71,92 +73,128 @@ def check(req: Any) -> str | None:
     return None
 
 
-def serve(path: str) -> dict[str, Any]:
-    """Listen on `path` and fork one child per request. Returns only in a child, with its request."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(256)
-    wake_r, wake_w = socket.socketpair()
-    wake_r.setblocking(False)
-    wake_w.setblocking(False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd is written
-    signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ, "accept")
-    sel.register(wake_r, selectors.EVENT_READ, "sigchld")
-    reading: dict[socket.socket, bytes] = {}  # connections whose request is not complete yet
-    children: dict[int, socket.socket] = {}  # pid -> the connection that asked for it
-    sys.stdout.write(json.dumps({"ready": os.getpid()}) + "\n")
-    sys.stdout.flush()
-    while True:
-        for key, _ in sel.select():
-            if key.data == "accept":
-                with contextlib.suppress(OSError):
-                    conn, _ = listener.accept()
-                    conn.setblocking(False)
-                    reading[conn] = b""
-                    sel.register(conn, selectors.EVENT_READ, "request")
-            elif key.data == "sigchld":
-                with contextlib.suppress(OSError):
-                    while wake_r.recv(4096):
-                        pass
-                reap(children)
-            else:
-                client = key.fileobj
-                assert isinstance(client, socket.socket)
-                conn = client
-                try:
-                    chunk = conn.recv(65536)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    chunk = b""
-                if not chunk:  # closed before its request was complete
-                    sel.unregister(conn)
-                    del reading[conn]
-                    conn.close()
-                    continue
-                reading[conn] += chunk
-                if b"\n" not in reading[conn]:
-                    continue
-                line = reading.pop(conn).split(b"\n", 1)[0]
-                sel.unregister(conn)
-                why: str | None
-                try:
-                    req = json.loads(line)
-                except ValueError as e:
-                    req, why = None, f"request is not JSON: {e}"
+class Server:
+    """The zygote's loop: accept connections, read requests, fork, report exits."""
+
+    def __init__(self, path: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(256)
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd is written
+        signal.set_wakeup_fd(self.wake_w.fileno(), warn_on_full_buffer=False)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ, "accept")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "sigchld")
+        self.reading: dict[socket.socket, bytes] = {}  # connections whose request is not complete yet
+        self.children: dict[int, socket.socket] = {}  # pid -> the connection that asked for it
+
+    def serve(self) -> dict[str, Any]:
+        """Serve until this process is a forked child; then return the child's request."""
+        sys.stdout.write(json.dumps({"ready": os.getpid()}) + "\n")
+        sys.stdout.flush()
+        while True:
+            for key, _ in self.sel.select():
+                conn = key.fileobj
+                if key.data == "accept":
+                    self.accept()
+                elif key.data == "sigchld":
+                    self.reap()
+                elif isinstance(key.data, int):
+                    assert isinstance(conn, socket.socket)
+                    self.watch(conn, key.data)
                 else:
-                    why = check(req)
-                if why is not None:
-                    send(conn, {"error": why})
-                    conn.close()
-                    continue
-                pid = os.fork()
-                if pid == 0:  # the child: drop everything of the server's
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    for c in [*reading, *children.values(), conn, listener, wake_r, wake_w]:
-                        c.close()
-                    sel.close()
-                    return req
-                children[pid] = conn
-                send(conn, {"pid": pid})
+                    assert isinstance(conn, socket.socket)
+                    req = self.read(conn)
+                    if req is not None:
+                        return req
 
+    def accept(self) -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = self.listener.accept()
+            conn.setblocking(False)
+            self.reading[conn] = b""
+            self.sel.register(conn, selectors.EVENT_READ, "request")
 
-def reap(children: dict[int, socket.socket]) -> None:
-    """Collect every child that has exited and tell its connection the exit code."""
-    while True:
+    def read(self, conn: socket.socket) -> dict[str, Any] | None:
+        """Read from a connection that is sending its request; fork once it is complete. Returns the
+        request in the child, None in the zygote."""
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is not None:
-            send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            chunk = conn.recv(65536)
+        except BlockingIOError:
+            return None
+        except OSError:
+            chunk = b""
+        if not chunk:  # closed before its request was complete
+            self.sel.unregister(conn)
+            del self.reading[conn]
             conn.close()
+            return None
+        self.reading[conn] += chunk
+        if b"\n" not in self.reading[conn]:
+            return None
+        line = self.reading.pop(conn).split(b"\n", 1)[0]
+        self.sel.unregister(conn)
+        why: str | None
+        try:
+            req = json.loads(line)
+        except ValueError as e:
+            req, why = None, f"request is not JSON: {e}"
+        else:
+            why = check(req)
+        if why is not None:
+            send(conn, {"error": why})
+            conn.close()
+            return None
+        pid = os.fork()
+        if pid == 0:  # the child: drop everything of the server's
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for c in [*self.reading, *self.children.values(), conn, self.listener, self.wake_r, self.wake_w]:
+                c.close()
+            self.sel.close()
+            return req  # type: ignore[no-any-return]
+        self.children[pid] = conn
+        send(conn, {"pid": pid})
+        conn.setblocking(False)
+        self.sel.register(conn, selectors.EVENT_READ, pid)  # its closing means the runner is gone
+        return None
+
+    def watch(self, conn: socket.socket, pid: int) -> None:
+        """The connection of a running child became readable: closed by the runner (cancelled, or
+        died) — the harness has no one left to report to, so its process group is killed."""
+        try:
+            closed = not conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            closed = True
+        if closed:
+            self.sel.unregister(conn)
+            for kill in (os.killpg, os.kill):  # the group; the child itself if it has no group yet
+                with contextlib.suppress(OSError):
+                    kill(pid, signal.SIGKILL)
+
+    def reap(self) -> None:
+        """Collect every child that has exited and tell its connection the exit code."""
+        with contextlib.suppress(OSError):
+            while self.wake_r.recv(4096):
+                pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.sel.unregister(conn)
+                send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                conn.close()
 
 
 def redirect(fd: int, path: str, flags: int) -> None:
@@ -216,7 +254,7 @@ def main(argv: list[str]) -> int:
             sys.stdout.write(json.dumps({"error": f"preload {name!r}: {type(e).__name__}: {e}"}) + "\n")
             return 2
     gc.freeze()  # the preloaded objects: never scanned by a child's collections (nor at its exit)
-    become(serve(argv[1]))
+    become(Server(argv[1]).serve())
     return 0
 
 
