@@ -1,5 +1,4 @@
-"""The paper's ablation at CPU scale, on the multi-turn `search` task (rollouts of very different
-numbers of calls):
+"""The paper's ablation at CPU scale, on the multi-turn `calc_chain` task (rollouts of 2 to 20 calls):
 
   (a) sample-level advantage  + sample-mean loss
   (b) rollout-level advantage + sample-mean loss
@@ -11,7 +10,10 @@ the training-reward and held-out curves) and docs/img/ablation.png (held-out rew
 `--eval-every 1`, else training reward against step; mean over seeds), and prints whether
 (a) < (b) < (c) holds on the final held-out reward.
 
-    .venv/bin/python bench/train_ablation.py [--seeds 0 1 2] [--steps 8] [--n-heldout 60] [--resume]
+    .venv/bin/python bench/train_ablation.py [--seeds 0 1 2] [--steps 6] [--n-heldout 40] [--resume]
+
+By default every call is its own row (`train.merge_calls=false`, Agent Lightning's transitions), so a
+rollout's samples are its calls; `--merge-calls` keeps the default merging instead.
 
 Each finished run is written to the JSON at once; `--resume` keeps the runs the JSON already holds
 (same example, steps, held-out size and overrides — else it refuses) and runs only the missing ones.
@@ -51,6 +53,7 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "eval.extra_temperatures=[]",
         f"eval.every={args.eval_every}",
         *SETTINGS[name],
+        *([] if args.merge_calls else ["train.merge_calls=false"]),
         *args.override,
     ]
     cfg = load_config(get_example(args.example).config_path, overrides)
@@ -68,11 +71,25 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "train_reward": [r["reward"] for r in records],
         "heldout_curve": summary["heldout_curve"],  # (step, held-out reward); every step with --eval-every 1
         "rows_per_rollout": summary["rows_per_rollout"],
+        "calls_per_rollout": calls_per_rollout(run_dir),
         "wall_s": time.time() - t0,
     }
 
 
-def plot(results: list[dict[str, Any]], out: Path, example: str = "search") -> None:
+def calls_per_rollout(run_dir: Path) -> dict[str, float]:
+    """How many calls the training rollouts made (min, mean, max), read from the run's store."""
+    import sqlite3
+
+    with sqlite3.connect(run_dir / "store.sqlite") as db:
+        counts = [n for (n,) in db.execute(
+            "SELECT COUNT(c.call_id) FROM rollouts r LEFT JOIN calls c ON c.rollout_id = r.rollout_id "
+            "WHERE r.client_id LIKE '%-train-%' GROUP BY r.rollout_id")]  # fmt: skip
+    if not counts:
+        return {"min": 0, "mean": 0.0, "max": 0}
+    return {"min": min(counts), "mean": sum(counts) / len(counts), "max": max(counts)}
+
+
+def plot(results: list[dict[str, Any]], out: Path, example: str = "calc_chain") -> None:
     """Held-out reward against step (runs made with --eval-every) or else training reward against
     step, mean over seeds, one line per setting."""
     import matplotlib
@@ -120,17 +137,20 @@ def previous_results(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
 def main() -> int:
     """Run every setting × seed, then write the JSON, the plot and the verdict."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--example", default="search")
+    ap.add_argument("--example", default="calc_chain")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--n-heldout", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--n-heldout", type=int, default=40)
+    ap.add_argument(
+        "--merge-calls", action="store_true", help="merge calls into rows (default: a row per call)"
+    )
     ap.add_argument("--run-root", default="runs/bench-ablation")
     ap.add_argument("--override", action="append", default=[], help="extra config overrides (a.b=value)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ablation.json"))
     ap.add_argument("--plot", default=str(Path(__file__).parent.parent / "docs" / "img" / "ablation.png"))
     ap.add_argument(
-        "--eval-every", type=int, default=0, help="held-out evaluation every N steps (eval.every)"
+        "--eval-every", type=int, default=2, help="held-out evaluation every N steps (eval.every)"
     )
     ap.add_argument("--resume", action="store_true", help="keep the runs already in --out; run the rest")
     args = ap.parse_args()
@@ -139,6 +159,7 @@ def main() -> int:
         "steps": args.steps,
         "n_heldout": args.n_heldout,
         "overrides": args.override,
+        "merge_calls": args.merge_calls,
         "eval_every": args.eval_every,
     }
     results = previous_results(Path(args.out), key) if args.resume else []

@@ -27,6 +27,7 @@ EXAMPLES = {
     "search": "harnessrl.examples.search",
     "instruct": "harnessrl.examples.instruct",
     "calc_slow": "harnessrl.examples.calc_slow",
+    "calc_chain": "harnessrl.examples.calc_chain",
     "coding": "harnessrl.examples.coding",
 }
 

@@ -4,6 +4,10 @@ It knows nothing of harnessrl (it imports only the standard library and `openai`
 script): it reads the harness contract (`OPENAI_BASE_URL`, `OPENAI_API_KEY`,
 `HARNESSRL_TASK`, `HARNESSRL_OUTPUT`), loops model → tool → model until the model answers without a
 tool call (or `MAX_TURNS`), and writes `answer.json` to the output directory.
+
+A task with `steps` instead of `question` is a chain (the `calc_chain` example): a running total
+updated step by step, each step a fresh conversation ("The total is 45. Add 7 * 3. What is the new
+total?") solved by the same loop, the model's answer carried into the next step as the new total.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ def worked_example(question: str, expression: str, result: str) -> list[dict[str
 EXAMPLES = worked_example("What is 12 + 7 * 3?", "12 + 7 * 3", "33") + worked_example(
     "Compute 45 - 18.", "45 - 18", "27"
 )
+# The chain's worked examples: the same exchanges, phrased as steps on a running total.
+CHAIN_EXAMPLES = worked_example(
+    "The total is 12. Add 7 * 3. What is the new total?", "12 + 7 * 3", "33"
+) + worked_example("The total is 45. Subtract 18. What is the new total?", "45 - 18", "27")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -149,10 +157,16 @@ def final_number(text: str | None) -> str | None:
     return found[-1] if found else None
 
 
-def solve(client: OpenAI, question: str, latency: dict[str, Any] | None = None) -> dict[str, Any]:
+def solve(
+    client: OpenAI,
+    question: str,
+    latency: dict[str, Any] | None = None,
+    examples: list[dict[str, Any]] | None = None,
+    rnd: random.Random | None = None,
+) -> dict[str, Any]:
     """Run the agent loop on one question (the calculator sleeps per `latency`, if given)."""
-    rnd = random.Random(os.environ.get("HARNESSRL_ROLLOUT_ID", ""))
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *EXAMPLES]
+    rnd = rnd or random.Random(os.environ.get("HARNESSRL_ROLLOUT_ID", ""))
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *(examples or EXAMPLES)]
     messages.append({"role": "user", "content": question})
     tool_calls = 0
     text: str | None = None
@@ -172,6 +186,25 @@ def solve(client: OpenAI, question: str, latency: dict[str, Any] | None = None) 
     return {"answer": final_number(text), "text": text, "tool_calls": tool_calls}
 
 
+def solve_chain(
+    client: OpenAI, start: float, steps: list[str], latency: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Run a chain: each step one agent loop on "The total is T. <step> What is the new total?", T the
+    model's previous answer. A step without a number in its answer ends the chain (nothing to carry)."""
+    rnd = random.Random(os.environ.get("HARNESSRL_ROLLOUT_ID", ""))
+    total, answers, tool_calls = format_number(start), [], 0
+    for step in steps:
+        out = solve(
+            client, f"The total is {total}. {step} What is the new total?", latency, CHAIN_EXAMPLES, rnd
+        )
+        answers.append(out["answer"])
+        tool_calls += out["tool_calls"]
+        if out["answer"] is None:
+            break
+        total = out["answer"]
+    return {"answers": answers, "tool_calls": tool_calls, "steps": len(steps)}
+
+
 def main() -> int:
     """Entry point: solve the task in $HARNESSRL_TASK and write $HARNESSRL_OUTPUT/answer.json."""
     if "HARNESSRL_TASK" not in os.environ:
@@ -179,7 +212,10 @@ def main() -> int:
         return 2
     task = json.loads(Path(os.environ["HARNESSRL_TASK"]).read_text())
     client = OpenAI(max_retries=5, timeout=600)
-    out = solve(client, task["question"], task.get("tool_latency"))
+    if "steps" in task:
+        out = solve_chain(client, float(task["start"]), list(task["steps"]), task.get("tool_latency"))
+    else:
+        out = solve(client, task["question"], task.get("tool_latency"))
     Path(os.environ["HARNESSRL_OUTPUT"], "answer.json").write_text(json.dumps(out))
     return 0
 
