@@ -62,7 +62,7 @@ clean:
 	rm -rf $(VENV) .bench runs .pytest_cache .mypy_cache .ruff_cache
 
 # Long (hours on 2 cores; not in CI): async vs sync on a slow-tool harness, the paper's ablation on
-# search, and harnessrl vs TRL's GRPOTrainer on instruct. Results in bench/results/, plots in docs/img/.
+# calc_chain (rollouts of 2-20 calls), and harnessrl vs TRL's GRPOTrainer on instruct. Results in bench/results/, plots in docs/img/.
 bench-train: $(STAMP)
 	$(PY) bench/train_async.py
 	$(PY) bench/train_trl.py
