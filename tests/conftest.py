@@ -3,6 +3,7 @@ and gateways on loopback over real SQLite files."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import threading
@@ -10,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -23,6 +25,10 @@ pytest_plugins = ["tests.engine_fixtures"]  # the engine and modeling fixtures (
 from harnessrl.gateway.app import GatewayConfig, create_app  # noqa: E402
 from harnessrl.services import Service, free_port, start_engine  # noqa: E402
 from harnessrl.store import SQLiteStore  # noqa: E402
+
+if TYPE_CHECKING:
+    from harnessrl.controller import RolloutOutcome
+    from harnessrl.schema import Task
 
 
 @pytest.fixture(scope="session")
@@ -94,6 +100,28 @@ class GatewayHandle:
             rid = r.json()["rollout"]["rollout_id"]
             c.post(f"/control/rollouts/{rid}/attempts").raise_for_status()
             return rid, r.json()["api_key"]
+
+
+async def run_example_episode(
+    example_name: str, gw: GatewayHandle, task: Task, client_id: str, run_dir: Path
+) -> tuple[RolloutOutcome, dict[str, Any]]:
+    """One rollout of an example's real harness (a subprocess) through `gw`: its outcome and the
+    `answer.json` the harness wrote."""
+    from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
+    from harnessrl.examples import get_example
+    from harnessrl.gateway.client import ControlClient
+
+    example = get_example(example_name)
+    client = ControlClient(gw.url, gw.admin_key)
+    ctl = Controller(client, gw.url, HarnessSpec(command=example.harness_command, timeout_s=120),
+                     example.grader, run_dir, concurrency=1)  # fmt: skip
+    try:
+        (outcome,) = await ctl.run([RolloutRequest(task=task, client_id=client_id)])
+    finally:
+        await client.aclose()
+    answer_file = run_dir / "rollouts" / outcome.rollout_id / "attempt-0" / "output" / "answer.json"
+    answer = json.loads(answer_file.read_text()) if answer_file.exists() else {}
+    return outcome, answer
 
 
 @pytest.fixture

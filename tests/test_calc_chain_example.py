@@ -11,14 +11,12 @@ from typing import Any
 
 import pytest
 
-from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
 from harnessrl.controller.runner import AttemptResult
 from harnessrl.examples import get_example
 from harnessrl.examples.calc import harness
 from harnessrl.examples.calc_chain.task import MAX_STEPS, MIN_STEPS, apply, build_splits, describe, grade
-from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RolloutState, Task
-from tests.conftest import GatewayHandle
+from tests.conftest import GatewayHandle, run_example_episode
 
 
 def test_generation_is_deterministic_disjoint_and_spans_the_step_range() -> None:
@@ -111,20 +109,10 @@ async def test_harness_runs_one_real_chain(
     make_gateway: Callable[..., GatewayHandle], tmp_path: Path
 ) -> None:
     """The real harness as a subprocess, through a real gateway to the engine's tiny random model."""
-    example = get_example("calc_chain")
     gw = make_gateway()
-    _, held = example.build_splits(0, 1, 0)
-    client = ControlClient(gw.url, gw.admin_key)
-    ctl = Controller(client, gw.url, HarnessSpec(command=example.harness_command, timeout_s=120),
-                     example.grader, tmp_path / "run", concurrency=1)  # fmt: skip
-    try:
-        (outcome,) = await ctl.run([RolloutRequest(task=held[0], client_id="chain-e2e")])
-    finally:
-        await client.aclose()
+    _, held = get_example("calc_chain").build_splits(0, 1, 0)
+    outcome, out = await run_example_episode("calc_chain", gw, held[0], "chain-e2e", tmp_path / "run")
     assert outcome.state == RolloutState.SUCCEEDED and outcome.reward is not None
-    out = json.loads(
-        (tmp_path / "run/rollouts" / outcome.rollout_id / "attempt-0/output/answer.json").read_text()
-    )
     assert out["steps"] == len(held[0].input["steps"]) and 1 <= len(out["answers"]) <= out["steps"]
     calls = gw.store.calls(outcome.rollout_id)
     assert len(calls) >= len(out["answers"]) and all(c.completion_ids for c in calls)

@@ -13,13 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harnessrl.controller import AttemptResult, Controller, HarnessSpec, RolloutRequest
+from harnessrl.controller import AttemptResult
 from harnessrl.examples import get_example
 from harnessrl.examples.instruct import checkers, task
 from harnessrl.examples.instruct.checkers import KINDS, check, compatible, count_sentences, describe
-from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RolloutState, Task
-from tests.conftest import GatewayHandle
+from tests.conftest import GatewayHandle, run_example_episode
 
 # (constraint, a text that meets it, a text that does not)
 CASES: list[tuple[dict[str, object], str, str]] = [
@@ -201,17 +200,8 @@ async def test_harness_runs_one_real_episode_end_to_end(
     assert example.config_path.is_file()
     gw = make_gateway(default_max_tokens=24)
     _, (t,) = example.build_splits(0, 1, 0)
-    client = ControlClient(gw.url, gw.admin_key)
-    ctl = Controller(client, gw.url, HarnessSpec(command=example.harness_command, timeout_s=120),
-                     example.grader, tmp_path / "run", concurrency=1)  # fmt: skip
-    try:
-        (outcome,) = await ctl.run([RolloutRequest(t, client_id="instruct-e2e")])
-    finally:
-        await client.aclose()
+    outcome, answer = await run_example_episode("instruct", gw, t, "instruct-e2e", tmp_path / "run")
     assert outcome.state == RolloutState.SUCCEEDED and outcome.reward is not None
-    answer = json.loads(
-        (tmp_path / "run/rollouts" / outcome.rollout_id / "attempt-0/output/answer.json").read_text()
-    )
     assert isinstance(answer["text"], str) and answer["finish_reason"] in ("stop", "length")
     assert outcome.reward == task.reward_text(t.reference, answer["text"])
     (call,) = gw.store.calls(outcome.rollout_id)  # single-turn: one call, with the TRL prompt's messages

@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
 from harnessrl.controller.runner import AttemptResult
 from harnessrl.examples import get_example
 from harnessrl.examples.search.bm25 import BM25, tokenize
 from harnessrl.examples.search.corpus import RELATIONS, RESERVED_WORDS, build_kb, follow
 from harnessrl.examples.search.harness import Searcher, final_answer, run_tool
 from harnessrl.examples.search.task import build_splits, exact_match, make_grader, token_f1
-from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RolloutState, Task
-from tests.conftest import GatewayHandle
+from tests.conftest import GatewayHandle, run_example_episode
 
 
 def test_generation_is_deterministic_and_splits_are_disjoint() -> None:
@@ -124,19 +122,10 @@ async def test_harness_runs_one_real_episode(
     make_gateway: Callable[..., GatewayHandle], tmp_path: Path
 ) -> None:
     """The real harness as a subprocess, through a real gateway to the engine's tiny random model."""
-    example = get_example("search")
     gw = make_gateway()
-    _, held = example.build_splits(0, 1, 0)
-    client = ControlClient(gw.url, gw.admin_key)
-    ctl = Controller(client, gw.url, HarnessSpec(command=example.harness_command, timeout_s=120),
-                     example.grader, tmp_path / "run", concurrency=1)  # fmt: skip
-    try:
-        (outcome,) = await ctl.run([RolloutRequest(task=held[0], client_id="search-e2e")])
-    finally:
-        await client.aclose()
+    _, held = get_example("search").build_splits(0, 1, 0)
+    outcome, answer = await run_example_episode("search", gw, held[0], "search-e2e", tmp_path / "run")
     assert outcome.state == RolloutState.SUCCEEDED and outcome.reward is not None
-    out = tmp_path / "run/rollouts" / outcome.rollout_id / "attempt-0/output/answer.json"
-    answer = json.loads(out.read_text())
     assert {"answer", "tool_calls", "queries", "stop"} <= set(answer)
     calls = gw.store.calls(outcome.rollout_id)
     assert len(calls) >= 1 and all(c.completion_ids for c in calls)
