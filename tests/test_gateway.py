@@ -350,7 +350,8 @@ def test_usage_reports_the_prompt_tokens_the_engine_had_cached(
     make_gateway: Callable[..., GatewayHandle], tiny_model_dir, mode: str
 ) -> None:  # type: ignore[no-untyped-def]
     """The second of two calls with one long shared prefix is prefilled partly from the engine's prefix
-    cache; the gateway passes the count on (`usage.prompt_tokens_details.cached_tokens`, as OpenAI)."""
+    cache; the gateway passes the count on (`usage.prompt_tokens_details.cached_tokens`, as OpenAI),
+    streamed or not."""
     gw = make_gateway(mode=mode, tokenizer_path=str(tiny_model_dir))
     _, key = gw.new_rollout()
     system = {"role": "system", "content": f"You add numbers. Session {mode} " + "one two three " * 40}
@@ -366,3 +367,10 @@ def test_usage_reports_the_prompt_tokens_the_engine_had_cached(
     assert details is not None and details.cached_tokens is not None
     # the system message (~125 tokens) is shared; the differing user turn is not
     assert 100 < details.cached_tokens < second.usage.prompt_tokens
+    stream = client.chat.completions.create(
+        model="m", messages=[system, {"role": "user", "content": "6 + 7?"}], max_tokens=4,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    (usage,) = [chunk.usage for chunk in stream if chunk.usage is not None]  # streamed: the closing chunk
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
+    assert 100 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens

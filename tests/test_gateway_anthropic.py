@@ -111,3 +111,31 @@ def test_anthropic_rollouts_merge_in_tito_mode(
         messages.append({"role": "user", "content": f"more {i}"})
     result = merge_calls(gw.store.calls(rid))
     assert len(result.rows) == 1 and result.n_calls == 3
+
+
+@pytest.mark.parametrize("mode", ["passthrough", "tito"])
+def test_usage_splits_the_prompt_into_fresh_and_cache_read_tokens(
+    make_gateway: Callable[..., GatewayHandle], tiny_model_dir: Path, mode: str
+) -> None:
+    """Two calls sharing a long system prompt: the second's prefix comes from the engine's cache, which
+    Anthropic's usage reports as `cache_read_input_tokens`, leaving the rest in `input_tokens`; the two
+    add up to the prompt the engine took, streamed or not."""
+    gw = make_gateway(mode=mode, tokenizer_path=str(tiny_model_dir))
+    rid, key = gw.new_rollout()
+    system = f"You add numbers. Session {mode} " + "one two three " * 40
+    c = client(gw, key)
+    first = c.messages.create(model="claude-x", max_tokens=4, system=system,
+                              messages=[{"role": "user", "content": "2 + 3?"}])  # fmt: skip
+    second = c.messages.create(model="claude-x", max_tokens=4, system=system,
+                               messages=[{"role": "user", "content": "4 + 5?"}])  # fmt: skip
+    with c.messages.stream(model="claude-x", max_tokens=4, system=system,
+                           messages=[{"role": "user", "content": "6 + 7?"}]) as stream:  # fmt: skip
+        streamed = stream.get_final_message()
+    calls = gw.store.calls(rid)
+    assert first.usage.cache_creation_input_tokens == 0
+    for msg, call in zip([first, second, streamed], calls, strict=True):
+        u = msg.usage
+        assert u.input_tokens + (u.cache_read_input_tokens or 0) == len(call.prompt_ids)
+        assert u.output_tokens == len(call.completion_ids)
+    for later in (second, streamed):  # the system prompt (~125 tokens) is shared; the user turn is not
+        assert 100 < (later.usage.cache_read_input_tokens or 0) < len(calls[1].prompt_ids)

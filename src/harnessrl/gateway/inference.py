@@ -216,10 +216,13 @@ class _Accumulator:
         self.finish: str | None = None
         self.stop: str | None = None
         self.version: int | None = None
+        self.cached: int | None = None  # prompt tokens from the engine's prefix cache, if its usage says
 
     def take(self, event: dict[str, Any]) -> dict[str, Any]:
         """Absorb one event's token data; return its first choice."""
         choice: dict[str, Any] = (event.get("choices") or [{}])[0]
+        if (cached := _cached(event)) is not None:  # the last chunk's usage (vLLM: with include_usage)
+            self.cached = cached
         first = event.get("prompt_token_ids") or choice.get("prompt_token_ids")  # vLLM: in the choice
         if first is not None and self.prompt_ids is None:
             self.prompt_ids = [int(t) for t in first]
@@ -240,12 +243,17 @@ class _Accumulator:
         return record
 
 
+# Streamed engine requests ask for the closing usage chunk (vLLM sends usage only then; the builtin
+# engine always does): it carries the prompt tokens taken from the prefix cache.
+STREAM_USAGE = {"include_usage": True}
+
+
 async def passthrough_stream(
     upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling
 ) -> Streamed:
     """Stream from the engine's chat endpoint: content deltas as they come, tool calls at the end."""
     body: dict[str, Any] = {"model": served, "messages": call.messages, "return_token_ids": True, "logprobs": True,
-                            **_sampling_fields(sampling)}  # fmt: skip
+                            "stream_options": STREAM_USAGE, **_sampling_fields(sampling)}  # fmt: skip
     if call.tools:
         body["tools"] = call.tools
     events = await upstream.open_stream("/v1/chat/completions", body)
@@ -273,7 +281,7 @@ async def _passthrough_events(events: AsyncIterator[dict[str, Any]]) -> Streamed
     record = acc.record()
     tool_calls = [calls[i] for i in sorted(calls)]
     finish = "tool_calls" if tool_calls else (record.finish_reason or "stop")
-    yield Generation(content, tool_calls, finish, record, acc.texts, acc.stop)
+    yield Generation(content, tool_calls, finish, record, acc.texts, acc.stop, acc.cached)
 
 
 async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling,
@@ -281,7 +289,8 @@ async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sam
     """Stream a tito call from `/v1/completions`; the gateway parses tool calls out of the text."""
     prompt = build_prompt(call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id)
     body: dict[str, Any] = {"model": served, "prompt": prompt.prompt_ids, "stop_token_ids": [tokenizer.eos_id],
-                            "return_token_ids": True, "logprobs": call.top_logprobs or 1, **_sampling_fields(sampling)}  # fmt: skip
+                            "return_token_ids": True, "logprobs": call.top_logprobs or 1, "stream_options": STREAM_USAGE,
+                            **_sampling_fields(sampling)}  # fmt: skip
     events = await upstream.open_stream("/v1/completions", body)
     return _tito_events(events, prompt.prompt_ids)
 
@@ -305,7 +314,7 @@ async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int]) -
     if rest:
         yield ContentDelta(rest)
     finish = "tool_calls" if parsed.tool_calls else (record.finish_reason or "stop")
-    yield Generation(parsed.content, parsed.tool_calls, finish, record, acc.texts, acc.stop)
+    yield Generation(parsed.content, parsed.tool_calls, finish, record, acc.texts, acc.stop, acc.cached)
 
 
 class RawCompletionStream:

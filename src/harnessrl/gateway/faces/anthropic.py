@@ -204,9 +204,18 @@ def stop_reason(gen: Generation) -> str:
     return "max_tokens" if gen.finish_reason == "length" else "end_turn"
 
 
+def usage(gen: Generation) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` counts the prompt tokens *not* read from a cache, so the
+    engine's prefix-cache hits are `cache_read_input_tokens` and the two add up to the prompt (the
+    engine's cache is automatic: nothing is ever written on request, `cache_creation_input_tokens` 0)."""
+    prompt_tokens, completion_tokens = gen.usage
+    cached = min(gen.cached_tokens or 0, prompt_tokens)
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": completion_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}  # fmt: skip
+
+
 def message_response(gen: Generation, req: MessagesRequest, ids: ResponseIds) -> dict[str, Any]:
     """The `message` object."""
-    prompt_tokens, completion_tokens = gen.usage
     return {
         "id": f"msg_{ids.response_id}",
         "type": "message",
@@ -215,7 +224,7 @@ def message_response(gen: Generation, req: MessagesRequest, ids: ResponseIds) ->
         "content": content_blocks(gen),
         "stop_reason": stop_reason(gen),
         "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": completion_tokens},
+        "usage": usage(gen),
     }
 
 
@@ -272,7 +281,7 @@ class MessageStreamer:
             ]
         frames.append(_event("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": out["stop_reason"], "stop_sequence": None},
-            "usage": {"input_tokens": out["usage"]["input_tokens"], "output_tokens": out["usage"]["output_tokens"]},
+            "usage": dict(out["usage"]),
         }))  # fmt: skip
         return [*frames, _event("message_stop", {"type": "message_stop"})]
 
