@@ -122,6 +122,43 @@ def plot(results: list[dict[str, Any]], out: Path, example: str = "calc_chain") 
     fig.savefig(out, dpi=120)
 
 
+def _mean_se(xs: list[float]) -> dict[str, Any]:
+    n = len(xs)
+    mean = sum(xs) / n if n else float("nan")
+    var = sum((x - mean) ** 2 for x in xs) / (n - 1) if n > 1 else float("nan")
+    return {"mean": mean, "se": (var / n) ** 0.5, "per_seed": xs}
+
+
+def summarize(results: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """Per setting: the held-out reward after training and the mean of the held-out evaluations made
+    after any training (steps > 0 of `heldout_curve`: with --eval-every, several evaluations, so less
+    sampling noise) over seeds; paired by seed, the differences (b)-(a), (c)-(b), (c)-(a) of the
+    held-out after, with their standard errors; whether (a) < (b) < (c) holds on either figure."""
+    by = {(r["setting"], r["seed"]): r for r in results}
+    names = [n for n in SETTINGS if any(r["setting"] == n for r in results)]
+
+    def trained(r: dict[str, Any]) -> float:
+        points = [y for x, y in r["heldout_curve"] if x > 0] or [r["heldout_after"]]
+        return sum(points) / len(points)
+
+    after = {n: sum(by[n, s]["heldout_after"] for s in seeds if (n, s) in by) / len(seeds) for n in names}
+    during = {n: sum(trained(by[n, s]) for s in seeds if (n, s) in by) / len(seeds) for n in names}
+    paired: dict[str, Any] = {}
+    for hi, lo in ((1, 0), (2, 1), (2, 0)):
+        h, lo_ = list(SETTINGS)[hi], list(SETTINGS)[lo]
+        diffs = [
+            by[h, s]["heldout_after"] - by[lo_, s]["heldout_after"]
+            for s in seeds
+            if (h, s) in by and (lo_, s) in by
+        ]
+        if diffs:
+            paired[f"{'abc'[hi]}-{'abc'[lo]}"] = _mean_se(diffs)
+    a, b, c = (after.get(n, float("nan")) for n in SETTINGS)
+    ta, tb, tc = (during.get(n, float("nan")) for n in SETTINGS)
+    return {"mean_heldout_after": after, "mean_heldout_trained": during, "paired_after": paired,
+            "a_lt_b_lt_c": a < b < c, "a_lt_b_lt_c_trained": ta < tb < tc}  # fmt: skip
+
+
 def previous_results(path: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
     """The runs an earlier (possibly stopped) invocation wrote to `path`, if it ran the same ablation."""
     if not path.exists():
@@ -173,20 +210,26 @@ def main() -> int:
             results.append(one(name, seed, args))
             Path(args.out).write_text(json.dumps({**key, "partial": True, "results": results}, indent=2))
     results = [r for r in results if r["setting"] in args.settings and r["seed"] in args.seeds]
-    means = {
-        name: sum(r["heldout_after"] for r in results if r["setting"] == name) / len(args.seeds)
-        for name in args.settings
+    summary = summarize(results, args.seeds)
+    out = {
+        **key,
+        "seeds": args.seeds,
+        "command": " ".join(["python", *sys.argv]),
+        **summary,
+        "results": results,
     }
-    a, b, c = (means.get(name, float("nan")) for name in SETTINGS)
-    ordered = a < b < c
-    out = {**key, "seeds": args.seeds, "command": " ".join(["python", *sys.argv]), "mean_heldout_after": means,
-           "a_lt_b_lt_c": ordered, "results": results}  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=2))
     plot(results, Path(args.plot), args.example)
-    print(f"\n{'setting':<36} {'held-out after (mean over seeds)':>34}")
-    for name, m in means.items():
-        print(f"{name:<36} {m:>34.3f}")
-    print(f"(a) < (b) < (c): {ordered}  -> {args.out}")
+    print(f"\n{'setting':<36} {'held-out after':>15} {'mean of evals after training':>30}")
+    for name, m in summary["mean_heldout_after"].items():
+        print(f"{name:<36} {m:>15.3f} {summary['mean_heldout_trained'][name]:>30.3f}")
+    for pair, d in summary["paired_after"].items():
+        print(f"{pair}: held-out after, paired by seed: {d['mean']:+.3f} ± {d['se']:.3f} (per seed "
+              f"{', '.join(f'{x:+.3f}' for x in d['per_seed'])})")  # fmt: skip
+    print(
+        f"(a) < (b) < (c): {summary['a_lt_b_lt_c']} on held-out after, "
+        f"{summary['a_lt_b_lt_c_trained']} on the mean of evaluations after training  -> {args.out}"
+    )
     return 0
 
 
