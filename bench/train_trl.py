@@ -438,6 +438,17 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or platform's guess elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ratios harnessrl / TRL, when both arms ran."""
     if not {"harnessrl", "trl"} <= arms.keys():
@@ -566,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             arm = run_harnessrl(cfg) if name == "harnessrl" else run_trl(cfg, args)
             # a shared machine skews wall-clock: the 1/5/15-minute load averages around the arm say how much
             arm["loadavg"] = {"start": list(load_before), "end": list(os.getloadavg())}
+            arm["cpu_model"] = cpu_model()  # sessions land on different CPUs: compare arms within a seed
             run_["arms"][name] = arm
             run_["compare"] = compare(run_["arms"])
             result.update(runs=runs, over_seeds=over_seeds(runs))
