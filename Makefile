@@ -65,5 +65,5 @@ clean:
 # calc_chain (rollouts of 2-20 calls), and harnessrl vs TRL's GRPOTrainer on instruct. Results in bench/results/, plots in docs/img/.
 bench-train: $(STAMP)
 	$(PY) bench/train_async.py
-	$(PY) bench/train_trl.py
+	$(PY) bench/train_trl.py --budget-s 600 --n-heldout 100 --seeds 0 1 2 3 4 5
 	$(PY) bench/train_ablation.py

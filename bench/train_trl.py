@@ -24,7 +24,7 @@ training: for harnessrl also the start of engine and gateway, for TRL the evalua
 run one after the other on this machine: run it when nothing else is (the load averages around each
 arm are in the JSON); `--threads 1` keeps a shared machine from stalling multi-threaded torch.
 
-    .venv/bin/python bench/train_trl.py [--seeds 0 1 2] [--budget-s 600] [--n-heldout 60] [--resume]
+    .venv/bin/python bench/train_trl.py [--seeds 0 1 2 3 4 5] [--budget-s 600] [--n-heldout 100] [--resume]
 """
 
 from __future__ import annotations
