@@ -1,0 +1,411 @@
+"""`harnessrl inspect`: the index of rollouts per step and one rollout's calls and rows, read from a real
+SQLite store whose calls carry real SmolLM2 token ids (and from a run recorded by the real gateway,
+engine and calc harness); `rollouts/index.tsv`; clear errors for a missing run or an unknown rollout."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from harnessrl.chat import render_chat
+from harnessrl.config import RunConfig
+from harnessrl.inspect import index_report, main, rollout_place, rollout_report, write_rollout_index
+from harnessrl.schema import (
+    AttemptFinish,
+    AttemptStatus,
+    Call,
+    CallStatus,
+    RewardIn,
+    Rollout,
+    RolloutCreate,
+    RolloutState,
+    now,
+)
+from harnessrl.store import SQLiteStore
+from tests.conftest import GatewayHandle
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+QUESTION = "What is 2+3?"
+TOOL_TEXT = '<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call><|im_end|>'
+FINAL_TEXT = "The answer is 5.<|im_end|>"
+
+
+@dataclass
+class Fixture:
+    """A run directory written through the store API, and what went into it."""
+
+    run_dir: Path
+    tok: Tokenizer
+    calls: dict[str, list[Call]]  # rollout id -> its calls, in order
+
+
+def _ids(tok: Tokenizer, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False).ids)
+
+
+def _lps(n: int, base: float) -> list[float]:
+    return [round(base - 0.01 * k, 4) for k in range(n)]
+
+
+def _call(rid: str, attempt: int, prompt: list[int], completion: list[int], chat: dict[str, Any],
+          finish: str = "stop", status: CallStatus = CallStatus.OK, version: int = 0) -> Call:  # fmt: skip
+    ok = status == CallStatus.OK
+    return Call(
+        call_id=f"{rid}-c{len(prompt)}-{attempt}-{len(completion)}", rollout_id=rid, attempt=attempt,
+        created_at=now(), latency_s=0.1, status=status, model="m", upstream="u", request={},
+        prompt_ids=prompt, completion_ids=completion if ok else [],
+        completion_logprobs=_lps(len(completion), -0.1 * (len(prompt) % 7 + 1)) if ok else [],
+        weight_version=version, finish_reason=finish if ok else None, chat=chat,
+        error=None if ok else "upstream 503",
+    )  # fmt: skip
+
+
+def _tool_rollout(tok: Tokenizer, rid: str) -> list[Call]:
+    """Three calls: a tool call, its result appended (merges), then a rewritten history (breaks)."""
+    msgs = [{"role": "user", "content": QUESTION}]
+    tool_answer = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "2+3"}'}}]}  # fmt: skip
+    p0, c0 = _ids(tok, render_chat(msgs, TOOLS)), _ids(tok, TOOL_TEXT)
+    msgs1 = [*msgs, tool_answer, {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    p1 = p0 + c0 + _ids(tok, "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
+    final = {"role": "assistant", "content": "The answer is 5."}
+    msgs2 = [{"role": "user", "content": "Summary: 2+3 is 5. Say it."}]
+    return [
+        _call(rid, 0, p0, c0, {"messages": msgs, "tools": TOOLS, "answer": tool_answer}),
+        _call(rid, 0, p1, _ids(tok, FINAL_TEXT), {"messages": msgs1, "tools": TOOLS, "answer": final}),
+        _call(rid, 0, _ids(tok, render_chat(msgs2, TOOLS)), _ids(tok, FINAL_TEXT),
+              {"messages": msgs2, "tools": TOOLS, "answer": final}),
+    ]  # fmt: skip
+
+
+def _retokenized_rollout(tok: Tokenizer, rid: str) -> list[Call]:
+    """The engine sampled "Hel" + "lo there"; the next prompt re-encodes "Hello there" as usual."""
+    msgs = [{"role": "user", "content": "Greet me."}]
+    answer = {"role": "assistant", "content": "Hello there"}
+    split = _ids(tok, "Hel") + _ids(tok, "lo there") + _ids(tok, "<|im_end|>")
+    assert split[: len(_ids(tok, "Hello there"))] != _ids(tok, "Hello there")  # really a different split
+    msgs1 = [*msgs, answer, {"role": "user", "content": "Again."}]
+    return [
+        _call(rid, 0, _ids(tok, render_chat(msgs)), split, {"messages": msgs, "tools": None, "answer": answer}),
+        _call(rid, 0, _ids(tok, render_chat(msgs1)), _ids(tok, "Hi!<|im_end|>"),
+              {"messages": msgs1, "tools": None, "answer": {"role": "assistant", "content": "Hi!"}}),
+    ]  # fmt: skip
+
+
+def _truncated_rollout(tok: Tokenizer, rid: str) -> list[Call]:
+    """Attempt 0 (lost to the infrastructure) made one call; in attempt 1 the length limit cut the
+    answer as "Hel" + "lo", and the next prompt re-encodes "Hello" (no exact prefix: a truncation break)."""
+    msgs = [{"role": "user", "content": "Say hello."}]
+    cut = {"role": "assistant", "content": "Hello"}
+    msgs1 = [*msgs, cut, {"role": "user", "content": "Go on."}]
+    p0 = _ids(tok, render_chat(msgs))
+    return [
+        _call(rid, 0, p0, _ids(tok, "Hi<|im_end|>"), {"messages": msgs, "tools": None, "answer": None}),
+        _call(rid, 1, p0, _ids(tok, "Hel") + _ids(tok, "lo"), {"messages": msgs, "tools": None, "answer": cut},
+              finish="length"),
+        _call(rid, 1, _ids(tok, render_chat(msgs1)), _ids(tok, "5 6<|im_end|>"),
+              {"messages": msgs1, "tools": None, "answer": {"role": "assistant", "content": "5 6"}}, version=1),
+    ]  # fmt: skip
+
+
+def _add(store: SQLiteStore, rid: str, client_id: str, task: str, group: str | None, meta: dict[str, Any],
+         calls: list[Call], reward: float | None, infra_first: bool = False) -> None:  # fmt: skip
+    store.create_rollout(
+        RolloutCreate(client_id=client_id, task_id=task, group_id=group, metadata=meta, input={"q": task}),
+        rid,
+    )
+    attempts = sorted({c.attempt for c in calls} | {0})
+    for a in attempts:
+        store.start_attempt(rid)
+        store.add_calls([c for c in calls if c.attempt == a])
+        infra = infra_first and a == 0
+        status = AttemptStatus.INFRA_ERROR if infra else AttemptStatus.EXITED
+        store.finish_attempt(rid, a, AttemptFinish(status=status, exit_code=None if infra else 0,
+                                                   error="node lost" if infra else None))  # fmt: skip
+        if infra:
+            store.set_state(rid, RolloutState.QUEUED)
+    store.set_state(rid, RolloutState.SUCCEEDED)
+    if reward is not None:
+        store.set_reward(rid, RewardIn(value=reward, details={"why": f"graded {reward}"}))
+
+
+@pytest.fixture
+def fixture_run(tiny_model_dir: Path, tmp_path: Path) -> Fixture:
+    """Step 1: a group of three (tool merge + history edit, retokenized, truncation after an infra
+    retry); step 2: one rollout with a failed call; one held-out evaluation rollout."""
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = RunConfig.model_validate({"run_dir": str(run_dir), "engine": {"model": str(tiny_model_dir)}})
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    store = SQLiteStore(run_dir / "store.sqlite")
+    g1, g2 = "runx-s0-add", "runx-s1-mul"
+    calls = {
+        "roaaaa1111": _tool_rollout(tok, "roaaaa1111"),
+        "roaaaa2222": _retokenized_rollout(tok, "roaaaa2222"),
+        "robbbb3333": _truncated_rollout(tok, "robbbb3333"),
+    }
+    d_ok = _retokenized_rollout(tok, "rocccc4444")[:1]
+    d_failed = _call("rocccc4444", 0, d_ok[0].prompt_ids, [], {}, status=CallStatus.FAILED)
+    calls["rocccc4444"] = [d_failed, *d_ok]
+    calls["roeeee5555"] = _tool_rollout(tok, "roeeee5555")[:1]
+    _add(store, "roaaaa1111", "runx-s0-add-0", "add", g1, {"step": 0}, calls["roaaaa1111"], 1.0)
+    _add(store, "roaaaa2222", "runx-s0-add-1", "add", g1, {"step": 0}, calls["roaaaa2222"], 0.0)
+    _add(
+        store,
+        "robbbb3333",
+        "runx-s0-add-2",
+        "add",
+        g1,
+        {"step": 0},
+        calls["robbbb3333"],
+        0.5,
+        infra_first=True,
+    )
+    _add(store, "rocccc4444", "runx-s1-mul-0", "mul", g2, {"step": 1}, calls["rocccc4444"], 1.0)
+    _add(store, "roeeee5555", "runx-eval-before-t0-add", "add", None, {"eval": "eval-before-t0"},
+         calls["roeeee5555"], 1.0)  # fmt: skip
+    store.close()
+    return Fixture(run_dir, tok, calls)
+
+
+def test_index_lists_training_rollouts_per_step_with_rows_and_break_causes(fixture_run: Fixture) -> None:
+    rep = index_report(fixture_run.run_dir)
+    by_id = {r["rollout_id"]: r for r in rep["rollouts"]}
+    assert [r["rollout_id"] for r in rep["rollouts"]] == [
+        "roaaaa1111",
+        "roaaaa2222",
+        "robbbb3333",
+        "rocccc4444",
+    ]
+    assert [by_id[r]["step"] for r in by_id] == [1, 1, 1, 2] and rep["total"] == rep["shown"] == 4
+    a, b, c, d = (by_id[r] for r in ("roaaaa1111", "roaaaa2222", "robbbb3333", "rocccc4444"))
+    assert (a["calls"], a["rows"], a["breaks"]) == (3, 2, {"history_edited": 1})
+    assert (b["calls"], b["rows"], b["breaks"]) == (2, 2, {"retokenized": 1})
+    # all three calls counted; rows from the last attempt only, as the trainer does
+    assert (c["attempts"], c["calls"], c["rows"], c["breaks"]) == (2, 3, 2, {"truncation": 1})
+    assert (d["calls"], d["rows"], d["breaks"]) == (2, 1, {})  # the failed call makes no row
+    assert [x["reward"] for x in (a, b, c, d)] == [1.0, 0.0, 0.5, 1.0]
+    assert {x["task_id"] for x in (a, b, c)} == {"add"} and a["group_id"] == c["group_id"] == "runx-s0-add"
+    std = math.sqrt(((1.0 - 0.5) ** 2 + (0.0 - 0.5) ** 2) / 3)  # GRPO over the group {1, 0, 0.5}
+    assert a["advantage"] == pytest.approx(0.5 / (std + 1e-6)) and c["advantage"] == pytest.approx(0.0)
+    assert d["advantage"] == 0.0  # a group of one
+    steps = {s["step"]: s for s in rep["steps"]}
+    assert steps[1]["rollouts"] == 3 and steps[1]["reward_mean"] == pytest.approx(0.5)
+    assert steps[1]["breaks"] == {"history_edited": 1, "retokenized": 1, "truncation": 1}
+    assert steps[1]["calls"] == 8 and steps[2]["rows"] == 1
+
+
+def test_index_filters_by_step_eval_and_limit(fixture_run: Fixture) -> None:
+    only2 = index_report(fixture_run.run_dir, step=2)
+    assert [r["rollout_id"] for r in only2["rollouts"]] == ["rocccc4444"]
+    ev = index_report(fixture_run.run_dir, evals=True)
+    assert [(r["rollout_id"], r["phase"], r["step"], r["eval_label"]) for r in ev["rollouts"]] == [
+        ("roeeee5555", "eval", 0, "eval-before-t0")
+    ]
+    limited = index_report(fixture_run.run_dir, limit=2)
+    assert (limited["total"], limited["shown"], len(limited["rollouts"])) == (4, 2, 2)
+
+
+def test_one_rollout_calls_and_rows_decoded_with_mask_and_logprobs(fixture_run: Fixture) -> None:
+    rep = rollout_report(fixture_run.run_dir, "roaaaa1")  # a unique prefix
+    calls, rows, tok = rep["calls"], rep["rows"], fixture_run.tok
+    stored = fixture_run.calls["roaaaa1111"]
+    assert rep["decoded"] and rep["rollout"]["rollout_id"] == "roaaaa1111"
+    assert rep["rollout"]["reward_details"] == {"why": "graded 1.0"}
+    assert [c["completion_text"] for c in calls] == [TOOL_TEXT, FINAL_TEXT, FINAL_TEXT]
+    assert calls[0]["tool_calls"] == [{"name": "calc", "arguments": {"expression": "2+3"}}]
+    assert [c["prompt_tokens"] for c in calls] == [len(s.prompt_ids) for s in stored]
+    assert [(c["row"], c["break_cause"]) for c in calls] == [(0, None), (0, None), (1, "history_edited")]
+    assert [r["calls"] for r in rows] == [[0, 1], [2]]
+    row = rows[0]
+    assert row["tokens"] == stored[1].prompt_ids + stored[1].completion_ids
+    trainable = [i for i, m in enumerate(row["loss_mask"]) if m]
+    assert (
+        len(trainable) == len(stored[0].completion_ids) + len(stored[1].completion_ids) == row["n_trainable"]
+    )
+    assert [row["logprobs"][i] for i in trainable] == stored[0].completion_logprobs + stored[
+        1
+    ].completion_logprobs
+    assert "".join(row["pieces"]) == tok.decode(row["tokens"], skip_special_tokens=False)
+    sampled = "".join(row["pieces"][i] for i in trainable)
+    assert sampled == TOOL_TEXT + FINAL_TEXT and QUESTION in "".join(row["pieces"][: trainable[0]])
+
+
+def test_rollout_of_retried_attempt_and_failed_call(fixture_run: Fixture) -> None:
+    c = rollout_report(fixture_run.run_dir, "robbbb")
+    assert [a["status"] for a in c["rollout"]["attempt_details"]] == ["infra_error", "exited"]
+    assert c["rollout"]["attempt_details"][0]["folder"] == "rollouts/robbbb3333/attempt-0"
+    assert [(x["attempt"], x["finish_reason"], x["row"], x["weight_version"]) for x in c["calls"]] == [
+        (0, "stop", None, 0), (1, "length", 0, 0), (1, "stop", 1, 1)
+    ]  # fmt: skip
+    assert c["calls"][2]["break_cause"] == "truncation" and [r["attempt"] for r in c["rows"]] == [1, 1]
+    d = rollout_report(fixture_run.run_dir, "runx-s1-mul-0")  # a client id works too
+    assert [(x["status"], x["error"], x["row"]) for x in d["calls"]] == [
+        ("failed", "upstream 503", None),
+        ("ok", None, 0),
+    ]
+
+
+def test_without_a_tokenizer_ids_are_shown_and_answers_kept(fixture_run: Fixture, tmp_path: Path) -> None:
+    rep = rollout_report(fixture_run.run_dir, "roaaaa1", tokenizer=tmp_path / "nowhere")
+    assert not rep["decoded"] and "no tokenizer.json" in rep["tokenizer"]
+    assert rep["calls"][1]["completion_text"] == "The answer is 5."  # the recorded answer
+    assert rep["rows"][0]["pieces"][:2] == [f"<{t}>" for t in rep["rows"][0]["tokens"][:2]]
+
+
+def test_terminal_tables(
+    fixture_run: Fixture, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "240")
+    assert main([str(fixture_run.run_dir)]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "roaaaa1111",
+        "robbbb3333",
+        "rocccc4444",
+        "history_edited",
+        "retokenized",
+        "truncation",
+        "0.500",
+    ):
+        assert text in out
+    assert "roeeee5555" not in out  # evaluation rollouts only with --eval
+    assert main([str(fixture_run.run_dir), "--rollout", "roaaaa1", "--tokens"]) == 0
+    out = capsys.readouterr().out
+    assert "The answer is 5." in out and "⟦" in out and "⟧" in out and "history_edited" in out
+    assert "calc({'expression': '2+3'})" in out and "trainable (1)" in out and "prompt (0)" in out
+    lp = fixture_run.calls["roaaaa1111"][0].completion_logprobs[0]
+    assert f"{lp:.4f}" in out  # the per-token table
+
+
+def test_errors_exit_2_with_a_message(
+    fixture_run: Fixture, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases = [
+        ([str(tmp_path / "missing")], "no run directory at"),
+        ([str(tmp_path)], "holds no store.sqlite"),
+        ([str(fixture_run.run_dir), "--rollout", "zzz"], "no rollout matches 'zzz'"),
+        ([str(fixture_run.run_dir), "--rollout", "roaaaa"], "'roaaaa' matches 2 rollouts"),
+        ([str(fixture_run.run_dir), "--step", "7"], "steps with training rollouts: 1-2"),
+        ([str(fixture_run.run_dir), "--limit", "-1"], "--limit must be"),
+        ([str(fixture_run.run_dir), "--bogus"], "unrecognized arguments"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "store.sqlite").exists()  # inspecting a non-run created nothing there
+
+
+def _python(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_module_entry_point_and_no_torch(fixture_run: Fixture) -> None:
+    run = str(fixture_run.run_dir)
+    done = _python("-m", "harnessrl.inspect", run, "--rollout", "roaaaa2", "--json")
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout)
+    assert rep["calls"][1]["break_cause"] == "retokenized" and rep["calls"][0]["completion_text"].startswith(
+        "Hello"
+    )
+    bad = _python("-m", "harnessrl.inspect", run, "--rollout", "nope")
+    assert bad.returncode == 2 and "no rollout matches 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    code = f"import sys, harnessrl.inspect as i; rc = i.main([{run!r}]); assert 'torch' not in sys.modules; print(rc)"
+    light = _python("-c", code)
+    assert light.returncode == 0 and light.stdout.strip().endswith("0"), light.stderr
+
+
+def test_rollout_index_file(fixture_run: Fixture) -> None:
+    path = write_rollout_index(fixture_run.run_dir)
+    assert path == fixture_run.run_dir / "rollouts" / "index.tsv"
+    header, *lines = path.read_text().splitlines()
+    cols = header.split("\t")
+    rows = {r["folder"]: r for r in (dict(zip(cols, line.split("\t"), strict=True)) for line in lines)}
+    assert set(rows) == set(fixture_run.calls)
+    a, c, e = rows["roaaaa1111"], rows["robbbb3333"], rows["roeeee5555"]
+    assert (a["phase"], a["step"], a["task_id"], a["group_id"], a["reward"], a["calls"]) == (
+        "train", "1", "add", "runx-s0-add", "1", "3"
+    )  # fmt: skip
+    assert (c["attempts"], c["reward"], c["state"]) == ("2", "0.5", "succeeded")
+    assert (e["phase"], e["step"], e["eval_label"], e["group_id"]) == ("eval", "0", "eval-before-t0", "")
+    assert main([str(fixture_run.run_dir), "--write-index"]) == 0 and path.is_file()
+
+
+def test_place_from_metadata_and_client_id() -> None:
+    def ro(client_id: str, **meta: Any) -> Rollout:
+        return Rollout(
+            rollout_id="r", client_id=client_id, task_id="t", metadata=meta, created_at=0, updated_at=0
+        )
+
+    assert rollout_place(ro("x", step=3)) == rollout_place(ro("runab-s3-t7-0"))
+    assert rollout_place(ro("x", step=3)).step == 4  # the update it fed, numbered as in metrics.jsonl
+    assert (rollout_place(ro("x", group=5)).group, rollout_place(ro("x", group=5)).step) == (5, None)
+    assert rollout_place(ro("runab-g12-t7-1")).group == 12
+    assert rollout_place(ro("x", eval="eval-step4-t0")).step == 4
+    assert rollout_place(ro("x", eval="eval-after-20-t1")).step == 20
+    assert rollout_place(ro("x", eval="eval-before-t0")).step == 0
+    assert rollout_place(ro("check-1")).phase == "other"
+
+
+async def test_a_run_recorded_by_gateway_engine_and_harness(
+    make_gateway: Callable[..., GatewayHandle], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Rollouts of the real calc harness through the real gateway and engine; inspect reads them back."""
+    from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
+    from harnessrl.examples import get_example
+    from harnessrl.gateway.client import ControlClient
+
+    gw = make_gateway(default_max_tokens=24)
+    run_dir = tmp_path / "run"
+    example = get_example("calc")
+    train, held = example.build_splits(4, 1, 0)
+    client = ControlClient(gw.url, gw.admin_key)
+    ctl = Controller(client, gw.url, HarnessSpec(command=example.harness_command, timeout_s=120), example.grader,
+                     run_dir, concurrency=3)  # fmt: skip
+    requests = [
+        RolloutRequest(task=train[0], client_id=f"runx-s0-{train[0].task_id}-{k}",
+                       group_id=f"runx-s0-{train[0].task_id}", metadata={"step": 0})
+        for k in range(2)
+    ] + [RolloutRequest(task=held[0], client_id="runx-eval-before-t0", metadata={"eval": "eval-before-t0"})]  # fmt: skip
+    try:
+        outcomes = await ctl.run(requests)
+    finally:
+        await client.aclose()
+    with sqlite3.connect(gw.store.path) as src, sqlite3.connect(run_dir / "store.sqlite") as dst:
+        src.backup(dst)  # the run directory's store.sqlite, as a run leaves it
+    cfg = RunConfig.model_validate({"run_dir": str(run_dir), "engine": {"model": str(tiny_model_dir)}})
+    (run_dir / "config.json").write_text(cfg.model_dump_json())
+    rep = index_report(run_dir)
+    assert [r["rollout_id"] for r in rep["rollouts"]] == [o.rollout_id for o in outcomes[:2]]
+    for r, o in zip(rep["rollouts"], outcomes, strict=False):
+        assert (r["step"], r["task_id"], r["state"], r["reward"]) == (
+            1,
+            train[0].task_id,
+            "succeeded",
+            o.reward,
+        )
+        assert r["calls"] == len(gw.store.calls(o.rollout_id)) >= 1 and r["rows"] >= 1
+    one = rollout_report(run_dir, outcomes[0].rollout_id[:10])
+    tok = Tokenizer.from_file(str(Path(one["tokenizer"])))
+    for c, stored in zip(one["calls"], gw.store.calls(outcomes[0].rollout_id), strict=True):
+        assert c["completion_text"] == tok.decode(stored.completion_ids, skip_special_tokens=False)
+        content = (stored.response or {})["choices"][0]["message"].get("content") or ""
+        assert content.strip() in c["completion_text"]  # what the harness got is what the model sampled
+    assert sum(r["n_trainable"] for r in one["rows"]) == sum(c["completion_tokens"] for c in one["calls"])
+    ev = index_report(run_dir, evals=True)["rollouts"]
+    assert [(r["rollout_id"], r["step"]) for r in ev] == [(outcomes[2].rollout_id, 0)]
+    assert (run_dir / ev[0]["folder"] / "attempt-0" / "stdout.txt").exists()
