@@ -81,7 +81,8 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.text = TokenText(self.tokenizer)
         self.served_model_name = config.served_model_name or config.model
-        self.max_model_len = min(config.max_model_len, self.model.config.max_position_embeddings)
+        self.max_model_len = self._max_model_len(config, self.model.config.max_position_embeddings)
+        self.kv_budget = config.kv_budget(self.max_model_len)
         self.eos_ids = _eos_ids(self.model_dir, self.model.config.eos_token_id)
         self.scheduler = Scheduler(
             self.model,
@@ -93,18 +94,36 @@ class Engine:
             weight_version=config.weight_version,
             threads=config.num_threads,
             prefill_chunk=config.prefill_chunk,
-            max_cached_tokens=config.max_cached_tokens,
+            max_cached_tokens=self.kv_budget,
             packed=self.packed,
         )
         log.info(
-            "event=engine_ready model=%s dir=%s threads=%d max_batch=%d max_model_len=%d matmul=%r",
+            "event=engine_ready model=%s dir=%s threads=%d max_batch=%d max_model_len=%d kv_budget=%d "
+            "rope_scaling=%s matmul=%r",
             config.model,
             self.model_dir,
             config.num_threads,
             config.max_batch,
             self.max_model_len,
+            self.kv_budget,
+            self.model.config.rope_scaling,
             self.matmul,
         )
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, model_positions: int) -> int:
+        """The context served: the flag, capped at (and by default) the model's max_position_embeddings."""
+        if config.max_model_len is None:
+            return model_positions
+        if config.max_model_len > model_positions:
+            log.warning(
+                "event=max_model_len_capped requested=%d model_max_position_embeddings=%d "
+                "note=serve a RoPE-scaled model (e.g. smollm2-16k) for a longer context",
+                config.max_model_len,
+                model_positions,
+            )
+            return model_positions
+        return config.max_model_len
 
     def start(self) -> None:
         """Start the scheduler thread."""

@@ -336,6 +336,7 @@ class Scheduler:
             work.append((seq, start, end))
             budget -= end - start
         if work:
+            self.slots.trim_cache(self.max_cached_tokens - reserved)  # the budget bounds the cache too
             self._prefill(work)
 
     def _reservation(self, seq: Sequence) -> int:
@@ -354,8 +355,8 @@ class Scheduler:
             logits = self.model.prefill_many(items, self.cache)
         except Exception as exc:
             log.exception("event=prefill_failed sequences=%d", len(work))
-            for seq, _, _ in work:
-                self.slots.release(seq, keep=False)
+            for seq, _, b in work:
+                self.slots.release(seq, keep=False, written=b)
                 seq.on_done(exc)
             return
         self.stats.prefill_seconds += time.perf_counter() - t0

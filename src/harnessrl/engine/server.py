@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="prompt + completion tokens")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="prompt + completion tokens (default: the model's max_position_embeddings)")  # fmt: skip
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: all cores)")
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
@@ -74,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
                    help="prompt tokens prefilled per step while other sequences decode")  # fmt: skip
     p.add_argument("--max-cached-tokens", type=int, default=d.max_cached_tokens,
-                   help="KV budget in tokens: running sequences' prompt + max_tokens must fit")  # fmt: skip
+                   help="KV budget in tokens: running sequences' prompt + max_tokens, then the prefix "
+                        "cache (default: max-batch x max-model-len, at most 131072)")  # fmt: skip
     p.add_argument("--matmul", default=d.matmul, choices=["auto", "onednn", "aten"],
                    help="CPU linear layers: oneDNN-packed weights, F.linear, or auto (probe-checked)")  # fmt: skip
     p.add_argument("--log-level", default="info")

@@ -10,25 +10,31 @@ import torch
 from torch import Tensor
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Zeros that cost no resident memory until touched.
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, mmap.mmap | None]:
+    """Zeros that cost no resident memory until touched, and (on CPU) the mmap holding them.
 
     On CPU the memory is an anonymous mmap (the kernel hands out zero pages lazily) advised against
     transparent huge pages: with huge pages (numpy asks for them on large arrays) writing a few
     positions of one slot commits 2 MB pages spanning neighbouring slots, and the cache became resident
-    whole (2.9 GB at 64 slots) instead of by the tokens actually held.
+    whole (2.9 GB at 64 slots) instead of by the tokens actually held. MAP_NORESERVE: a long-context
+    cache (16 slots x 32k tokens is 24 GB for SmolLM2 in fp32) is virtual address space, not a claim
+    on memory, so the kernel's overcommit heuristic must not refuse it; the KV budget bounds what is
+    written (see `release`).
     """
     if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device), None
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.zeros(shape, dtype=dtype), None
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    buf = mmap.mmap(-1, nbytes, flags=flags)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "non-writable buffer" does not apply: the mmap is writable
-        return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
+        return torch.frombuffer(buf, dtype=dtype).view(shape), buf  # the tensor keeps `buf` alive
 
 
 class KVCache:
@@ -54,7 +60,7 @@ class KVCache:
         self.max_batch, self.max_len = max_batch, max_len
         self._shape = (layers, 2, max_batch, kv_heads, max_len, head_dim)
         self._dtype, self._device = dtype, torch.device(device)
-        self.kv: Tensor = _zeros(self._shape, dtype, self._device)
+        self.kv, self._buf = _zeros(self._shape, dtype, self._device)
 
     @property
     def allocated(self) -> bool:
@@ -63,12 +69,12 @@ class KVCache:
 
     def free(self) -> None:
         """Give the cache's memory back (engine sleep); every slot's K/V is lost."""
-        self.kv = torch.empty(0, dtype=self._dtype, device=self._device)
+        self.kv, self._buf = torch.empty(0, dtype=self._dtype, device=self._device), None
 
     def allocate(self) -> None:
         """Allocate the cache again after `free` (engine wake-up)."""
         if not self.allocated:
-            self.kv = _zeros(self._shape, self._dtype, self._device)
+            self.kv, self._buf = _zeros(self._shape, self._dtype, self._device)
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst`."""
@@ -81,6 +87,29 @@ class KVCache:
             tmp = self.kv[:, :, a, :, :length].clone()
             self.kv[:, :, a, :, :length] = self.kv[:, :, b, :, :length]
             self.kv[:, :, b, :, :length] = tmp
+
+    def release(self, slot: int, start: int, end: int | None = None) -> int:
+        """Give the memory of positions start..end of `slot` back to the OS; return the bytes released.
+
+        CPU only (elsewhere a no-op returning 0): whole pages inside the range are dropped
+        (MADV_DONTNEED) and read as zeros again, so the cache stays finite. The caller must hold no
+        live K/V in the range.
+        """
+        end = self.max_len if end is None else min(end, self.max_len)
+        if self._buf is None or not hasattr(mmap, "MADV_DONTNEED") or start >= end:
+            return 0
+        layers, _, batch, heads, max_len, head_dim = self._shape
+        pos_bytes = head_dim * self.kv.element_size()
+        page, released = mmap.PAGESIZE, 0
+        for row in range(layers * 2):  # (layer, keys|values)
+            for head in range(heads):
+                base = ((row * batch + slot) * heads + head) * max_len * pos_bytes
+                lo = -(-(base + start * pos_bytes) // page) * page  # whole pages only
+                hi = (base + end * pos_bytes) // page * page
+                if hi > lo:
+                    self._buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    released += hi - lo
+        return released
 
     @property
     def nbytes(self) -> int:

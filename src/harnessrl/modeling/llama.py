@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from harnessrl.modeling.cache import KVCache
+from harnessrl.modeling.rope import RopeScaling, rope_frequencies
 
 
 @dataclass
@@ -40,15 +41,18 @@ class LlamaConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int = 1
     eos_token_id: int = 2
+    rope_scaling: RopeScaling | None = None  # linear / YaRN context extension (modeling/rope.py)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         """Read a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
         heads = int(d["num_attention_heads"])
-        rope = d.get("rope_parameters") or {}
-        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        if rope.get("rope_type", "default") != "default" or d.get("rope_scaling"):
-            raise ValueError("only default RoPE is supported (no rope_scaling)")
+        # transformers 4.x writes `rope_theta` + `rope_scaling`, 5.x `rope_parameters` (theta inside);
+        # 5.x itself lets `rope_scaling` win when both are present
+        params = d.get("rope_parameters") or {}
+        rope = d.get("rope_scaling") or params
+        theta = rope.get("rope_theta", d.get("rope_theta", params.get("rope_theta", 10000.0)))
+        max_positions = int(d.get("max_position_embeddings", 2048))
         eos = d.get("eos_token_id", 2)
         return cls(
             vocab_size=int(d["vocab_size"]),
@@ -60,22 +64,25 @@ class LlamaConfig:
             head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
             rope_theta=float(theta),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=int(d.get("bos_token_id", 1)),
             eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+            rope_scaling=RopeScaling.from_hf(rope, max_positions),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face `config.json` dict for this config."""
+        """The Hugging Face `config.json` dict for this config (read the same by transformers 4.x and 5.x)."""
         d: dict[str, Any] = asdict(self)
+        scaling = self.rope_scaling.to_hf() if self.rope_scaling else None
         d.update(
             architectures=["LlamaForCausalLM"],
             model_type="llama",
             hidden_act="silu",
             attention_bias=False,
             mlp_bias=False,
-            rope_scaling=None,
+            rope_scaling=scaling,
+            rope_parameters={"rope_theta": self.rope_theta, **(scaling or {"rope_type": "default"})},
             torch_dtype="float32",
         )
         return d
@@ -247,8 +254,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Kept in fp32 outside the buffers so `.to(dtype)` never rounds it (HF computes RoPE in fp32 too).
-        steps = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device="cpu").float()
-        self._inv_freq = 1.0 / (cfg.rope_theta ** (steps / cfg.head_dim))
+        self._inv_freq, self._rope_mult = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Random init as HF does (normal(0, std) linears/embeddings, ones for norms)."""
@@ -261,12 +267,17 @@ class LlamaForCausalLM(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos/sin for integer positions [B, T] -> each [B, 1, T, head_dim]."""
+        """cos/sin for integer positions [B, T] -> each [B, 1, T, head_dim] (YaRN: times its factor).
+
+        The one RoPE of the training forward, the engine's prefill and its decode steps alike."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         freqs = positions.float().unsqueeze(-1) * self._inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+        cos, sin = emb.cos(), emb.sin()
+        if self._rope_mult != 1.0:
+            cos, sin = cos * self._rope_mult, sin * self._rope_mult
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Training forward: logits [B, T, V] for every position (causal, no cache)."""

