@@ -71,7 +71,7 @@ def test_async_schedule_trains_carries_groups_over_and_resumes(tiny_model_dir: P
     # were cancelled when the first run ended, so they are discarded and new groups train step 4
     cfg4 = load_config(get_example("calc").config_path, [*overrides, "train.steps=4"])
     seen.clear()
-    summary4 = run(cfg4, fresh=False, on_step=lambda step, m: seen.append(step))
+    summary4 = run(cfg4, resume=True, on_step=lambda step, m: seen.append(step))
     assert seen == [4] and summary4["train_steps"] == 4
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1]["weight_version"] == 4

@@ -76,8 +76,8 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert engine_log.count("event=engine_sleep_level_2") == engine_log.count("event=engine_wake") == 2
     harness_runs = list((run_dir / "rollouts").glob("*/attempt-0/output/answer.json"))
     # every rollout ran the real harness: training, evaluations before and after (2 temperatures),
-    # the one after step 1
-    assert len(harness_runs) == 2 * 6 + 2 * 2 * 4 + 4
+    # the one after step 1, and the preflight attempt before anything else
+    assert len(harness_runs) == 2 * 6 + 2 * 2 * 4 + 4 + 1
     assert set(summary["heldout_by_temperature"]) == {"0", "1"}
     store.close()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1", "step-2"]
@@ -85,7 +85,7 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
     # resume: one more step continues from the step-2 checkpoint, reusing the finished evaluations
     cfg3 = load_config(get_example("calc").config_path, [*overrides, "train.steps=3"])
     seen.clear()
-    summary3 = run(cfg3, fresh=False, on_step=lambda step, m: seen.append(step))
+    summary3 = run(cfg3, resume=True, on_step=lambda step, m: seen.append(step))
     assert seen == [3] and summary3["train_steps"] == 3
     assert summary3["heldout_reward_before"] == summary["heldout_reward_before"]
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

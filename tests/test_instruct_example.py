@@ -214,6 +214,6 @@ def test_cpu_and_gpu_configs_load() -> None:
 
     cpu = load_config(get_example("instruct").config_path, [])
     gpu = load_config(get_example("instruct").config_path.with_name("config_gpu.yaml"), [])
-    assert cpu.example == gpu.example == "instruct"
+    assert cpu.name == gpu.name == "instruct"
     assert (cpu.engine.model, cpu.engine.kind, gpu.engine.kind) == ("smollm2", "builtin", "vllm")
     assert 128 <= cpu.gateway.default_max_tokens <= 200

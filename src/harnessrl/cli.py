@@ -10,11 +10,20 @@ from pathlib import Path
 from typing import Any
 
 EPILOG = """commands:
+  init      scaffold a project (harness, tasks, grader, config): harnessrl init my_agent
+  check     one graded attempt of a config's harness before training: harnessrl check --config C
+  train     train a config: harnessrl train --config my_agent/config.yaml [--resume | --fresh]
+  inspect   what a run recorded: harnessrl inspect runs/demo [--rollout ID] [--step N]
   demo      train SmolLM2-135M through the calc harness on this CPU and report before/after
-  train     run any config: harnessrl train --config examples/calc/config.yaml train.steps=4
   engine    run the builtin engine server (see: harnessrl engine --help)
   gateway   run the gateway (see: harnessrl gateway --help)
 """
+
+PASSTHROUGH = {
+    "engine": ("harnessrl.engine.server", "main"),
+    "gateway": ("harnessrl.gateway.__main__", "main"),
+    "inspect": ("harnessrl.inspect", "main"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,91 +31,156 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if argv and argv[0] == "engine":
-        from harnessrl.engine.server import main as engine_main
+    if argv and argv[0] in PASSTHROUGH:
+        import importlib
 
-        return int(engine_main(argv[1:]) or 0)
-    if argv and argv[0] == "gateway":
-        from harnessrl.gateway.__main__ import main as gateway_main
+        module, fn = PASSTHROUGH[argv[0]]
+        return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
+    args = _parser().parse_args(argv)
+    # SIGTERM ends a run like Ctrl-C: its `finally` blocks stop the engine and gateway it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from harnessrl.config import ConfigError, load_config
+    from harnessrl.rundir import Mode, RunDirError
 
-        return gateway_main(argv[1:])
+    try:
+        if args.command == "init":
+            return _init(args.dir)
+        if args.command == "demo":
+            from harnessrl.examples import example_config
+
+            path = example_config("calc")
+            cfg = load_config(path, args.overrides)
+            resume = "harnessrl demo --resume"
+            return _run(cfg, Mode.RESUME if args.resume else Mode.REPLACE, not args.no_check, resume)
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "check":
+            return _check(cfg, args.task)
+        mode = Mode.RESUME if args.resume else Mode.FRESH if args.fresh else Mode.NEW
+        again = " ".join(["harnessrl train --config", str(args.config), *args.overrides, "--resume"])
+        return _run(cfg, mode, not args.no_check, again)
+    except (ConfigError, RunDirError) as e:
+        print(f"harnessrl: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harnessrl", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    init = sub.add_parser("init", help="scaffold a project: harness, tasks, grader, config")
+    init.add_argument("dir", type=Path)
+    check = sub.add_parser("check", help="one graded attempt of the harness before training")
+    check.add_argument("--config", required=True, type=Path)
+    check.add_argument("--task", type=int, default=0, help="index of the training task to try (default 0)")
+    check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. engine.model=/path/to/model")
     demo = sub.add_parser("demo", help="the CPU demo (calc example, SmolLM2-135M)")
-    demo.add_argument(
-        "--resume", action="store_true", help="continue the run in run_dir instead of starting fresh"
-    )
+    demo.add_argument("--resume", action="store_true", help="continue runs/demo instead of starting again")
+    demo.add_argument("--no-check", action="store_true", help="skip the preflight attempt")
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=4 eval.n_heldout=50")
-    train = sub.add_parser("train", help="run a config")
+    train = sub.add_parser("train", help="train a config")
     train.add_argument("--config", required=True, type=Path)
-    train.add_argument("--fresh", action="store_true", help="delete run_dir first")
-    train.add_argument("overrides", nargs="*")
-    sub.add_parser("engine", help="run the builtin engine")
-    sub.add_parser("gateway", help="run the gateway")
-    args = parser.parse_args(argv)
-    # SIGTERM ends a run like Ctrl-C: its `finally` blocks stop the engine and gateway it started
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from harnessrl.config import ConfigError, load_config
+    how = train.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", help="continue the run in run_dir from its checkpoint")
+    how.add_argument("--fresh", action="store_true", help="delete the earlier run in run_dir first")
+    train.add_argument("--no-check", action="store_true", help="skip the preflight attempt")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=4")
+    for name in PASSTHROUGH:
+        sub.add_parser(name, help=f"see: harnessrl {name} --help")
+    return parser
+
+
+def _init(directory: Path) -> int:
+    from harnessrl.scaffold import ScaffoldError, init_project
 
     try:
-        if args.command == "demo":
-            from harnessrl.examples import get_example
-
-            cfg = load_config(get_example("calc").config_path, args.overrides)
-            return _run(cfg, fresh=not args.resume)
-        cfg = load_config(args.config, args.overrides)
-        return _run(cfg, fresh=args.fresh)
-    except ConfigError as e:
+        written = init_project(directory)
+    except ScaffoldError as e:
         print(f"harnessrl: {e}", file=sys.stderr)
         return 2
+    print(f"wrote {', '.join(p.name for p in written)} to {directory}")
+    print(f"next:  harnessrl check --config {directory / 'config.yaml'}")
+    print(f"then:  harnessrl train --config {directory / 'config.yaml'}")
+    return 0
+
+
+def _check(cfg: Any, task: int) -> int:
+    from harnessrl.check import run_check
+
+    print("harnessrl: starting the engine and gateway for one attempt ...", file=sys.stderr)
+    report = run_check(cfg, task)
+    print(report.render())
+    return 0 if report.ok else 1
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C: services and harnesses are stopped
 
 
-def _run(cfg: Any, fresh: bool) -> int:
+def _run(cfg: Any, mode: Any, check: bool, resume_command: str) -> int:
     from tqdm import tqdm
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
-    from harnessrl.run import run
+    from harnessrl.run import CheckFailed, run
 
     bars: dict[str, Any] = {}
 
     def progress(label: str, done: int, total: int) -> None:
         bar = bars.get(label)
         if bar is None:
-            bar = bars[label] = tqdm(total=total, desc=label, unit="rollout", leave=False, file=sys.stderr)
+            unit = "batch" if label.startswith("update") else "rollout"
+            bar = bars[label] = tqdm(total=total, desc=label, unit=unit, leave=False, file=sys.stderr)
         bar.update(done - bar.n)
         if done >= total:
             bar.close()
 
+    def notify(message: str) -> None:
+        tqdm.write(f"harnessrl: {message}", file=sys.stderr)
+
+    run_dir = Path(cfg.run_dir).resolve()
+    print(f"harnessrl: run directory {run_dir} (logs in harnessrl.log, logs/)", file=sys.stderr)
+    try:
+        summary = run(cfg, mode=mode, check=check, progress=progress, on_step=_step_printer(cfg, notify),
+                      notify=notify)  # fmt: skip
+    except KeyboardInterrupt:
+        for bar in bars.values():
+            bar.close()
+        print(f"\nharnessrl: interrupted. Nothing recorded is lost; continue with:\n  {resume_command}",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    except CheckFailed as e:
+        print(f"harnessrl: the preflight attempt failed, so training did not start:\n{e}", file=sys.stderr)
+        print("fix the harness or grader (harnessrl check --config ... runs this alone), or pass --no-check",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    _print_summary(summary, run_dir)
+    return 0
+
+
+def _step_printer(cfg: Any, notify: Any) -> Any:
+    from tqdm import tqdm
+
     def on_step(step: int, m: dict[str, Any]) -> None:
-        rate = m.get("merge_rate")
-        rate_s = "n/a" if rate is None else f"{rate:.2f}"
+        rate, reward = m.get("merge_rate"), m.get("reward")
         tqdm.write(
-            f"step {step:3d}/{cfg.train.steps}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  "
-            f"tokens {m['trainable_tokens']:5d}  rows/rollout {m['rows_per_rollout']:.2f}  merge {rate_s}  "
+            f"step {step:3d}/{cfg.train.steps}  reward {'n/a' if reward is None else f'{reward:.3f}'}  "
+            f"loss {m['loss']:+.4e}  tokens {m['trainable_tokens']:5d}  "
+            f"rows/rollout {m['rows_per_rollout']:.2f}  merge {'n/a' if rate is None else f'{rate:.2f}'}  "
             f"time {m['time_rollout_s'] + m['time_update_s'] + m['time_weight_sync_s']:.0f}s",
             file=sys.stderr,
         )
+        run_dir = Path(cfg.run_dir).resolve()
+        if m.get("rollouts_grader_error"):
+            notify(f"step {step}: the grader failed on {m['rollouts_grader_error']} rollouts (not scored, not "
+                   f"trained on): {m.get('first_error')}; see {run_dir}/rollouts/*/attempt-*/grader_error.txt")  # fmt: skip
+        if m.get("rollouts_infra_error"):
+            notify(f"step {step}: {m['rollouts_infra_error']} rollouts could not run: {m.get('first_error')}")
         if m["rollouts"] and not m["calls"]:
-            tqdm.write(
-                f"warning: no rollout of step {step} made a model call; is the harness failing before its "
-                f"first call? Its output: {Path(cfg.run_dir).resolve()}/rollouts/*/attempt-*/stderr.txt",
-                file=sys.stderr,
-            )
+            notify(f"no rollout of step {step} made a model call; is the harness failing before its first "
+                   f"call? Its output: {run_dir}/rollouts/*/attempt-*/stderr.txt")  # fmt: skip
 
-    print(
-        f"harnessrl: run directory {Path(cfg.run_dir).resolve()} (logs in harnessrl.log, logs/)",
-        file=sys.stderr,
-    )
-    summary = run(cfg, fresh=fresh, progress=progress, on_step=on_step)
-    _print_summary(summary, Path(cfg.run_dir).resolve())
-    return 0
+    return on_step
 
 
 def _print_summary(s: dict[str, Any], run_dir: Path) -> None:
@@ -115,6 +189,10 @@ def _print_summary(s: dict[str, Any], run_dir: Path) -> None:
         return f"{r['mean']:.3f} [{lo:.2f}, {hi:.2f}]"
 
     rate = s.get("merge_rate")
+    if s.get("heldout_reward_before") is None or s.get("heldout_reward_after") is None:
+        print(f"\nno held-out reward could be measured; see {run_dir / 'harnessrl.log'}")
+        print(f"summary: {run_dir / 'summary.json'}")
+        return
     print()
     print(f"held-out reward on {s['n_heldout']} tasks (95% interval)")
     print(f"{'eval temperature':<18}{'before':>22}{'after':>22}")

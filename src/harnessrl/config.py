@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
 
@@ -20,9 +23,9 @@ class EngineSection(_Section):
     """The engine: the builtin one (started by the run) or an external vLLM / SGLang server."""
 
     model: str = "smollm2"  # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct
-    port: int = 0  # 0: pick a free port
-    max_batch: int = 32
-    max_model_len: int = 2048
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
+    max_batch: int = Field(default=32, ge=1)
+    max_model_len: int = Field(default=2048, ge=64)
     threads: int | None = None
     device: str = "cpu"  # builtin engine: "cpu" or "cuda[:N]"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # builtin engine's weights and KV cache
@@ -49,19 +52,21 @@ def _check_device(device: str, name: str) -> None:
 class GatewaySection(_Section):
     """The gateway process."""
 
-    port: int = 0
-    default_max_tokens: int = 256
+    port: int = Field(default=0, ge=0, le=65535)
+    default_max_tokens: int = Field(default=256, ge=1)
     mode: Literal["passthrough", "tito"] = "passthrough"  # tito: the gateway builds prompts from token IDs
 
 
 class ControllerSection(_Section):
     """Running harnesses."""
 
-    concurrency: int = 16
-    harness_timeout_s: float = 300.0
-    max_attempts: int = 2
-    grader_timeout_s: float = 60.0
-    grader_retries: int = 0  # a crashed grader runs again this many times before the rollout fails
+    concurrency: int = Field(default=16, ge=1)
+    harness_timeout_s: float = Field(default=300.0, gt=0)
+    max_attempts: int = Field(default=2, ge=1)
+    grader_timeout_s: float = Field(default=60.0, gt=0)
+    grader_retries: int = Field(
+        default=0, ge=0
+    )  # a crashed grader runs again this many times before the rollout fails
     # Each attempt in a bubblewrap sandbox: no network but the gateway, a private filesystem view,
     # resource limits (docs/sandbox.md). None: not limited.
     sandbox: bool = False
@@ -125,17 +130,17 @@ class TrainSection(_Section):
     """The RL schedule (sync or collocated async) and the PPO update."""
 
     schedule: Literal["sync", "async"] = "sync"
-    steps: int = 20
-    batch_groups: int = 4  # tasks per step
-    group_size: int = 8  # rollouts per task (GRPO siblings)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    temperature: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    max_grad_norm: float = 1.0
-    micro_batch_tokens: int = 4096
-    epochs: int = 1
+    steps: int = Field(default=20, ge=1)
+    batch_groups: int = Field(default=4, ge=1)  # tasks per step
+    group_size: int = Field(default=8, ge=2)  # rollouts per task (GRPO siblings; one alone has no baseline)
+    lr: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0)
+    clip_low: float = Field(default=0.2, ge=0)
+    clip_high: float = Field(default=0.2, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    micro_batch_tokens: int = Field(default=4096, ge=1)
+    epochs: int = Field(default=1, ge=1)
     estimator: Estimator = Estimator.GRPO
     advantage_level: AdvantageLevel = AdvantageLevel.ROLLOUT
     loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN
@@ -143,12 +148,12 @@ class TrainSection(_Section):
     # token-prefix merging of a rollout's calls into rows; False: every call its own row (Agent
     # Lightning's transitions; for ablations)
     merge_calls: bool = True
-    checkpoint_every: int = 5
-    keep_checkpoints: int = 2
+    checkpoint_every: int = Field(default=5, ge=0)
+    keep_checkpoints: int = Field(default=2, ge=1)
     seed: int = 0
     threads: int | None = None
     # async schedule: groups kept in flight, and the oldest weight version a trained row may come from
-    max_inflight_groups: int = 8
+    max_inflight_groups: int = Field(default=8, ge=1)
     max_staleness: int | None = None  # rows staler than this many versions are dropped (None: keep all)
     tis_cap: float | None = None  # truncated importance sampling cap C (None: plain PPO against μ)
     kl_coef: float = 0.0  # β of the k3 KL penalty to the initial model (0: no reference model loaded)
@@ -187,8 +192,8 @@ class TrainSection(_Section):
 class EvalSection(_Section):
     """Held-out evaluation before and after training."""
 
-    n_heldout: int = 100
-    temperature: float = 0.0  # the reported held-out reward (0: greedy)
+    n_heldout: int = Field(default=100, ge=1)  # at most this many held-out tasks are evaluated
+    temperature: float = Field(default=0.0, ge=0)  # the reported held-out reward (0: greedy)
     extra_temperatures: list[float] = Field(default_factory=list)  # also evaluated and reported
     # also evaluate (at `temperature`) after every N-th update during training, logged with the step
     # as `heldout_reward` (0: only before and after); its time is left out of `train_wall_seconds`
@@ -196,23 +201,120 @@ class EvalSection(_Section):
 
 
 class DataSection(_Section):
-    """Task data of the example."""
+    """How many tasks to take, and the seed of generators and splits."""
 
-    n_train: int = 1000
+    # training tasks: at most this many from a task file (None: all), exactly this many from a
+    # generator (None: 1000)
+    n_train: int | None = Field(default=None, ge=1)
     seed: int = 0
+
+
+class HarnessSection(_Section):
+    """The harness: any program that follows the harness contract (docs/your-harness.md)."""
+
+    # argv of one attempt; an argument naming a file next to the config is made absolute, and
+    # `python`/`python3` as the program means the interpreter harnessrl runs in
+    command: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # extra variables (never the admin key)
+    files: list[str] = Field(default_factory=list)  # files/folders copied into each attempt's workdir
+
+    @field_validator("command")
+    @classmethod
+    def _nonempty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not all(isinstance(a, str) and a for a in v)):
+            raise ValueError("must be a non-empty list of arguments, e.g. [python, harness.py]")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _no_reserved(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in v if k in RESERVED_ENV or k.startswith("HARNESSRL_"))
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: set by the controller (the harness contract), not by config")
+        return v
+
+
+RESERVED_ENV = frozenset(
+    {"OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"}
+)
+
+
+class TasksSection(_Section):
+    """Where tasks come from: task files, or a Python generator."""
+
+    train: str | None = None  # JSONL (or Parquet) of {"task_id", "input", "reference", ...}
+    heldout: str | None = None  # the same format; held-out tasks also found in train are dropped
+    heldout_fraction: float | None = Field(default=None, gt=0, lt=1)  # or: a seeded, disjoint split of train
+    # or: `module:function` called with (n_train, n_heldout, seed), returning (train, heldout) task lists
+    generator: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TasksSection:
+        if self.generator is not None and (self.train or self.heldout or self.heldout_fraction):
+            raise ValueError("give either tasks.generator or task files (tasks.train ...), not both")
+        if self.heldout is not None and self.heldout_fraction is not None:
+            raise ValueError("give tasks.heldout or tasks.heldout_fraction, not both")
+        if (self.heldout or self.heldout_fraction) and not self.train:
+            raise ValueError("tasks.heldout / tasks.heldout_fraction need tasks.train")
+        if self.generator is not None:
+            _check_target(self.generator, "tasks.generator")
+        return self
+
+
+class GraderSection(_Section):
+    """The grader, run by the controller outside the harness: a Python function or a command."""
+
+    # `module:function` called with (task, result); returns a float, (float, details) or RewardIn.
+    # A module next to the config (grader.py → `grader:grade`) is found without installing it.
+    python: str | None = None
+    # or: argv of a command that gets the task and the attempt's output and prints the reward
+    command: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # extra variables for a grader command
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> GraderSection:
+        if self.python is not None and self.command is not None:
+            raise ValueError("give grader.python or grader.command, not both")
+        if self.python is not None:
+            _check_target(self.python, "grader.python")
+        if self.command is not None and not self.command:
+            raise ValueError("grader.command must be a non-empty list of arguments")
+        return self
+
+
+def _check_target(target: str, name: str) -> None:
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", target):
+        raise ValueError(f"{name} must look like module:function (e.g. grader:grade), not {target!r}")
 
 
 class RunConfig(_Section):
     """Everything one run needs."""
 
-    example: str = "calc"
+    name: str = ""  # a label for the run (summary.json, inspect); default: the config file's folder name
+    # where `grader.python` and `tasks.generator` modules are looked up first; set by `load_config` to
+    # the config file's folder
+    config_dir: str = ""
     run_dir: str = "runs/demo"
+    harness: HarnessSection = Field(default_factory=HarnessSection)
+    tasks: TasksSection = Field(default_factory=TasksSection)
+    grader: GraderSection = Field(default_factory=GraderSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     gateway: GatewaySection = Field(default_factory=GatewaySection)
     controller: ControllerSection = Field(default_factory=ControllerSection)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     data: DataSection = Field(default_factory=DataSection)
+
+    def missing(self) -> list[str]:
+        """What a training run still lacks (harness, tasks, grader): one line each, empty when complete."""
+        out = []
+        if not self.harness.command:
+            out.append("harness.command: the argv that starts your harness, e.g. [python, harness.py]")
+        if not (self.tasks.train or self.tasks.generator):
+            out.append("tasks.train: a JSONL file of tasks (or tasks.generator: module:function)")
+        if not (self.grader.python or self.grader.command):
+            out.append("grader.python: module:function (or grader.command: argv)")
+        return out
 
 
 class ConfigError(ValueError):
@@ -230,25 +332,166 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override '{override}': '{k}' is not a section")
-    node[keys[-1]] = yaml.safe_load(raw)
+    try:
+        node[keys[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{override}': the value is not valid YAML: {e}") from e
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML config (or the defaults) and apply dotted overrides."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    values: dict[str, Any] | None = None,
+) -> RunConfig:
+    """Read a YAML config (or the defaults), merge `values` (nested sections) and apply dotted
+    overrides; relative paths in harness, tasks and grader are resolved against the config's folder
+    (the current folder without a file). Every problem is reported at once in one `ConfigError`."""
     data: dict[str, Any] = {}
+    base = Path.cwd()
     if path is not None:
+        path = Path(path)
         try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            loaded = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"config {path} must be a mapping of sections")
-        data = loaded
+        data, base = loaded, path.resolve().parent
+        data.setdefault("name", base.name)
+    if "example" in data:
+        raise ConfigError(
+            f"'example: {data['example']}' is no longer a config key: declare harness, tasks and grader "
+            "(docs/config.md), or start from a built-in config, e.g. "
+            "`harnessrl train --config src/harnessrl/examples/calc/config.yaml`"
+        )
+    _deep_merge(data, values or {})
     for o in overrides or []:
         apply_override(data, o)
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"config error at '{where}': {first['msg']}") from e
+        raise ConfigError(format_errors(e)) from e
+    problems = resolve_paths(cfg, base)
+    if problems:
+        raise ConfigError("\n".join(["config errors:", *(f"  {p}" for p in problems)]))
+    return cfg
+
+
+def _deep_merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def format_errors(e: ValidationError) -> str:
+    """All validation errors, one line each, with "did you mean" for misspelt keys."""
+    lines = []
+    for err in e.errors():
+        loc = [str(p) for p in err["loc"]]
+        where = ".".join(loc) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key" + _did_you_mean(loc)
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}" + (f" (got {err['input']!r})" if _show_input(err) else ""))
+    if len(lines) == 1:
+        return f"config error at '{lines[0].strip().split(': ', 1)[0]}': {lines[0].split(': ', 1)[1]}"
+    return "\n".join([f"{len(lines)} config errors:", *lines])
+
+
+def _show_input(err: Any) -> bool:
+    return err["type"] not in ("extra_forbidden", "missing", "value_error") and not isinstance(
+        err.get("input"), dict
+    )
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        model = getattr(field, "annotation", None) if field else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(model.model_fields)}"
+
+
+KNOWN_MODELS = ("smollm2",)  # names `harnessrl.modeling.loading.resolve_model` knows (plus variants)
+
+
+def resolve_paths(cfg: RunConfig, base: Path) -> list[str]:
+    """Make the config's file references absolute (against `base`) and check that they exist;
+    returns the problems found (empty: all good)."""
+    problems: list[str] = []
+    h = cfg.harness
+    if h.command:
+        h.command = resolve_command(h.command, base)
+        if shutil.which(h.command[0]) is None and not Path(h.command[0]).is_file():
+            problems.append(f"harness.command: program {h.command[0]!r} not found (PATH or {base})")
+        problems += [
+            f"harness.command: file {a} not found" for a in h.command[1:] if _missing_script(a, base)
+        ]
+    files = []
+    for f in h.files:
+        p = _absolute(f, base)
+        if not p.exists():
+            problems.append(f"harness.files: {p} not found")
+        files.append(str(p))
+    h.files = files
+    t = cfg.tasks
+    for key in ("train", "heldout"):
+        value = getattr(t, key)
+        if value is not None:
+            p = _absolute(value, base)
+            setattr(t, key, str(p))
+            if not p.is_file():
+                problems.append(f"tasks.{key}: {p} not found")
+    g = cfg.grader
+    if g.command:
+        g.command = resolve_command(g.command, base)
+    if not cfg.config_dir:
+        cfg.config_dir = str(base)
+    m = cfg.engine.model
+    if not m.startswith(KNOWN_MODELS) and _absolute(m, base).is_dir():
+        cfg.engine.model = str(_absolute(m, base))
+    return problems
+
+
+def check_model(cfg: RunConfig) -> None:
+    """Raise `ConfigError` unless `engine.model` is a packaged model name or an existing folder (checked
+    when a run starts, not at load: a GPU cluster's config may name a folder this machine lacks)."""
+    m = cfg.engine.model
+    if not m.startswith(KNOWN_MODELS) and not Path(m).is_dir():
+        raise ConfigError(
+            f"engine.model: {m!r} is neither a model folder nor one of {', '.join(KNOWN_MODELS)}"
+        )
+
+
+def resolve_command(command: list[str], base: Path) -> list[str]:
+    """`python`/`python3` → this interpreter; arguments naming a file or folder under `base` →
+    absolute paths (so an attempt, running in its own folder, finds them)."""
+    out = list(command)
+    if out[0] in ("python", "python3"):
+        out[0] = sys.executable
+    for i, a in enumerate(out):
+        if not a.startswith("-") and not Path(a).is_absolute() and (base / a).exists():
+            out[i] = str((base / a).resolve())
+    return out
+
+
+def _missing_script(arg: str, base: Path) -> bool:
+    """A relative argument that looks like a script file (x.py, x.js, x.sh, ./x) and does not exist."""
+    if arg.startswith("-") or Path(arg).is_absolute():
+        return not arg.startswith("-") and arg.endswith(_SCRIPT_SUFFIXES) and not Path(arg).exists()
+    return (arg.endswith(_SCRIPT_SUFFIXES) or arg.startswith("./")) and not (base / arg).exists()
+
+
+_SCRIPT_SUFFIXES = (".py", ".js", ".mjs", ".ts", ".sh")
+
+
+def _absolute(p: str, base: Path) -> Path:
+    path = Path(p).expanduser()
+    return path if path.is_absolute() else (base / path).resolve()

@@ -23,7 +23,7 @@ def reward_curve(metrics_path: Path, summary: dict[str, Any], out: Path) -> Path
     if records:
         ax.plot(
             [r["step"] for r in records],
-            [r["reward"] for r in records],
+            [float("nan") if r.get("reward") is None else r["reward"] for r in records],
             marker="o",
             label="train reward (batch mean)",
         )

@@ -1,6 +1,7 @@
-"""One full run: start engine and gateway, evaluate, train (sync schedule), evaluate, summarise.
+"""One full run: start engine and gateway, check, evaluate, train, evaluate, summarise.
 
-`harnessrl demo` is this with the `calc` example's config; `harnessrl train --config` runs any config.
+`harnessrl demo` is this with the `calc` example's config; `harnessrl train --config` runs any config;
+`harnessrl.train(...)` (harnessrl/api.py) is the same from Python.
 """
 
 from __future__ import annotations
@@ -8,21 +9,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
-import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from harnessrl.config import RunConfig
-from harnessrl.controller import Controller, HarnessSpec
-from harnessrl.examples import ExampleSpec, get_example, write_tasks
+from harnessrl.check import CheckReport, preflight
+from harnessrl.config import RunConfig, check_model
+from harnessrl.controller import Controller
+from harnessrl.examples import write_tasks
 from harnessrl.gateway.client import ControlClient
 from harnessrl.modeling.loading import load_model, resolve_model
 from harnessrl.modeling.packed import use_onednn_for_training
+from harnessrl.project import Project, resolve_project
+from harnessrl.rundir import Mode, prepare
+from harnessrl.rundir import run_id as run_id_of
 from harnessrl.schema import Task
 from harnessrl.services import Service, free_port, start_engine, start_gateway
 from harnessrl.trainer.async_loop import run_async
@@ -44,16 +50,6 @@ def setup_logging(run_dir: Path) -> None:
     root.handlers = [handler]
     root.setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
-def run_id_for(run_dir: Path) -> str:
-    """A stable id per run directory: rollout client ids derive from it, so a resumed run reuses work."""
-    path = run_dir / "run.json"
-    if path.exists():
-        return str(json.loads(path.read_text())["run_id"])
-    run_id = "run" + secrets.token_hex(4)
-    path.write_text(json.dumps({"run_id": run_id}))
-    return run_id
 
 
 def start_services(
@@ -89,111 +85,154 @@ def start_services(
     return engine, gateway, engine_url
 
 
+class CheckFailed(RuntimeError):
+    """The preflight attempt showed the run cannot train; `report` says why."""
+
+    def __init__(self, report: CheckReport) -> None:
+        super().__init__(report.render())
+        self.report = report
+
+
 def run(
     cfg: RunConfig,
     fresh: bool = False,
     progress: Progress | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    *,
+    resume: bool = False,
+    mode: Mode | None = None,
+    check: bool = True,
+    notify: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the whole loop for `cfg`; returns the summary (also written to `<run_dir>/summary.json`)."""
+    """Run the whole loop for `cfg`; returns the summary (also written to `<run_dir>/summary.json`).
+
+    The run directory is used as `mode` says (default: `fresh` → FRESH, `resume` → RESUME, else NEW;
+    see `harnessrl.rundir`). With `check`, one graded attempt runs first and a failing one stops the
+    run (`CheckFailed`) before any evaluation or training."""
     started = time.time()
     run_dir = Path(cfg.run_dir).resolve()
-    if fresh and run_dir.exists():
-        shutil.rmtree(run_dir)
+    mode = mode or (Mode.FRESH if fresh else Mode.RESUME if resume else Mode.NEW)
+    check_model(cfg)
+    project = resolve_project(cfg)  # a config error surfaces before the run directory is touched
+    for notice in prepare(run_dir, cfg, mode):
+        (notify or log.info)(notice)
     setup_logging(run_dir)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    example = get_example(cfg.example)
-    train_tasks, heldout = example.build_splits(cfg.data.n_train, cfg.eval.n_heldout, cfg.data.seed)
+    train_tasks, heldout = project.splits(cfg)
     write_tasks(train_tasks, run_dir / "data" / "train.jsonl")
     write_tasks(heldout, run_dir / "data" / "heldout.jsonl")
+    if not train_tasks or not heldout:
+        raise ValueError(
+            f"the task source gave {len(train_tasks)} training and {len(heldout)} held-out tasks"
+        )
     model_dir = resolve_model(cfg.engine.model)
     admin_key = secrets.token_hex(16)
     engine, gateway, engine_url = start_services(cfg, run_dir, model_dir, admin_key)
+    services = Services(gateway.url, engine_url, admin_key)
     try:
         summary = asyncio.run(
             _run_async(
-                cfg,
-                run_dir,
-                example,
-                model_dir,
-                gateway.url,
-                engine_url,
-                admin_key,
-                train_tasks,
-                heldout,
-                progress or (lambda *_: None),
-                on_step,
+                cfg, run_dir, project, model_dir, services, train_tasks, heldout,
+                progress or (lambda *_: None), on_step, check, notify or (lambda message: None),
             )
-        )
+        )  # fmt: skip
     finally:
         gateway.stop()
         if engine is not None:
             engine.stop()
     summary["wall_seconds"] = time.time() - started
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     from harnessrl.plot import reward_curve
 
     reward_curve(run_dir / "metrics.jsonl", summary, run_dir / "reward_curve.png")
+    summary = strict_json(summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None, so it serialises as strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Services:
+    """Where the run's gateway and engine answer, and the admin key of the gateway."""
+
+    gateway_url: str
+    engine_url: str
+    admin_key: str
 
 
 async def _run_async(
     cfg: RunConfig,
     run_dir: Path,
-    example: ExampleSpec,
+    project: Project,
     model_dir: Path,
-    gateway_url: str,
-    engine_url: str,
-    admin_key: str,
+    services: Services,
     train_tasks: list[Task],
     heldout: list[Task],
     progress: Progress,
     on_step: Callable[[int, dict[str, Any]], None] | None,
+    check: bool,
+    notify: Callable[[str], None],
 ) -> dict[str, Any]:
     from harnessrl.trainer.weights import engine_admin
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
-    client = ControlClient(gateway_url, admin_key)
-    engine = engine_admin(cfg.engine.kind, engine_url)
-    harness = HarnessSpec(command=example.harness_command, timeout_s=cfg.controller.harness_timeout_s)
+    client = ControlClient(services.gateway_url, services.admin_key)
+    engine = engine_admin(cfg.engine.kind, services.engine_url)
     runner = cfg.controller.runner()
     controller = Controller(
-        client, gateway_url, harness, example.grader, run_dir,
+        client, services.gateway_url, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
+        run_dir,
         concurrency=cfg.controller.concurrency,
         max_attempts=cfg.controller.max_attempts,
         grader_timeout_s=cfg.controller.grader_timeout_s,
         grader_retries=cfg.controller.grader_retries,
         runner=runner,
     )  # fmt: skip
-    model = load_model(model_dir, device=cfg.train.device)
-    log.info(
-        "event=trainer_matmul path=%r",
-        use_onednn_for_training(model, cfg.train.matmul, model.lm_head.weight.device),
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    tc = cfg.train
-    schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
-    metrics = MetricsLogger(run_dir)
-    ctx = TrainContext(
-        cfg, run_id_for(run_dir), run_dir, client, controller, engine, model, optimizer, metrics, progress,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-        ref_model=load_model(model_dir, device=tc.device).requires_grad_(False) if tc.kl_coef > 0 else None,
-        heldout=heldout,
-    )  # fmt: skip
-    train = run_async if tc.schedule == "async" else run_sync
+    run_id = run_id_of(run_dir)
     try:
         if hasattr(runner, "start"):
             await runner.start()  # a fork server that cannot preload fails the run here, not per attempt
-        temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
-        before = [await evaluate(ctx, heldout, f"eval-before-t{t:g}", t) for t in temps]
-        t_train = time.time()
-        steps = await train(ctx, train_tasks, on_step)
-        train_wall = time.time() - t_train - ctx.eval_seconds
-        after = [await evaluate(ctx, heldout, f"eval-after-{steps}-t{t:g}", t) for t in temps]
+        if check:
+            report = await preflight(controller, client, train_tasks[0], run_id, run_dir)
+            log.info("event=preflight ok=%s report=%r", report.ok, report.render())
+            if not report.ok:
+                raise CheckFailed(report)
+        model = load_model(model_dir, device=cfg.train.device)
+        log.info(
+            "event=trainer_matmul path=%r",
+            use_onednn_for_training(model, cfg.train.matmul, model.lm_head.weight.device),
+        )
+        tc = cfg.train
+        optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
+        metrics = MetricsLogger(run_dir)
+        ctx = TrainContext(
+            cfg, run_id, run_dir, client, controller, engine, model, optimizer, metrics, progress,
+            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+            ref_model=load_model(model_dir, device=tc.device).requires_grad_(False) if tc.kl_coef > 0 else None,
+            heldout=heldout, notify=notify,
+        )  # fmt: skip
+        train = run_async if tc.schedule == "async" else run_sync
+        try:
+            temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
+            before = [await evaluate(ctx, heldout, f"eval-before-t{t:g}", t) for t in temps]
+            t_train = time.time()
+            steps = await train(ctx, train_tasks, on_step)
+            train_wall = time.time() - t_train - ctx.eval_seconds
+            after = [await evaluate(ctx, heldout, f"eval-after-{steps}-t{t:g}", t) for t in temps]
+        finally:
+            metrics.close()
     finally:
-        metrics.close()
         await client.aclose()
         await engine.aclose()
         if hasattr(runner, "close"):
@@ -201,6 +240,7 @@ async def _run_async(
     summary = summarise(cfg, before, after, steps, metrics.read())
     summary["train_wall_seconds"] = train_wall
     summary["eval_during_train_seconds"] = ctx.eval_seconds
+    summary["run_dir"] = str(run_dir)
     return summary
 
 
@@ -221,7 +261,7 @@ def summarise(
     multi = sum(r.get("calls", 0) > r.get("rollouts", 0) for r in records)
     rates = [r["merge_rate"] for r in records if r.get("merge_rate") is not None]
     return {
-        "example": cfg.example,
+        "name": cfg.name,
         "model": cfg.engine.model,
         "heldout_reward_before": before.mean,
         "heldout_reward_after": after.mean,
@@ -242,6 +282,10 @@ def summarise(
         "merge_breaks": _sum_counts([r.get("breaks", {}) for r in records]),
         "steps_with_multi_call_rollouts": multi,
         "rows_per_rollout": _mean([r["rows_per_rollout"] for r in records if "rows_per_rollout" in r]),
+        "rollouts_failed_total": sum(r.get("rollouts_failed", 0) for r in records),
+        "grader_errors_total": sum(r.get("rollouts_grader_error", 0) for r in records),
+        "heldout_failed_before": before.failed,
+        "heldout_failed_after": after.failed,
         "train_reward_first": records[0]["reward"] if records else None,
         "train_reward_last": records[-1]["reward"] if records else None,
         "schedule": cfg.train.schedule,

@@ -22,6 +22,7 @@ from harnessrl.controller.runner import (
     HarnessSpec,
     LocalRunner,
     Runner,
+    copy_files,
     reap_attempt,
     tail,
 )
@@ -30,12 +31,14 @@ from harnessrl.schema import (
     AttemptFinish,
     AttemptStatus,
     RolloutCreate,
+    RolloutCreated,
     RolloutState,
     SamplingOverrides,
     Task,
 )
 
 log = logging.getLogger(__name__)
+MAX_REDOS = 100  # how often one request's cancelled rollout is run again under a fresh client id
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class RolloutOutcome:
     state: RolloutState
     reward: float | None
     error: str | None = None
+    # why a FAILED rollout failed: "infra" (no attempt could run), "grader" (the grader raised or
+    # returned no usable reward: the harness's result was not scored), None otherwise
+    failure: str | None = None
 
 
 class Controller:
@@ -104,17 +110,7 @@ class Controller:
 
     async def run_one(self, req: RolloutRequest) -> RolloutOutcome:
         """Create (or find) the rollout, run attempts until one yields a gradable result, grade it."""
-        metadata = {**req.metadata, "allow_self_reward": True} if req.task.allow_self_reward else req.metadata
-        created = await self.client.create_rollout(
-            RolloutCreate(
-                client_id=req.client_id,
-                task_id=req.task.task_id,
-                input=req.task.input,
-                group_id=req.group_id,
-                metadata=metadata,
-                sampling=req.sampling,
-            )
-        )
+        created = await self._create(req)
         rid = created.rollout.rollout_id
         if created.rollout.state.finished:  # an idempotent re-run: report what is stored
             detail = await self.client.rollout(rid)
@@ -133,7 +129,29 @@ class Controller:
         except (ControlError, OSError) as e:
             log.error("rollout_error rollout=%s error=%s", rid, e)
             await self._final(rid, RolloutState.FAILED)
-            return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, str(e))
+            return RolloutOutcome(
+                rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, str(e), "infra"
+            )
+
+    async def _create(self, req: RolloutRequest) -> RolloutCreated:
+        """Create the rollout, or find it by its client id. A rollout found cancelled (an interrupted
+        run, now resumed) is not reused: it is run again under a fresh client id (`<id>~rN`), so a
+        resumed step gets its whole batch; finished and failed ones stand."""
+        metadata = {**req.metadata, "allow_self_reward": True} if req.task.allow_self_reward else req.metadata
+        for redo in range(MAX_REDOS + 1):
+            created = await self.client.create_rollout(
+                RolloutCreate(
+                    client_id=req.client_id if redo == 0 else f"{req.client_id}~r{redo}",
+                    task_id=req.task.task_id,
+                    input=req.task.input,
+                    group_id=req.group_id,
+                    metadata=metadata,
+                    sampling=req.sampling,
+                )
+            )
+            if created.rollout.state != RolloutState.CANCELLED:
+                break
+        return created
 
     def _workdir(self, rid: str, attempt: int) -> Path:
         return self.run_dir / "rollouts" / rid / f"attempt-{attempt}"
@@ -197,6 +215,8 @@ class Controller:
                 task_input=req.task.input,
                 workdir=self._workdir(rid, attempt.attempt),
             )
+            if self.harness.files:
+                copy_files(self.harness.files, spec.workdir)
             result = await self.runner.run(spec, self.harness)
             if result.infra_error is not None:
                 error = result.infra_error
@@ -207,7 +227,7 @@ class Controller:
             await self.client.finish_attempt(rid, attempt.attempt, _finish(result))
             return await self._grade(req, rid, result)
         await self.client.set_state(rid, RolloutState.FAILED)
-        return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error)
+        return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error, "infra")
 
     async def _grade(self, req: RolloutRequest, rid: str, result: AttemptResult) -> RolloutOutcome:
         if req.task.allow_self_reward:  # the harness may have written its reward: it stands
@@ -224,8 +244,11 @@ class Controller:
                 log.error("grader_error rollout=%s try=%d error=%s", rid, tries, e)
                 error = str(e)
         if reward is None:  # the grader crashed every time: the rollout fails, reported as such
+            _write_grader_error(result.output_dir.parent, error)
             await self.client.set_state(rid, RolloutState.FAILED)
-            return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error)
+            return RolloutOutcome(
+                rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error, "grader"
+            )
         await self.client.set_reward(rid, reward)
         await self.client.set_state(rid, RolloutState.SUCCEEDED)
         return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, reward.value)
@@ -235,6 +258,14 @@ class Controller:
             await self.client.set_state(rid, state)
         except (ControlError, OSError) as e:
             log.error("state_update_failed rollout=%s state=%s error=%s", rid, state, e)
+
+
+def _write_grader_error(workdir: Path, error: str) -> None:
+    """Keep the grader's error beside the attempt's files (`grader_error.txt`) for `inspect` and users."""
+    try:
+        (workdir / "grader_error.txt").write_text(error + "\n")
+    except OSError as e:
+        log.warning("event=grader_error_not_saved workdir=%s error=%s", workdir, e)
 
 
 def _read_tail(path: Path, limit: int) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from harnessrl.controller.runner import AttemptResult
 from harnessrl.schema import RewardIn, Task
@@ -38,11 +39,34 @@ async def grade(
         raise GraderError(f"grader ran past {timeout_s}s") from None
     except Exception as e:
         raise GraderError(f"grader crashed: {type(e).__name__}: {e}") from e
-    reward = value if isinstance(value, RewardIn) else RewardIn(value=float(value))
+    try:
+        reward = as_reward(value)
+    except ValueError as e:  # pydantic's ValidationError: details that are not JSON
+        raise GraderError(f"grader returned an unusable reward: {e}") from e
     details = dict(reward.details)
     details.setdefault("exit_code", result.exit_code)
     details.setdefault("timed_out", result.timed_out)
     return reward.model_copy(update={"details": details})
+
+
+def as_reward(value: Any) -> RewardIn:
+    """A grader's return value as a reward: a number, `(number, details)` or `RewardIn`. Anything
+    else, or a value that is not finite, is a grader error (never a silent 0 or NaN)."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        value = RewardIn(value=_number(value[0]), details=value[1])
+    elif not isinstance(value, RewardIn):
+        value = RewardIn(value=_number(value))
+    if not math.isfinite(value.value):
+        raise GraderError(f"grader returned a reward that is not finite: {value.value}")
+    return value
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise GraderError(
+            f"grader returned {type(v).__name__} {str(v)[:80]!r}; return a float, (float, details) or RewardIn"
+        )
+    return float(v)
 
 
 class CommandGrader:

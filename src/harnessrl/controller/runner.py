@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,19 @@ class HarnessSpec:
     env: dict[str, str] = field(default_factory=dict)
     passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH
     max_output_bytes: int = 1_000_000  # stdout/stderr kept per attempt
+    files: tuple[Path, ...] = ()  # files/folders copied into each attempt's workdir before it starts
+
+
+def copy_files(files: tuple[Path, ...], workdir: Path) -> None:
+    """Copy the harness's declared files into an attempt's workdir (symlinks copied as links, not
+    followed); an existing copy (a retried attempt's folder) is replaced."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for src in files:
+        dst = workdir / src.name
+        if src.is_dir():
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
 
 
 @dataclass(frozen=True)

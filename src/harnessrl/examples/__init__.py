@@ -1,44 +1,38 @@
-"""Runnable examples: task data + an unmodified-style harness + a grader (+ a config)."""
+"""Runnable examples: task data + an unmodified-style harness + a grader, each declared by a config
+on the same `harness`, `tasks` and `grader` keys a user's project uses (docs/config.md).
+
+`example_config(name)` is the path of a built-in config; `get_example(name)` resolves it like any
+other config (there is no separate registry behind it).
+"""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from harnessrl.controller.grader import Grader
+from harnessrl.project import Project
 from harnessrl.schema import Task
 
+ExampleSpec = Project  # the resolved form of an example's config
 
-@dataclass(frozen=True)
-class ExampleSpec:
-    """What the trainer needs of an example."""
-
-    name: str
-    build_splits: Callable[[int, int, int], tuple[list[Task], list[Task]]]  # (n_train, n_heldout, seed)
-    grader: Grader
-    harness_command: list[str]
-    config_path: Path
+_HERE = Path(__file__).parent
+EXAMPLES = tuple(sorted(p.parent.name for p in _HERE.glob("*/config.yaml")))
 
 
-EXAMPLES = {
-    "calc": "harnessrl.examples.calc",
-    "search": "harnessrl.examples.search",
-    "instruct": "harnessrl.examples.instruct",
-    "calc_slow": "harnessrl.examples.calc_slow",
-    "calc_chain": "harnessrl.examples.calc_chain",
-    "coding": "harnessrl.examples.coding",
-}
+def example_config(name: str) -> Path:
+    """The packaged config of the example called `name`; the error lists the known ones."""
+    path = _HERE / name / "config.yaml"
+    if name not in EXAMPLES or not path.is_file():
+        raise KeyError(f"unknown example '{name}'; known: {', '.join(EXAMPLES)}")
+    return path
 
 
-def get_example(name: str) -> ExampleSpec:
-    """The example called `name`; the error lists the known ones."""
-    if name not in EXAMPLES:
-        raise KeyError(f"unknown example '{name}'; known: {', '.join(sorted(EXAMPLES))}")
-    module = importlib.import_module(EXAMPLES[name])
-    spec: ExampleSpec = module.spec()
-    return spec
+def get_example(name: str) -> Project:
+    """The example called `name`, resolved from its config."""
+    from harnessrl.config import load_config
+    from harnessrl.project import resolve_project
+
+    path = example_config(name)
+    return resolve_project(load_config(path), config_path=path)
 
 
 def write_tasks(tasks: list[Task], path: Path) -> None:

@@ -50,10 +50,11 @@ class EvalResult:
     hi: float
     n: int
     rewards: list[float] = field(default_factory=list)
+    failed: int = 0  # tasks whose rollout could not be run or graded: left out of the mean, reported
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {"mean": self.mean, "ci95": [self.lo, self.hi], "n": self.n}
+        return {"mean": self.mean, "ci95": [self.lo, self.hi], "n": self.n, "failed": self.failed}
 
 
 @dataclass
@@ -74,6 +75,7 @@ class TrainContext:
     ref_model: LlamaForCausalLM | None = None  # frozen initial weights, for the KL penalty
     heldout: list[Task] = field(default_factory=list)  # for `eval.every`
     eval_seconds: float = 0.0  # spent in evaluations during training (`eval.every`)
+    notify: Callable[[str], None] = lambda message: None  # warnings for the user (the CLI prints them)
 
     @property
     def ppo(self) -> PPOConfig:
@@ -106,9 +108,19 @@ async def evaluate(ctx: TrainContext, tasks: list[Task], label: str, temperature
         for t in tasks
     ]
     outcomes = await run_rollouts(ctx, requests, label)
-    rewards = [o.reward if o.reward is not None else 0.0 for o in outcomes]
+    rewards = [o.reward for o in outcomes if o.reward is not None]
+    failed = [o for o in outcomes if o.reward is None]
+    if failed:
+        log.warning(
+            "event=eval_failures label=%s failed=%d of=%d first_error=%r",
+            label, len(failed), len(outcomes), failed[0].error,
+        )  # fmt: skip
+        ctx.notify(
+            f"warning: {label}: {len(failed)} of {len(outcomes)} rollouts could not be run or graded "
+            f"(left out of the mean); first error: {failed[0].error}"
+        )
     mean, lo, hi = mean_ci95(rewards)
-    return EvalResult(mean, lo, hi, len(rewards), rewards)
+    return EvalResult(mean, lo, hi, len(rewards), rewards, len(failed))
 
 
 async def maybe_eval(ctx: TrainContext, step: int) -> dict[str, Any]:
@@ -173,7 +185,9 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
     if sleep_level:  # collocated: the engine gives its memory to the update
         await ctx.engine.sleep(sleep_level)
     t1 = time.perf_counter()
-    update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo, ctx.ref_model, ctx.scheduler)
+    label = f"update {new_version}"
+    update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo, ctx.ref_model, ctx.scheduler,
+                        progress=lambda done, total: ctx.progress(label, done, total))  # fmt: skip
     t2 = time.perf_counter()
     if sleep_level:
         await ctx.engine.wake_up()
@@ -212,9 +226,12 @@ def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any
     rewards = list(batch.rewards.values())
     stats = batch.stats.as_dict()
     return {
-        "reward": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "reward": sum(rewards) / len(rewards) if rewards else None,
         "rollouts": len(outcomes),
         "rollouts_failed": sum(o.state != RolloutState.SUCCEEDED for o in outcomes),
+        "rollouts_grader_error": sum(o.failure == "grader" for o in outcomes),
+        "rollouts_infra_error": sum(o.failure == "infra" for o in outcomes),
+        "first_error": next((o.error for o in outcomes if o.error), None),
         "rows": len(batch.rows),
         "rows_per_rollout": stats["rows_per_rollout"],
         "calls": stats["calls"],
@@ -238,9 +255,11 @@ async def restore(ctx: TrainContext) -> dict[str, Any]:
     return the saved loop state (`{"step": 0}` for a fresh run)."""
     ckpt = latest_checkpoint(ctx.run_dir / "checkpoints")
     if ckpt is None:
+        ctx.metrics.truncate_after(0)
         return {"step": 0}
     state = load_checkpoint(ckpt, ctx.model, ctx.optimizer, ctx.scheduler)
     step = int(state["step"])
+    ctx.metrics.truncate_after(step)  # steps after the checkpoint are done again: logged once
     await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", step)
     await ctx.client.resume(weight_version=step)
     log.info("resumed step=%d checkpoint=%s", step, ckpt)

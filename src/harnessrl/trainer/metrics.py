@@ -26,7 +26,7 @@ class MetricsLogger:
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record the metrics of one step."""
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+            f.write(json.dumps(_finite({"step": step, **values}), allow_nan=False) + "\n")
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
@@ -39,10 +39,28 @@ class MetricsLogger:
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the records of steps after `step` (a resumed run does them again)."""
+        records = self.read()
+        kept = [r for r in records if int(r.get("step", 0)) <= step]
+        if len(kept) < len(records):
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
     def close(self) -> None:
         """Flush and close TensorBoard."""
         if self._tb is not None:
             self._tb.close()
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities become None (strict JSON), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float, float]:

@@ -181,6 +181,7 @@ def ppo_update(
     cfg: PPOConfig,
     ref_model: LlamaForCausalLM | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Run `cfg.epochs` optimizer steps over the batch, then step the LR schedule; returns loss and
     diagnostic metrics (of the last epoch; `mismatch` is mean |π − μ|, engine/trainer gap on epoch 1).
@@ -215,6 +216,8 @@ def ppo_update(
         for g, idx in enumerate(groups):
             loss, stats, new_lp = micro_batch_loss(model, batch, idx, cfg, prox[g], ref_model)
             loss.backward()
+            if progress is not None:  # micro-batches done of all epochs'
+                progress(epoch * len(groups) + g + 1, cfg.epochs * len(groups))
             if epoch == 0:
                 prox[g] = new_lp
             total_loss += float(loss.detach())

@@ -4,11 +4,8 @@ median 6 s, σ 1.0, capped at 60 s) on the training tasks — the workload of th
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-from harnessrl.examples import ExampleSpec
 from harnessrl.schema import Task
 
 LATENCY: dict[str, Any] = {"median_s": 6.0, "sigma": 1.0, "max_s": 60.0}
@@ -21,17 +18,3 @@ def build_splits(n_train: int, n_heldout: int, seed: int = 0) -> tuple[list[Task
     train, heldout = task.build_splits(n_train, n_heldout, seed)
     slow = [t.model_copy(update={"input": {**t.input, "tool_latency": LATENCY}}) for t in train]
     return slow, heldout
-
-
-def spec() -> ExampleSpec:
-    """The example's data, grader, harness command and config."""
-    from harnessrl.examples.calc import task
-
-    calc_dir = Path(__file__).parent.parent / "calc"
-    return ExampleSpec(
-        name="calc_slow",
-        build_splits=build_splits,
-        grader=task.grade,
-        harness_command=[sys.executable, str(calc_dir / "harness.py")],
-        config_path=Path(__file__).with_name("config.yaml"),
-    )

@@ -32,9 +32,9 @@ async def probe_with_gateway(
     max_tokens: int | None = None,
 ) -> dict[str, int]:
     """{task id: how many of its `k` rollouts scored 1.0} with the coding harness and grader."""
-    from harnessrl.examples.coding import spec
+    from harnessrl.examples import get_example
 
-    example = spec()
+    example = get_example("coding")
     client = ControlClient(gateway_url, admin_key)
     tag = secrets.token_hex(4)
     sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)

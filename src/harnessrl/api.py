@@ -1,0 +1,59 @@
+"""The Python API: the same runs as the `harnessrl` command, from a notebook or a script.
+
+    import harnessrl
+    summary = harnessrl.train("my_agent/config.yaml", train={"steps": 4}, run_dir="runs/x")
+    report = harnessrl.check("my_agent/config.yaml")
+
+Overrides are keyword arguments: a section name with a dict (`train={"steps": 4}`), a top-level key
+(`run_dir="runs/x"`), or a dotted key passed through `**{"train.steps": 4}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harnessrl.config import RunConfig, load_config
+
+
+def config(config_or_path: RunConfig | str | Path | None = None, **overrides: Any) -> RunConfig:
+    """A validated `RunConfig` from a path (or a config, or the defaults) and keyword overrides."""
+    dotted = [f"{k}={_yaml(v)}" for k, v in overrides.items() if "." in k]
+    nested = {k: v for k, v in overrides.items() if "." not in k}
+    if isinstance(config_or_path, RunConfig):
+        base = config_or_path.model_dump(mode="json")
+        return load_config(None, dotted, values={**base, **nested})
+    return load_config(config_or_path, dotted, values=nested)
+
+
+def train(
+    config_or_path: RunConfig | str | Path,
+    *,
+    resume: bool = False,
+    fresh: bool = False,
+    check: bool = True,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Train as `harnessrl train` does and return the run's summary (also in `<run_dir>/summary.json`).
+
+    `resume` continues the run in `run_dir`, `fresh` deletes an earlier run there first (only a
+    harnessrl run directory); `check=False` skips the preflight attempt."""
+    from harnessrl.run import run
+
+    cfg = config(config_or_path, **overrides)
+    return run(cfg, fresh=fresh, resume=resume, check=check, on_step=on_step)
+
+
+def check(config_or_path: RunConfig | str | Path, **overrides: Any) -> Any:
+    """Run one graded attempt as `harnessrl check` does; returns its `CheckReport` (`.ok`, `.render()`)."""
+    from harnessrl.check import run_check
+
+    return run_check(config(config_or_path, **overrides))
+
+
+def _yaml(value: Any) -> str:
+    import json
+
+    return json.dumps(value)  # JSON is YAML: the override parser reads it back unchanged
