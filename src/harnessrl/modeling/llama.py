@@ -281,13 +281,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Training forward: logits [B, T, V] for every position (causal, no cache)."""
+        return self.lm_head(self.hidden_states(input_ids, attention_mask))
+
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The training forward up to the final norm: [B, T, hidden] (project slices of it with
+        `logits` when [T, V] logits of a long sequence would not fit in memory)."""
         b, t = input_ids.shape
         x = self.model.embed_tokens(input_ids)
         positions, mask = _positions_and_mask(attention_mask, b, t, input_ids.device)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.model.blocks:
             x = layer.finish(x, layer.self_attn(layer.input_layernorm(x), cos, sin, mask))
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
 
     def prefill(self, tokens: Tensor, cache: KVCache, slot: int, start: int = 0) -> Tensor:
         """Run `tokens` [T] at positions start.. into cache `slot`; return the last position's logits [V]."""
