@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "check", "config", "train"]
+__all__ = ["__version__", "check", "configure", "train"]
 
 
 def train(config_or_path: Any, **kwargs: Any) -> dict[str, Any]:
@@ -26,8 +26,8 @@ def check(config_or_path: Any, **overrides: Any) -> Any:
     return _check(config_or_path, **overrides)
 
 
-def config(config_or_path: Any = None, **overrides: Any) -> Any:
-    """A validated `RunConfig` from a path and keyword overrides."""
-    from harnessrl.api import config as _config
+def configure(config_or_path: Any = None, **overrides: Any) -> Any:
+    """A validated `RunConfig` from a path and keyword overrides (`harnessrl.config` is the module)."""
+    from harnessrl.api import configure as _configure
 
-    return _config(config_or_path, **overrides)
+    return _configure(config_or_path, **overrides)

@@ -17,7 +17,7 @@ from typing import Any
 from harnessrl.config import RunConfig, load_config
 
 
-def config(config_or_path: RunConfig | str | Path | None = None, **overrides: Any) -> RunConfig:
+def configure(config_or_path: RunConfig | str | Path | None = None, **overrides: Any) -> RunConfig:
     """A validated `RunConfig` from a path (or a config, or the defaults) and keyword overrides."""
     dotted = [f"{k}={_yaml(v)}" for k, v in overrides.items() if "." in k]
     nested = {k: v for k, v in overrides.items() if "." not in k}
@@ -42,7 +42,7 @@ def train(
     harnessrl run directory); `check=False` skips the preflight attempt."""
     from harnessrl.run import run
 
-    cfg = config(config_or_path, **overrides)
+    cfg = configure(config_or_path, **overrides)
     return run(cfg, fresh=fresh, resume=resume, check=check, on_step=on_step)
 
 
@@ -50,7 +50,7 @@ def check(config_or_path: RunConfig | str | Path, **overrides: Any) -> Any:
     """Run one graded attempt as `harnessrl check` does; returns its `CheckReport` (`.ok`, `.render()`)."""
     from harnessrl.check import run_check
 
-    return run_check(config(config_or_path, **overrides))
+    return run_check(configure(config_or_path, **overrides))
 
 
 def _yaml(value: Any) -> str:

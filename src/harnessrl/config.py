@@ -358,15 +358,15 @@ def load_config(
             raise ConfigError(f"config {path} must be a mapping of sections")
         data, base = loaded, path.resolve().parent
         data.setdefault("name", base.name)
+    _deep_merge(data, values or {})
+    for o in overrides or []:
+        apply_override(data, o)
     if "example" in data:
         raise ConfigError(
             f"'example: {data['example']}' is no longer a config key: declare harness, tasks and grader "
             "(docs/config.md), or start from a built-in config, e.g. "
             "`harnessrl train --config src/harnessrl/examples/calc/config.yaml`"
         )
-    _deep_merge(data, values or {})
-    for o in overrides or []:
-        apply_override(data, o)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
