@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-train clean
+.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-train test-harnesses clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,14 @@ bench-gateway: $(STAMP)
 # About a minute: attempts per second at concurrency 64, plain subprocesses against bwrap sandboxes.
 bench-controller: $(STAMP)
 	$(PY) bench/controller.py --out bench/results/controller.json
+
+# About 10 minutes (plus ~10 the first time, to install): the pinned real harnesses (Claude Code, Codex CLI,
+# OpenCode, OpenHands SDK, mini-swe-agent) into .bench/harnesses/, each driven unmodified through the
+# gateway; results in bench/results/harnesses.json, the matrix in docs/harnesses.md.
+test-harnesses: $(STAMP)
+	bash bench/harnesses/setup.sh
+	$(PY) bench/harnesses/run.py --out bench/results/harnesses.json
+	$(PY) bench/harnesses/matrix.py --results bench/results/harnesses.json --doc docs/harnesses.md
 
 clean:
 	rm -rf $(VENV) .bench runs .pytest_cache .mypy_cache .ruff_cache
