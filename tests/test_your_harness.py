@@ -270,3 +270,20 @@ def _create(req: RolloutRequest):  # type: ignore[no-untyped-def]
     from harnessrl.schema import RolloutCreate
 
     return RolloutCreate(client_id=req.client_id, task_id=req.task.task_id, group_id=req.group_id)
+
+
+def test_config_reference_matches_the_models() -> None:
+    from pydantic import BaseModel
+
+    from harnessrl.configdoc import field_comments, render, sections
+
+    doc = Path(__file__).parent.parent / "docs" / "config.md"
+    assert doc.read_text() == render(), (
+        "docs/config.md is stale: python -m harnessrl.configdoc > docs/config.md"
+    )
+    for key, model in sections():
+        comments = field_comments(model)
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                continue  # a section: documented by its own table
+            assert comments.get(name), f"{key}.{name} has no comment in config.py"

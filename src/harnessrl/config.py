@@ -24,9 +24,9 @@ class EngineSection(_Section):
 
     model: str = "smollm2"  # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
-    max_batch: int = Field(default=32, ge=1)
-    max_model_len: int = Field(default=2048, ge=64)
-    threads: int | None = None
+    max_batch: int = Field(default=32, ge=1)  # sequences the builtin engine decodes together
+    max_model_len: int = Field(default=2048, ge=64)  # context length (prompt + completion) the engine accepts
+    threads: int | None = None  # CPU threads of the engine (None: torch's default)
     device: str = "cpu"  # builtin engine: "cpu" or "cuda[:N]"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # builtin engine's weights and KV cache
     # builtin engine on CPU: oneDNN-packed linear weights, F.linear, or auto (see modeling/packed.py)
@@ -34,7 +34,7 @@ class EngineSection(_Section):
     # "vllm" / "sglang": a server already running at `url`, serving `model` (the trainer loads the same
     # directory); it must be able to read the run directory, where new weights are written
     kind: Literal["builtin", "vllm", "sglang"] = "builtin"
-    url: str | None = None
+    url: str | None = None  # the external server's URL (engine.kind vllm / sglang)
 
     @model_validator(mode="after")
     def _external_needs_url(self) -> EngineSection:
@@ -52,18 +52,22 @@ def _check_device(device: str, name: str) -> None:
 class GatewaySection(_Section):
     """The gateway process."""
 
-    port: int = Field(default=0, ge=0, le=65535)
-    default_max_tokens: int = Field(default=256, ge=1)
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
+    default_max_tokens: int = Field(default=256, ge=1)  # completion budget of a call whose request sets none
     mode: Literal["passthrough", "tito"] = "passthrough"  # tito: the gateway builds prompts from token IDs
 
 
 class ControllerSection(_Section):
     """Running harnesses."""
 
-    concurrency: int = Field(default=16, ge=1)
-    harness_timeout_s: float = Field(default=300.0, gt=0)
-    max_attempts: int = Field(default=2, ge=1)
-    grader_timeout_s: float = Field(default=60.0, gt=0)
+    concurrency: int = Field(default=16, ge=1)  # attempts running at once
+    harness_timeout_s: float = Field(
+        default=300.0, gt=0
+    )  # an attempt running longer is killed (its process group) and graded as timed out
+    max_attempts: int = Field(
+        default=2, ge=1
+    )  # tries per rollout when attempts fail for infrastructure reasons
+    grader_timeout_s: float = Field(default=60.0, gt=0)  # a grader running longer is a grader error
     grader_retries: int = Field(
         default=0, ge=0
     )  # a crashed grader runs again this many times before the rollout fails
@@ -74,23 +78,23 @@ class ControllerSection(_Section):
     # (docs/operations.md), saving each attempt's interpreter start and imports. With `sandbox` or
     # `ray_address` it does not apply (those runners start every attempt themselves).
     fork_server: bool = False
-    preload: list[str] = Field(default_factory=list)
-    sandbox_cpu_seconds: int | None = None
+    preload: list[str] = Field(default_factory=list)  # modules the fork server imports once (e.g. [openai])
+    sandbox_cpu_seconds: int | None = None  # CPU seconds per process (RLIMIT_CPU)
     sandbox_memory_mb: int | None = 4096  # per process (RLIMIT_AS)
-    sandbox_max_processes: int | None = 256
-    sandbox_max_file_mb: int | None = 1024
+    sandbox_max_processes: int | None = 256  # processes per user in the sandbox (RLIMIT_NPROC)
+    sandbox_max_file_mb: int | None = 1024  # largest file the harness may write (RLIMIT_FSIZE)
     sandbox_cgroup: Literal["auto", "required", "never"] = "auto"  # one cgroup bounds the whole attempt
     sandbox_cgroup_memory_mb: int | None = 8192  # all of an attempt's processes together
-    sandbox_cgroup_max_pids: int | None = 1024
+    sandbox_cgroup_max_pids: int | None = 1024  # processes of one attempt together (cgroup pids.max)
     sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness may read
-    sandbox_hide_git: bool = False
-    sandbox_disable_git: bool = False
+    sandbox_hide_git: bool = False  # `.git` folders in the view are hidden from the harness
+    sandbox_disable_git: bool = False  # `git` commands fail inside the sandbox
     # Attempts as Ray tasks on a cluster (docs/ray.md): "auto", "host:port" or "ray://…"; None: local.
     # With `sandbox: true` each attempt is sandboxed on its node.
     ray_address: str | None = None
-    ray_num_cpus: float = 1.0
-    ray_memory_mb: int | None = None
-    ray_resources: dict[str, float] = Field(default_factory=dict)
+    ray_num_cpus: float = 1.0  # CPUs Ray reserves per attempt
+    ray_memory_mb: int | None = None  # memory Ray reserves per attempt
+    ray_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources per attempt
 
     def runner(self) -> Any:
         """The runner these settings describe: local, sandboxed, on Ray (sandboxed or not)."""
@@ -129,36 +133,45 @@ class ControllerSection(_Section):
 class TrainSection(_Section):
     """The RL schedule (sync or collocated async) and the PPO update."""
 
+    # sync: roll out, pause, update; async: keep groups in flight during updates
     schedule: Literal["sync", "async"] = "sync"
-    steps: int = Field(default=20, ge=1)
+    steps: int = Field(default=20, ge=1)  # updates to run
     batch_groups: int = Field(default=4, ge=1)  # tasks per step
     group_size: int = Field(default=8, ge=2)  # rollouts per task (GRPO siblings; one alone has no baseline)
-    lr: float = Field(default=1e-5, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    temperature: float = Field(default=1.0, ge=0)
-    clip_low: float = Field(default=0.2, ge=0)
-    clip_high: float = Field(default=0.2, ge=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    micro_batch_tokens: int = Field(default=4096, ge=1)
-    epochs: int = Field(default=1, ge=1)
-    estimator: Estimator = Estimator.GRPO
-    advantage_level: AdvantageLevel = AdvantageLevel.ROLLOUT
-    loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN
+    lr: float = Field(default=1e-5, gt=0)  # AdamW learning rate
+    weight_decay: float = Field(default=0.0, ge=0)  # AdamW weight decay
+    temperature: float = Field(default=1.0, ge=0)  # sampling temperature of training rollouts
+    clip_low: float = Field(default=0.2, ge=0)  # PPO clip range below 1 (ratio ≥ 1 − clip_low)
+    clip_high: float = Field(default=0.2, ge=0)  # PPO clip range above 1 (ratio ≤ 1 + clip_high)
+    max_grad_norm: float = Field(default=1.0, gt=0)  # gradient norm clipping
+    micro_batch_tokens: int = Field(
+        default=4096, ge=1
+    )  # tokens per forward/backward pass (gradient accumulation beyond)
+    epochs: int = Field(default=1, ge=1)  # optimizer steps over each batch
+    estimator: Estimator = (
+        Estimator.GRPO
+    )  # group baseline: GRPO (mean/std), Dr.GRPO (mean), RLOO (leave-one-out)
+    advantage_level: AdvantageLevel = (
+        AdvantageLevel.ROLLOUT
+    )  # rollout: group statistics over rollouts; sample: over rows (ablation only)
+    loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN  # loss normalisation (docs/concepts.md)
     zero_variance: ZeroVariance = ZeroVariance.KEEP  # groups whose rollouts all got the same reward
     # token-prefix merging of a rollout's calls into rows; False: every call its own row (Agent
     # Lightning's transitions; for ablations)
     merge_calls: bool = True
-    checkpoint_every: int = Field(default=5, ge=0)
-    keep_checkpoints: int = Field(default=2, ge=1)
-    seed: int = 0
-    threads: int | None = None
+    checkpoint_every: int = Field(
+        default=5, ge=0
+    )  # save a checkpoint every N steps and after the last (0: never)
+    keep_checkpoints: int = Field(default=2, ge=1)  # newest checkpoints kept
+    seed: int = 0  # seeds the task sampling per step and torch
+    threads: int | None = None  # CPU threads of the trainer (None: torch's default)
     # async schedule: groups kept in flight, and the oldest weight version a trained row may come from
     max_inflight_groups: int = Field(default=8, ge=1)
     max_staleness: int | None = None  # rows staler than this many versions are dropped (None: keep all)
     tis_cap: float | None = None  # truncated importance sampling cap C (None: plain PPO against μ)
     kl_coef: float = 0.0  # β of the k3 KL penalty to the initial model (0: no reference model loaded)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # learning-rate schedule over `steps`
+    warmup_steps: int = 0  # linear warm-up steps
     min_lr_ratio: float = 0.0  # the decayed schedules end at lr × this
     max_row_tokens: int | None = None  # rows longer than this are cut (see adapter.length)
     train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
@@ -206,7 +219,7 @@ class DataSection(_Section):
     # training tasks: at most this many from a task file (None: all), exactly this many from a
     # generator (None: 1000)
     n_train: int | None = Field(default=None, ge=1)
-    seed: int = 0
+    seed: int = 0  # seed of generators and of `tasks.heldout_fraction`'s split
 
 
 class HarnessSection(_Section):
@@ -294,7 +307,7 @@ class RunConfig(_Section):
     # where `grader.python` and `tasks.generator` modules are looked up first; set by `load_config` to
     # the config file's folder
     config_dir: str = ""
-    run_dir: str = "runs/demo"
+    run_dir: str = "runs/demo"  # where the run keeps its store, logs, checkpoints and summary (relative to the current folder)
     harness: HarnessSection = Field(default_factory=HarnessSection)
     tasks: TasksSection = Field(default_factory=TasksSection)
     grader: GraderSection = Field(default_factory=GraderSection)
