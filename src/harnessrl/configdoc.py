@@ -41,7 +41,7 @@ def field_comments(cls: type) -> dict[str, str]:
             continue
         first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
         trailing = _comment(lines[last])
-        above = []
+        above: list[str] = []
         i = first - 1
         while i >= 0 and lines[i].strip().startswith("#"):
             above.insert(0, lines[i].strip().lstrip("#").strip())
