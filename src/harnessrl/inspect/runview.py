@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,7 +118,10 @@ def open_store(run_dir: Path) -> SQLiteStore:
             f"{run_dir} holds no {STORE_FILE}, so no run recorded anything there; pass the run_dir "
             "of a run that has started (for example runs/demo)"
         )
-    return SQLiteStore(run_dir / STORE_FILE)
+    try:
+        return SQLiteStore(run_dir / STORE_FILE)
+    except sqlite3.DatabaseError as e:
+        raise RunError(f"{run_dir / STORE_FILE} is not a readable harnessrl store ({e})") from e
 
 
 def all_rollouts(store: SQLiteStore) -> list[Rollout]:
