@@ -139,6 +139,7 @@ def run(
         gateway.stop()
         if engine is not None:
             engine.stop()
+        _write_index(run_dir)
     summary["wall_seconds"] = time.time() - started
     from harnessrl.plot import reward_curve
 
@@ -146,6 +147,16 @@ def run(
     summary = strict_json(summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary
+
+
+def _write_index(run_dir: Path) -> None:
+    """`rollouts/index.tsv`: which rollout folder is which step, group, task and reward."""
+    from harnessrl.inspect import write_rollout_index
+
+    try:
+        write_rollout_index(run_dir)
+    except Exception as e:  # an index is a convenience: never fail a run over it
+        log.warning("event=rollout_index_failed error=%s", e)
 
 
 def strict_json(value: Any) -> Any:

@@ -117,3 +117,4 @@ def make_grader(metric: Metric = METRIC) -> Grader:
 
 
 grade = make_grader()
+grade_exact = make_grader("exact")  # grader.python: harnessrl.examples.search.task:grade_exact
