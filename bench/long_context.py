@@ -54,6 +54,12 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds this process has used (all threads): the work, whatever else shares the cores."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def reference_manual_ids(tokenizer: Any, n: int, offset: int = 0) -> list[int]:
     """`n` tokens of the Python reference manual (pydoc_data.topics, sections in name order)."""
     from pydoc_data.topics import topics
@@ -94,14 +100,14 @@ def measure_prefill(model: str, lengths: list[int], threads: int, tokenizer: Any
                     continue
                 ids = reference_manual_ids(tokenizer, n, offset=97 * i)  # no two prompts share a prefix
                 before = client.get("/admin/stats").json()["prefill_seconds"]
-                t0 = time.perf_counter()
+                cpu0, t0 = _cpu_seconds(), time.perf_counter()
                 r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0})
-                ttft = time.perf_counter() - t0
+                ttft, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
                 r.raise_for_status()
                 prefill = client.get("/admin/stats").json()["prefill_seconds"] - before
                 row = {"model": model, "prompt_tokens": n, "ttft_s": round(ttft, 2),
                        "prefill_s": round(prefill, 2), "prefill_tok_s": round(n / prefill, 1),
-                       "loadavg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
+                       "cpu_s": round(cpu, 1), "loadavg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
                 print(f"prefill {model:>14} {n:>6} tokens: ttft {ttft:7.1f} s", flush=True)
                 rows.append(row)
     finally:
@@ -141,7 +147,9 @@ def nll_by_bucket(model_name: str, ids: list[int], threads: int) -> dict[str, An
 def print_table(result: dict[str, Any]) -> None:
     """The summary table."""
     print("\nprefill (time to first token, one request, prefix cache off)")
-    print(f"{'model':>14} {'tokens':>7} {'ttft s':>8} {'prefill s':>10} {'tok/s':>7} {'vs 2k':>7}")
+    print(
+        f"{'model':>14} {'tokens':>7} {'ttft s':>8} {'prefill s':>10} {'tok/s':>7} {'cpu s':>7} {'vs 2k':>7}"
+    )
     base = {r["model"]: r for r in result["prefill"] if r.get("prompt_tokens") == 2048}
     for r in result["prefill"]:
         if "ttft_s" not in r:
@@ -149,8 +157,9 @@ def print_table(result: dict[str, Any]) -> None:
         ref = base.get("smollm2-16k") or base.get(r["model"])
         per_tok = (r["prefill_s"] / r["prompt_tokens"]) / (ref["prefill_s"] / 2048) if ref else float("nan")
         print(f"{r['model']:>14} {r['prompt_tokens']:>7} {r['ttft_s']:>8.1f} {r['prefill_s']:>10.1f} "
-              f"{r['prefill_tok_s']:>7.0f} {per_tok:>6.2f}x")  # fmt: skip
-    print("  (vs 2k: prefill seconds per token relative to smollm2-16k at 2,048 tokens)")
+              f"{r['prefill_tok_s']:>7.0f} {r['cpu_s']:>7.0f} {per_tok:>6.2f}x")  # fmt: skip
+    print("  (cpu s: CPU seconds of all threads, the work whatever else ran on the machine; vs 2k: prefill")
+    print("   seconds per token relative to smollm2-16k at 2,048 tokens)")
     for name, rows in result["quality"].items():
         print(f"\nquality: {name} ({rows[0]['tokens']} tokens), mean NLL (ppl); by position")
         for r in rows:

@@ -31,6 +31,7 @@ from harnessrl.modeling.loading import (
     write_rope_scaled_dir,
 )
 from harnessrl.modeling.rope import RopeScaling, RopeType, rope_frequencies
+from harnessrl.trainer.forward import selected_logprobs
 from tests.conftest_engine import full_forward_logprobs, start_server
 
 ORIGINAL = 128  # the tiny model's "trained" context; scaled x4 to 512 (the engine tests' max_model_len)
@@ -227,6 +228,17 @@ def test_engine_logprobs_equal_the_trainer_under_scaling(scaled_dir: Path) -> No
         got = torch.tensor(res["choices"][0]["logprobs"]["token_logprobs"])
         want = full_forward_logprobs(trainer, res["prompt_token_ids"], ids, body["temperature"])
         assert (got - want).abs().max().item() < 1e-4
+        # and through the trainer's own path (shared-prefix forward, selected positions only)
+        tokens = torch.tensor([res["prompt_token_ids"] + ids])
+        select = torch.zeros(1, tokens.shape[1] - 1, dtype=torch.bool)
+        select[0, len(res["prompt_token_ids"]) - 1 :] = True
+        temps = torch.tensor([body["temperature"]])
+        prefix = min(100, len(res["prompt_token_ids"]) - 1)  # computed once for both rows
+        with torch.no_grad():
+            sel = selected_logprobs(
+                trainer, tokens.expand(2, -1), select.expand(2, -1), temps.expand(2), prefix
+            )
+        assert (sel.logprobs.view(2, -1) - got).abs().max().item() < 1e-4
 
 
 def test_engine_caps_max_model_len_at_the_model_context(short_dir: Path) -> None:
@@ -299,3 +311,35 @@ def test_smollm2_16k_directory() -> None:
     assert cfg.rope_scaling == RopeScaling(RopeType.YARN, 2.0, original_max_position_embeddings=8192)
     assert (d / "model.safetensors").stat().st_ino == _SMOLLM2.stat().st_ino  # hard-linked, not copied
     assert load_config(resolve_model("smollm2-32k-linear")).rope_scaling == RopeScaling(RopeType.LINEAR, 4.0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _SMOLLM2.is_file(), reason="SmolLM2 not converted yet (run the engine once)")
+def test_smollm2_16k_engine_equals_trainer_past_8k_positions() -> None:
+    """The real SmolLM2 (whose logits, unlike the tiny model's, show a slightly inexact kernel) scaled to
+    16k: the engine's logprobs for tokens at positions past its original 8,192 equal the trainer's."""
+    from pydoc_data.topics import topics
+
+    from harnessrl.engine.server import Engine
+    from harnessrl.modeling.loading import load_tokenizer
+    from harnessrl.modeling.logprobs import token_logprobs
+
+    d = resolve_model("smollm2-16k")
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    prompt = load_tokenizer(d).encode(text).ids[:8400]
+    engine = Engine(EngineConfig(model=str(d), max_batch=1, threads=2, prefix_cache=False))
+    server = ServerThread(engine).start()
+    try:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.7, "seed": 0, "logprobs": 0}
+        res = httpx.post(server.url + "/v1/completions", json=body, timeout=1800).json()
+    finally:
+        server.stop()
+        engine.shutdown()
+    choice = res["choices"][0]
+    ids = torch.tensor([prompt + choice["token_ids"]])
+    trainer = load_model(d)
+    with torch.inference_mode():
+        hidden = trainer.hidden_states(ids)[0, len(prompt) - 1 : -1]
+        want = token_logprobs(trainer.logits(hidden), ids[0, len(prompt) :], 0.7)
+    got = torch.tensor(choice["logprobs"]["token_logprobs"])
+    assert (got - want).abs().max().item() < 1e-4
