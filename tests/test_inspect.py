@@ -268,7 +268,7 @@ def test_without_a_tokenizer_ids_are_shown_and_answers_kept(fixture_run: Fixture
 def test_terminal_tables(
     fixture_run: Fixture, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("COLUMNS", "240")
+    monkeypatch.setenv("COLUMNS", "80")  # the index fits a narrow terminal: ids and causes whole
     assert main([str(fixture_run.run_dir)]) == 0
     out = capsys.readouterr().out
     for text in (
@@ -282,10 +282,11 @@ def test_terminal_tables(
     ):
         assert text in out
     assert "roeeee5555" not in out  # evaluation rollouts only with --eval
+    monkeypatch.setenv("COLUMNS", "240")
     assert main([str(fixture_run.run_dir), "--rollout", "roaaaa1", "--tokens"]) == 0
     out = capsys.readouterr().out
     assert "The answer is 5." in out and "⟦" in out and "⟧" in out and "history_edited" in out
-    assert "calc({'expression': '2+3'})" in out and "trainable (1)" in out and "prompt (0)" in out
+    assert 'calc({"expression": "2+3"})' in out and "trainable (1)" in out and "prompt (0)" in out
     lp = fixture_run.calls["roaaaa1111"][0].completion_logprobs[0]
     assert f"{lp:.4f}" in out  # the per-token table
 

@@ -3,8 +3,10 @@ row's tokens coloured by loss mask and logprob (marked ⟦…⟧ too, so the mas
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -34,6 +36,13 @@ def _state(state: str) -> Text:
     return Text(state, style=STATE_STYLE.get(state, ""))
 
 
+def _reward(r: dict[str, Any]) -> Text:
+    """The reward of a succeeded rollout; the state (failed, cancelled, running) of any other."""
+    if r["state"] != "succeeded":
+        return _state(r["state"])
+    return Text(_num(r["reward"]))
+
+
 def _group_labels(rollouts: list[dict[str, Any]]) -> dict[str, str]:
     """Short group names: `#1, #2, ...` in order of appearance within each step; `g{k}` for async."""
     labels: dict[str, str] = {}
@@ -50,32 +59,50 @@ def _group_labels(rollouts: list[dict[str, Any]]) -> dict[str, str]:
     return labels
 
 
+def _table(title: str | None, columns: list[tuple[str, str, bool]], rows: list[list[str | Text]]) -> Table:
+    """A compact table; columns marked fixed never wrap or shrink below their widest cell (ids,
+    numbers), the others wrap."""
+    table = Table(
+        title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1),
+        pad_edge=False, collapse_padding=True,
+    )  # fmt: skip
+    for i, (name, justify, fixed) in enumerate(columns):
+        if fixed:
+            width = max([len(name), *(len(str(r[i])) for r in rows)])
+        else:  # room for the longest word, up to 16 characters
+            width = min(max([len(w) for r in rows for w in str(r[i]).split()], default=1), 16)
+        table.add_column(name, justify=justify, no_wrap=fixed, min_width=width, overflow="fold")  # type: ignore[arg-type]
+    return table
+
+
 def render_index(console: Console, report: dict[str, Any]) -> None:
     """The index table (one line per rollout, a section per step) and the per-step totals."""
     rollouts = report["rollouts"]
     evals = report["phase"] == "eval"
     what = "held-out evaluation" if evals else "training"
-    title = f"{report['run_dir']}: {what} rollouts ({report['shown']} of {report['total']})"
-    table = Table(title=title, title_justify="left", header_style="bold")
-    for name, justify in [
-        ("step", "right"), ("task", "left"), ("eval" if evals else "group", "left"), ("rollout", "left"),
-        ("state", "left"), ("reward", "right"), ("adv", "right"), ("att", "right"), ("calls", "right"),
-        ("rows", "right"), ("merge breaks", "left"),
-    ]:  # fmt: skip
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
     labels = _group_labels(rollouts)
-    prev: Any = object()
+    rows: list[list[str | Text]] = []
     for r in rollouts:
+        group = r["eval_label"] if evals else labels[r["group_id"] or r["rollout_id"]]
+        rows.append([
+            _num(r["step"], "d"), escape(r["task_id"]), escape(group or "-"), r["rollout_id"], _reward(r),
+            _num(r["advantage"], "+.2f"), str(r["attempts"]), str(r["calls"]), str(r["rows"]),
+            _breaks(r["breaks"]),
+        ])  # fmt: skip
+    columns = [
+        ("step", "right", True), ("task", "left", False), ("eval" if evals else "group", "left", not evals),
+        ("rollout", "left", True), ("reward", "right", True), ("adv", "right", True),
+        ("att", "right", True), ("calls", "right", True), ("rows", "right", True), ("merge breaks", "left", False),
+    ]  # fmt: skip
+    title = f"{report['run_dir']}: {what} rollouts ({report['shown']} of {report['total']})"
+    table = _table(title, columns, rows)
+    prev: Any = None
+    for r, cells in zip(rollouts, rows, strict=True):
         key = (r["step"], r["group_index"], r["eval_label"])
-        if prev is not key and prev != key and table.row_count:
+        if table.row_count and key != prev:
             table.add_section()
         prev = key
-        group = r["eval_label"] if evals else labels[r["group_id"] or r["rollout_id"]]
-        table.add_row(
-            _num(r["step"], "d"), escape(r["task_id"]), escape(group or "-"), r["rollout_id"], _state(r["state"]),
-            _num(r["reward"]), _num(r["advantage"], "+.2f"), str(r["attempts"]), str(r["calls"]),
-            str(r["rows"]), _breaks(r["breaks"]),
-        )  # fmt: skip
+        table.add_row(*cells)
     console.print(table)
     if report["total"] > report["shown"]:
         more = report["total"] - report["shown"]
@@ -88,23 +115,21 @@ def render_index(console: Console, report: dict[str, Any]) -> None:
 
 
 def _step_table(steps: list[dict[str, Any]], evals: bool) -> Table:
-    table = Table(title="per step (rollouts shown)", title_justify="left", header_style="bold")
-    for name in (
-        "step",
-        "eval" if evals else "groups",
-        "rollouts",
-        "mean reward",
-        "calls",
-        "rows",
-        "merge breaks",
-    ):
-        table.add_column(name, justify="left" if name in ("eval", "merge breaks") else "right")
+    rows: list[list[str | Text]] = []
     for s in steps:
         group = s["eval_label"] or (str(s["groups"]) if s["group_index"] is None else f"g{s['group_index']}")
-        table.add_row(
+        rows.append([
             _num(s["step"], "d"), escape(group), str(s["rollouts"]), _num(s["reward_mean"]), str(s["calls"]),
             str(s["rows"]), _breaks(s["breaks"]),
-        )  # fmt: skip
+        ])  # fmt: skip
+    columns = [
+        ("step", "right", True), ("eval" if evals else "groups", "left" if evals else "right", True),
+        ("rollouts", "right", True), ("mean reward", "right", True), ("calls", "right", True),
+        ("rows", "right", True), ("merge breaks", "left", False),
+    ]  # fmt: skip
+    table = _table("per step (rollouts shown)", columns, rows)
+    for cells in rows:
+        table.add_row(*cells)
     return table
 
 
@@ -113,6 +138,7 @@ def render_rollout(console: Console, report: dict[str, Any], tokens: bool = Fals
     r = report["rollout"]
     console.print(_header(r, report))
     console.print(_calls_table(report["calls"]))
+    _render_completions(console, report["calls"])
     for row in report["rows"]:
         _render_row(console, row, tokens)
     if not report["rows"]:
@@ -122,7 +148,7 @@ def render_rollout(console: Console, report: dict[str, Any], tokens: bool = Fals
 def _header(r: dict[str, Any], report: dict[str, Any]) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
-    grid.add_column()
+    grid.add_column(overflow="fold")
     where = r["phase"] + ("" if r["step"] is None else f", step {r['step']}")
     if r["group_index"] is not None:
         where += f", group g{r['group_index']}"
@@ -132,7 +158,7 @@ def _header(r: dict[str, Any], report: dict[str, Any]) -> Table:
     rows = [
         ("rollout", f"{r['rollout_id']}  (client id {r['client_id']})"),
         ("task", r["task_id"]), ("group", r["group_id"] or "-"), ("place", where), ("state", r["state"]),
-        ("reward", _num(r["reward"]) + (f"  {details}" if details else "")),
+        ("reward", _num(r["reward"]) + (f"  {json.dumps(details, ensure_ascii=False)}" if details else "")),
         ("advantage", _num(r["advantage"], "+.4f")),
         ("calls / rows", f"{r['calls']} calls, {r['rows']} rows, merge breaks: {_breaks(r['breaks'])}"),
     ]  # fmt: skip
@@ -154,35 +180,40 @@ def _header(r: dict[str, Any], report: dict[str, Any]) -> Table:
 
 
 def _calls_table(calls: list[dict[str, Any]]) -> Table:
-    table = Table(title="calls", title_justify="left", header_style="bold", show_lines=True)
-    for name in (
-        "#",
-        "att",
-        "status",
-        "finish",
-        "weights",
-        "prompt",
-        "compl",
-        "row",
-        "break",
-        "completion",
-        "tool calls",
-    ):
-        table.add_column(
-            name, justify="right" if name in ("#", "att", "weights", "prompt", "compl", "row") else "left"
-        )
-    for c in calls:
-        text = c["completion_text"] or (c["error"] or "")
-        if len(text) > MAX_COMPLETION_CHARS:
-            text = text[:MAX_COMPLETION_CHARS] + f"… ({len(text)} chars)"
-        tools = "\n".join(f"{t['name']}({t['arguments']})" for t in c["tool_calls"]) or "-"
-        table.add_row(
+    rows: list[list[str | Text]] = [
+        [
             str(c["index"]), str(c["attempt"]), Text(c["status"], style="green" if c["status"] == "ok" else "red"),
-            c["finish_reason"] or "-", _num(c["weight_version"], "d"),
-            str(c["prompt_tokens"]), str(c["completion_tokens"]), _num(c["row"], "d"), c["break_cause"] or "-",
-            Text(text), Text(tools),
-        )  # fmt: skip
+            c["finish_reason"] or "-", _num(c["weight_version"], "d"), str(c["prompt_tokens"]),
+            str(c["completion_tokens"]), _num(c["row"], "d"), c["break_cause"] or "-",
+            Text(", ".join(_tool_call(t) for t in c["tool_calls"]) or "-"),
+        ]
+        for c in calls
+    ]  # fmt: skip
+    columns = [
+        ("#", "right", True), ("att", "right", True), ("status", "left", True), ("finish", "left", True),
+        ("weights", "right", True), ("prompt", "right", True), ("compl", "right", True), ("row", "right", True),
+        ("break", "left", True), ("tool calls", "left", False),
+    ]  # fmt: skip
+    table = _table("calls", columns, rows)
+    for cells in rows:
+        table.add_row(*cells)
     return table
+
+
+def _tool_call(t: dict[str, Any]) -> str:
+    args = t["arguments"]
+    return f"{t['name']}({json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args})"
+
+
+def _render_completions(console: Console, calls: list[dict[str, Any]]) -> None:
+    """Each call's completion, decoded from the tokens the model sampled (or its error)."""
+    for c in calls:
+        text = c["completion_text"] or ""
+        if len(text) > MAX_COMPLETION_CHARS:
+            text = text[:MAX_COMPLETION_CHARS] + f"… ({len(text)} chars; the row shows all)"
+        head = f"call {c['index']} completion" if c["status"] == "ok" else f"call {c['index']} failed"
+        body = text if c["status"] == "ok" else (c["error"] or "")
+        console.print(Text(head + ": ", style="bold") + Text(body))
 
 
 def _logprob_style(lp: float) -> str:
