@@ -90,7 +90,6 @@ BAD_BODIES = [
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, "temperature"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": "yes"}', 400, "stream_options"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temprature": 1}', 400, "temprature"),
     (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
     (b'{"model": "m", "messages": []}', 400, "messages"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "bad name!"}}]}', 400, "tools.0.function.name"),

@@ -74,12 +74,17 @@ def test_streaming_and_previous_response_id(
         client.responses.create(model="m", input="x", previous_response_id="resp_nope")
 
 
-def test_unsupported_tools_and_items_are_clear_400s(make_gateway: Callable[..., GatewayHandle]) -> None:
+def test_hosted_tools_are_dropped_and_recorded_and_empty_input_is_a_clear_400(
+    make_gateway: Callable[..., GatewayHandle],
+) -> None:
     gw = make_gateway()
     rid, key = gw.new_rollout()
     client = sdk(gw, key)
-    with pytest.raises(openai.BadRequestError, match="only function tools"):
-        client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
-    with pytest.raises(openai.BadRequestError, match="not supported"):
+    client.responses.create(model="m", input="x", max_output_tokens=2, tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    (call,) = gw.store.calls(rid)
+    assert call.chat is not None and call.chat["tools"] is None
+    assert [t["type"] for t in call.chat["dropped_tools"]] == ["web_search"]
+    # an input holding only items of hosted tools leaves nothing to answer
+    with pytest.raises(openai.BadRequestError, match="at least one input item"):
         client.responses.create(model="m", input=[{"type": "image_generation_call", "id": "x"}])  # type: ignore[list-item]
-    assert gw.store.calls(rid) == []
+    assert len(gw.store.calls(rid)) == 1

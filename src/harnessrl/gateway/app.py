@@ -19,17 +19,19 @@ from starlette.routing import Route
 
 from harnessrl.chat import ChatFormatError
 from harnessrl.gateway import control, inference
+from harnessrl.gateway.budget import ContextBudget
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord, effective_sampling
-from harnessrl.gateway.errors import APIError, validate
+from harnessrl.gateway.errors import APIError, ErrorLog, validate
 from harnessrl.gateway.faces import Face, ResponseIds, Streamer, completions
-from harnessrl.gateway.faces.anthropic import AnthropicFace
+from harnessrl.gateway.faces.anthropic import AnthropicFace, CountTokensRequest, parse_request
+from harnessrl.gateway.faces.models import model_card, model_list, wants_anthropic
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
 from harnessrl.gateway.faces.responses import ResponsesFace
 from harnessrl.gateway.history import History, RecentCalls
 from harnessrl.gateway.http import FastJSONResponse, Handler, bearer, guarded, read_json
 from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
-from harnessrl.gateway.metrics import Metrics
+from harnessrl.gateway.metrics import Metrics, count_request_notes
 from harnessrl.gateway.openapi import openapi_document
 from harnessrl.gateway.sglang import SGLangUpstream
 from harnessrl.gateway.upstream import (
@@ -111,6 +113,7 @@ class Gateway:
         self.writer = CallWriter(store)
         self._rollouts: dict[str, Rollout] = {}  # read-through cache; control writes call `forget`
         self.metrics = Metrics()
+        self.budget = ContextBudget(self.tito)  # max_tokens vs the served model's context
         self.metrics.gauge(
             "harnessrl_gateway_paused", "1 while the gateway holds new calls.", lambda: float(self.paused)
         )
@@ -212,6 +215,8 @@ class Gateway:
         attempt = max(rollout.n_attempts - 1, 0)
         history = History(self.recent, rollout.rollout_id, attempt)
         chat = face.to_chat_call(req, history)
+        notes = face.describe(req)  # ignored fields, dropped tools: recorded with the call and counted
+        count_request_notes(self.metrics, face.name, notes)
         sampling = effective_sampling(chat, rollout.sampling, self.config.default_max_tokens)
         served = self.config.model_map.get(chat.model, self.config.served_model)
         ids = ResponseIds(uuid.uuid4().hex, int(time.time()))
@@ -223,6 +228,13 @@ class Gateway:
             t0 = time.perf_counter()
             up = StickyUpstream(self.upstreams, rollout.rollout_id)
             call.upstream = up.served_by
+            param = "input" if face.name == "openai.responses" else "messages"
+            fit = await self.budget.fit(up, served, chat, sampling, history.recent(), face.error_style, param)
+            sampling = fit.sampling
+            if fit.clamped is not None:
+                notes["max_tokens_clamped"] = fit.clamped
+                count_request_notes(self.metrics, face.name, {"max_tokens_clamped": fit.clamped})
+            call.chat = {"messages": chat.messages, "tools": chat.tools, "answer": None, **notes}
             if streamer is None:
                 gen = await self._preemptible_call(
                     lambda: self._engine(call, up, served, chat, sampling, history, t0)
@@ -442,7 +454,7 @@ class Gateway:
                 "completion_logprobs": record.completion_logprobs,
                 "weight_version": version,
                 "finish_reason": record.finish_reason,
-                "chat": chat,
+                "chat": call.chat if chat is None else {**(call.chat or {}), **chat},
             }
         )
         self.recent.add(await self.writer.write(done))  # committed before the harness sees the answer
@@ -456,6 +468,19 @@ class Gateway:
         m.inc("harnessrl_gateway_completion_tokens_total", "Completion tokens of recorded calls.",
               len(record.completion_ids))  # fmt: skip
         m.observe_latency(done.latency_s, face=call.face)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """`POST /v1/messages/count_tokens`: the prompt's tokens as the served model sees them."""
+        rollout = self.rollout_for(request, request.path_params.get("rollout_id"))
+        req = parse_request(await read_json(request, self.config.max_body_bytes), CountTokensRequest)
+        history = History(self.recent, rollout.rollout_id, max(rollout.n_attempts - 1, 0))
+        chat = AnthropicFace().to_chat_call(req, history)
+        served = self.config.model_map.get(chat.model, self.config.served_model)
+        up = StickyUpstream(self.upstreams, rollout.rollout_id)
+        n = await self.budget.count(up, served, chat, history.recent())
+        if n is None:
+            raise APIError(502, "the engine could not count the prompt's tokens", code="upstream_failed")
+        return JSONResponse({"input_tokens": n})
 
     def forget(self, rollout_id: str) -> None:
         """Drop a rollout from the cache after the control API changed it."""
@@ -505,8 +530,20 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         ("/v1/responses", ResponsesFace()),
     ]
 
+    errors = ErrorLog(log)  # every error answer is logged with its reason (rate-limited)
+
+    def logged(handler: Handler) -> Handler:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as e:
+                errors.report(request.method, request.url.path, e.status, e.message)
+                raise
+
+        return run
+
     def counted(handler: Handler, style: str = "openai") -> Handler:
-        return guarded(handler, style, on_error=lambda status: gw().count_error(status))
+        return guarded(logged(handler), style, on_error=lambda status: gw().count_error(status))
 
     def face_handler(face: Face) -> Handler:
         async def handle(request: Request) -> Response:
@@ -517,11 +554,22 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
     async def completion(request: Request) -> Response:
         return await gw().completion(request)
 
+    def served_by(name: str) -> str:
+        return config.model_map.get(name, config.served_model)
+
     async def models(request: Request) -> Response:
         gw().rollout_for(request, request.path_params.get("rollout_id"))
         names = sorted({config.served_model, *config.model_map})
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "harnessrl"} for n in names]
-        return JSONResponse({"object": "list", "data": data})
+        listing = model_list(names, wants_anthropic(request.headers), {n: served_by(n) for n in names})
+        return JSONResponse(listing)
+
+    async def model(request: Request) -> Response:  # any name a client sends is served
+        gw().rollout_for(request, request.path_params.get("rollout_id"))
+        name = request.path_params["model_id"]
+        return JSONResponse(model_card(name, wants_anthropic(request.headers), served_by(name)))
+
+    async def count_tokens(request: Request) -> Response:
+        return await gw().count_tokens(request)
 
     async def self_reward(request: Request) -> Response:
         g = gw()
@@ -545,17 +593,23 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
 
     routes = [
         Route("/health", guarded(health), methods=["GET"]),
-        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/metrics", guarded(logged(metrics)), methods=["GET"]),
         Route("/openapi.json", guarded(openapi), methods=["GET"]),
         *[Route(path, face_handler(face), methods=["POST"]) for path, face in faces],
         *[Route(f"/r/{{rollout_id}}{path}", face_handler(face), methods=["POST"]) for path, face in faces],
         Route("/v1/completions", counted(completion), methods=["POST"]),
         Route("/r/{rollout_id}/v1/completions", counted(completion), methods=["POST"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/harnessrl/reward", guarded(self_reward), methods=["PUT"]),
-        Route("/r/{rollout_id}/v1/harnessrl/reward", guarded(self_reward), methods=["PUT"]),
-        Route("/r/{rollout_id}/v1/models", guarded(models), methods=["GET"]),
-        *[Route(path, guarded(fn), methods=[m]) for path, m, fn in control.routes(gw)],
+        Route("/v1/models", guarded(logged(models)), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", guarded(logged(model)), methods=["GET"]),
+        Route("/r/{rollout_id}/v1/models/{model_id:path}", guarded(logged(model)), methods=["GET"]),
+        Route("/v1/messages/count_tokens", counted(count_tokens, "anthropic"), methods=["POST"]),
+        Route(
+            "/r/{rollout_id}/v1/messages/count_tokens", counted(count_tokens, "anthropic"), methods=["POST"]
+        ),
+        Route("/v1/harnessrl/reward", guarded(logged(self_reward)), methods=["PUT"]),
+        Route("/r/{rollout_id}/v1/harnessrl/reward", guarded(logged(self_reward)), methods=["PUT"]),
+        Route("/r/{rollout_id}/v1/models", guarded(logged(models)), methods=["GET"]),
+        *[Route(path, guarded(logged(fn)), methods=[m]) for path, m, fn in control.routes(gw)],
     ]
 
     @contextlib.asynccontextmanager
@@ -574,6 +628,8 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
             404: f"no route {request.url.path}",
             405: f"method {request.method} not allowed on {request.url.path}",
         }
-        return APIError(status, message.get(status, str(getattr(exc, "detail", "error")))).response()
+        error = APIError(status, message.get(status, str(getattr(exc, "detail", "error"))))
+        errors.report(request.method, request.url.path, status, error.message)
+        return error.response()
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -1,7 +1,12 @@
-"""Errors in the shape OpenAI clients understand: `{"error": {"message", "type", "param", "code"}}`."""
+"""Errors in the shape OpenAI clients understand: `{"error": {"message", "type", "param", "code"}}`,
+or Anthropic's `{"type": "error", "error": {"type", "message"}}`; and the gateway's log of the errors
+it answers with (`event=http_error`, rate-limited)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -95,3 +100,48 @@ def validate(model: type[M], body: Any) -> M:
         return model.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def context_too_long(prompt_tokens: int, context: int, style: str, param: str = "messages") -> APIError:
+    """The 400 for a prompt that leaves no room for output, worded as the API of `style` words it
+    (Anthropic: "prompt is too long: N tokens > M maximum"; OpenAI: code `context_length_exceeded`)."""
+    if style == "anthropic":
+        return APIError(
+            400, f"prompt is too long: {prompt_tokens} tokens > {context - 1} maximum", param=param
+        )
+    return APIError(
+        400,
+        f"This model's maximum context length is {context} tokens. However, your messages resulted in "
+        f"{prompt_tokens} tokens. Please reduce the length of the messages.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+class ErrorLog:
+    """Logs each error answer with its reason as `event=http_error`, at most one line per
+    (path, status, reason) every `window_s` seconds; the next line says how many were suppressed."""
+
+    def __init__(self, logger: logging.Logger, window_s: float = 5.0, max_keys: int = 10_000) -> None:
+        self.log = logger
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._last: dict[tuple[str, int, str], tuple[float, int]] = {}  # key -> (last logged, suppressed)
+        self._lock = threading.Lock()
+
+    def report(self, method: str, path: str, status: int, reason: str) -> bool:
+        """Log one error answer unless an identical one was logged within the window; True if logged."""
+        key = (path, status, reason)
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._last.get(key, (float("-inf"), 0))
+            if now - last < self.window_s:
+                self._last[key] = (last, suppressed + 1)
+                return False
+            if len(self._last) >= self.max_keys:
+                self._last.clear()
+            self._last[key] = (now, 0)
+        level = logging.ERROR if status >= 500 else logging.WARNING
+        self.log.log(level, "event=http_error method=%s path=%s status=%d reason=%r suppressed=%d",
+                     method, path, status, reason, suppressed)  # fmt: skip
+        return True

@@ -6,6 +6,7 @@ import bisect
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 LATENCY_BUCKETS = (
     0.001,
@@ -29,11 +30,16 @@ LATENCY_BUCKETS = (
 Labels = tuple[tuple[str, str], ...]
 
 
+def _escape(value: str) -> str:
+    """A label value as the exposition format writes it (backslash, quote and newline escaped)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _fmt(labels: Labels, extra: tuple[tuple[str, str], ...] = ()) -> str:
     items = labels + extra
     if not items:
         return ""
-    return "{" + ",".join(f'{k}="{v}"' for k, v in items) + "}"
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items) + "}"
 
 
 class Metrics:
@@ -52,6 +58,17 @@ class Metrics:
         with self._lock:
             self._help[name] = help_text
             self._counters[name][key] += value
+
+    def inc_capped(self, name: str, help_text: str, max_series: int, **labels: str) -> None:
+        """Add 1 to a counter whose label values come from clients (field names, tool types): once it
+        has `max_series` series, new label sets are counted under `other` so clients cannot grow it."""
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            series = self._counters[name]
+            if key not in series and len(series) >= max_series:
+                key = tuple((k, "other") for k, _ in key)
+            self._help[name] = help_text
+            series[key] += 1
 
     def observe_latency(self, seconds: float, **labels: str) -> None:
         """Record one call's latency."""
@@ -90,3 +107,19 @@ class Metrics:
         for gname, (help_text, read) in sorted(self._gauges.items()):
             lines += [f"# HELP {gname} {help_text}", f"# TYPE {gname} gauge", f"{gname} {read():g}"]
         return "\n".join(lines) + "\n"
+
+
+def count_request_notes(metrics: Metrics, face: str, notes: dict[str, Any]) -> None:
+    """Count what a face noted about a request: each ignored field, each dropped tool (by type), a
+    clamped output budget."""
+    for name in notes.get("ignored_fields") or []:
+        metrics.inc_capped("harnessrl_gateway_ignored_fields_total",
+                           "Request fields accepted but not used for generation, by face and field.", 500,
+                           face=face, field=str(name)[:64])  # fmt: skip
+    for tool in notes.get("dropped_tools") or []:
+        metrics.inc_capped("harnessrl_gateway_dropped_tools_total",
+                           "Tools left out of the prompt (hosted by the API provider, unsupported), by type.",
+                           200, face=face, type=str(tool.get("type"))[:64])  # fmt: skip
+    if notes.get("max_tokens_clamped"):
+        metrics.inc("harnessrl_gateway_max_tokens_clamped_total",
+                    "Calls whose max_tokens was cut to what the prompt leaves of the context.", face=face)  # fmt: skip

@@ -29,6 +29,10 @@ class Face(Protocol):
     def streamer(self, req: Any, ids: ResponseIds) -> Streamer | None:
         """The event writer for `stream: true`, or None when the request did not ask to stream."""
 
+    def describe(self, req: Any) -> dict[str, Any]:
+        """What the call record says about the request beyond its conversation: `ignored_fields`
+        (fields not used for generation), `dropped_tools` (tools the model cannot be offered), ..."""
+
 
 class Streamer(Protocol):
     """Writes one streamed answer in a face's event format."""

@@ -1,10 +1,15 @@
 """The Anthropic messages face: `POST /v1/messages`, non-streaming and streaming. Pure translation.
 
-Request → canonical: `system` becomes a system message; a user turn's `tool_result` blocks become
-`tool` messages (in order, before the turn's text); an assistant turn's `tool_use` blocks become
-`tool_calls`. Answer: a `text` block (if any text) and one `tool_use` block per tool call;
-`stop_reason` is `tool_use`, `max_tokens` or `end_turn`. Streaming follows Anthropic's event
-sequence: message_start, content_block_start/delta/stop per block, message_delta, message_stop.
+Request → canonical: `system` becomes a system message, and so does a `system` turn inside `messages`
+(at its place); a user turn's `tool_result` blocks become `tool` messages (in order, before the turn's
+text); an assistant turn's `tool_use` blocks become `tool_calls` (thinking and server-tool blocks are
+skipped); blocks the model cannot see (images, documents) become placeholders such as `[image]`.
+Tools are mapped by `faces.tools.anthropic_tools` (server tools dropped, client tools given their
+schema, deferred tools loaded by `tool_reference`). Fields with no meaning here (`thinking`,
+`context_management`, `output_config`, `metadata`, `top_k`, ...) are ignored and reported.
+Answer: a `text` block (if any text) and one `tool_use` block per tool call; `stop_reason` is
+`tool_use`, `max_tokens` or `end_turn`. Streaming follows Anthropic's event sequence: message_start,
+content_block_start/delta/stop per block, message_delta, message_stop.
 """
 
 from __future__ import annotations
@@ -12,14 +17,18 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import APIError, validate
 from harnessrl.gateway.faces import ResponseIds
+from harnessrl.gateway.faces.fields import ignored_fields, notes, part_text
+from harnessrl.gateway.faces.tools import ToolMap, anthropic_tools
 from harnessrl.gateway.history import History
 
-_TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+# the fields generation uses; any other field is accepted, ignored and reported
+USED_FIELDS = frozenset({"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
+                         "temperature", "top_p", "stream"})  # fmt: skip
 
 
 class _Block(BaseModel):
@@ -28,50 +37,35 @@ class _Block(BaseModel):
 
 
 class AnthropicMessage(BaseModel):
-    """One turn: a string or a list of content blocks."""
+    """One turn: a string or a list of content blocks (a `system` turn carries system text)."""
 
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant", "system"]
     content: str | list[_Block]
 
 
-class AnthropicTool(BaseModel):
-    """A client tool."""
+class MessagesRequest(BaseModel):
+    """A `/v1/messages` request. Fields the gateway does not use are accepted, ignored and reported."""
 
     model_config = ConfigDict(extra="allow")
-    name: str = Field(pattern=_TOOL_NAME)
-    description: str | None = None
-    input_schema: dict[str, Any]
-    type: str | None = None
-
-    @field_validator("input_schema")
-    @classmethod
-    def _object(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if v.get("type", "object") != "object":
-            raise ValueError("input_schema must be a JSON schema of type 'object'")
-        return v
-
-
-class MessagesRequest(BaseModel):
-    """A `/v1/messages` request (fields the gateway does not use are accepted and ignored)."""
-
-    model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[_Block] | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     stop_sequences: list[str] | None = Field(default=None, max_length=8)
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
     stream: bool | None = None
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
-    thinking: dict[str, Any] | None = None
-    container: str | None = None
-    mcp_servers: list[dict[str, Any]] | None = None
+    _tool_map: ToolMap = PrivateAttr(default_factory=ToolMap)
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+
+class CountTokensRequest(MessagesRequest):
+    """A `/v1/messages/count_tokens` request: a messages request without `max_tokens`."""
+
+    max_tokens: int = Field(default=1, ge=1)
 
 
 def _text(blocks: str | list[_Block] | None, where: str) -> str:
@@ -88,13 +82,24 @@ def _text(blocks: str | list[_Block] | None, where: str) -> str:
     return "".join(parts)
 
 
+def _block_text(block: Any, where: str) -> str:
+    """A block the model sees as text: text itself, a loaded tool's name, or a placeholder."""
+    data = block.model_dump() if isinstance(block, BaseModel) else block
+    kind = data.get("type") if isinstance(data, dict) else None
+    if kind in ("image", "document") and not isinstance(data.get("source"), dict):
+        raise APIError(400, f"{where}: an {kind} block needs a 'source' object", param=f"{where}.source")
+    if kind == "tool_reference" and isinstance(data.get("tool_name"), str):
+        return f"[tool loaded: {data['tool_name']}]"
+    return part_text(data, where)
+
+
 def _tool_result_text(block: _Block, where: str) -> str:
     content = getattr(block, "content", "")
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     if isinstance(content, list):
-        return _text([_Block.model_validate(c) for c in content], f"{where}.content")
-    raise APIError(400, f"{where}.content must be a string or text blocks", param=f"{where}.content")
+        return "".join(_block_text(c, f"{where}.content.{k}") for k, c in enumerate(content))
+    raise APIError(400, f"{where}.content must be a string or a list of blocks", param=f"{where}.content")
 
 
 def _user_turn(msg: AnthropicMessage, i: int) -> list[dict[str, Any]]:
@@ -109,10 +114,8 @@ def _user_turn(msg: AnthropicMessage, i: int) -> list[dict[str, Any]]:
             if not isinstance(tool_use_id, str):
                 raise APIError(400, f"{where}.tool_use_id must be a string", param=f"{where}.tool_use_id")
             out.append({"role": "tool", "tool_call_id": tool_use_id, "content": _tool_result_text(b, where)})
-        elif b.type == "text" and isinstance(getattr(b, "text", None), str):
-            texts.append(b.text)  # type: ignore[attr-defined]
         else:
-            raise APIError(400, f"{where}: block type '{b.type}' is not supported", param=where)
+            texts.append(_block_text(b, where))
     if texts:
         out.append({"role": "user", "content": "".join(texts)})
     return out
@@ -135,10 +138,8 @@ def _assistant_turn(msg: AnthropicMessage, i: int) -> dict[str, Any]:
             calls.append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
             )
-        elif b.type in ("thinking", "redacted_thinking"):
-            continue
-        else:
-            raise APIError(400, f"{where}: block type '{b.type}' is not supported", param=where)
+        # thinking, redacted_thinking and server-tool blocks (server_tool_use, *_tool_result) carry
+        # nothing the model here wrote or can use: skipped
     out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         out["tool_calls"] = calls
@@ -146,30 +147,45 @@ def _assistant_turn(msg: AnthropicMessage, i: int) -> dict[str, Any]:
     return out
 
 
+def _loaded_tools(messages: list[AnthropicMessage]) -> set[str]:
+    """Names of deferred tools that `tool_reference` blocks (inside tool results) have loaded."""
+    names: set[str] = set()
+    for m in messages:
+        for b in m.content if isinstance(m.content, list) else []:
+            content = getattr(b, "content", None) if b.type == "tool_result" else None
+            for c in content if isinstance(content, list) else []:
+                if (
+                    isinstance(c, dict)
+                    and c.get("type") == "tool_reference"
+                    and isinstance(c.get("tool_name"), str)
+                ):
+                    names.add(c["tool_name"])
+    return names
+
+
+def parse_request(body: Any, model: type[MessagesRequest] = MessagesRequest) -> MessagesRequest:
+    """Validate a messages body; map its tools and note the fields it sets that are not used."""
+    req = validate(model, body)
+    req._tool_map = anthropic_tools(req.tools, _loaded_tools(req.messages))
+    req._ignored = ignored_fields(body, USED_FIELDS)
+    return req
+
+
 def to_chat_call(req: MessagesRequest) -> ChatCall:
     """The canonical call of a messages request."""
     messages: list[dict[str, Any]] = []
-    system = _text(req.system, "system")
     if req.system is not None:
-        messages.append({"role": "system", "content": system})
+        messages.append({"role": "system", "content": _text(req.system, "system")})
     for i, m in enumerate(req.messages):
         if m.role == "user":
             messages += _user_turn(m, i)
+        elif m.role == "system":
+            messages.append({"role": "system", "content": _text(m.content, f"messages.{i}.content")})
         else:
             messages.append(_assistant_turn(m, i))
     tools = None
-    if req.tools and (req.tool_choice or {}).get("type") != "none":
-        tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description or "",
-                    "parameters": t.input_schema,
-                },
-            }
-            for t in req.tools
-        ]
+    if req._tool_map.functions and (req.tool_choice or {}).get("type") != "none":
+        tools = req._tool_map.functions
     return ChatCall(
         model=req.model, messages=messages, tools=tools, max_tokens=req.max_tokens,
         temperature=req.temperature, top_p=req.top_p, stop=req.stop_sequences,
@@ -298,7 +314,7 @@ class AnthropicFace:
 
     def parse(self, body: Any) -> MessagesRequest:
         """Validate a messages body."""
-        return validate(MessagesRequest, body)
+        return parse_request(body)
 
     def to_chat_call(self, req: MessagesRequest, history: History) -> ChatCall:
         """The canonical call."""
@@ -311,3 +327,7 @@ class AnthropicFace:
     def streamer(self, req: MessagesRequest, ids: ResponseIds) -> MessageStreamer | None:
         """The event writer when `stream: true`."""
         return MessageStreamer(req, ids) if req.stream else None
+
+    def describe(self, req: MessagesRequest) -> dict[str, Any]:
+        """Ignored fields and dropped tools."""
+        return notes(req._ignored, req._tool_map.dropped)

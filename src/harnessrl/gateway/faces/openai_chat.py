@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import validate
 from harnessrl.gateway.faces import ResponseIds
+from harnessrl.gateway.faces.fields import ignored_fields, notes
+from harnessrl.gateway.faces.tools import ToolMap, chat_tools
 from harnessrl.gateway.history import History
-
-_TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class _Loose(BaseModel):
@@ -33,40 +33,21 @@ class ChatMessage(_Loose):
     tool_call_id: str | None = None
 
 
-class FunctionDef(BaseModel):
-    """A function a tool exposes."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=_TOOL_NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "object") != "object":
-            raise ValueError("parameters must be a JSON schema of type 'object'")
-        return v
-
-
-class Tool(BaseModel):
-    """A tool offered to the model."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: FunctionDef
+# the fields generation uses; any other field is accepted, ignored and reported
+USED_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
+                         "max_completion_tokens", "stop", "seed", "n", "stream", "stream_options", "logprobs",
+                         "top_logprobs", "return_token_ids"})  # fmt: skip
 
 
 class ChatCompletionRequest(BaseModel):
-    """A chat-completions request. Fields OpenAI documents but the gateway does not use are accepted
-    and ignored; anything else is an error, so a typo never passes silently."""
+    """A chat-completions request. Fields the gateway does not use (OpenAI's or anyone's) are accepted,
+    ignored and reported; a malformed value of a field it uses is a 400 naming the field."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[Tool] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -76,23 +57,12 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     n: int | None = Field(default=None, ge=1, le=1)
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_token_ids: bool | None = None
-    # accepted, not used by the gateway
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    stream_options: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    reasoning_effort: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    _tool_map: ToolMap = PrivateAttr(default_factory=ToolMap)
+    _ignored: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("stop")
     @classmethod
@@ -102,11 +72,19 @@ class ChatCompletionRequest(BaseModel):
         return v
 
 
+def parse_request(body: Any) -> ChatCompletionRequest:
+    """Validate a chat-completions body; map its tools and note the fields it sets that are not used."""
+    req = validate(ChatCompletionRequest, body)
+    req._tool_map = chat_tools(req.tools)
+    req._ignored = ignored_fields(body, USED_FIELDS)
+    return req
+
+
 def to_chat_call(req: ChatCompletionRequest) -> ChatCall:
     """The canonical call of a chat-completions request."""
     tools = None
-    if req.tools and req.tool_choice != "none":
-        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if req._tool_map.functions and req.tool_choice != "none":
+        tools = req._tool_map.functions
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     return ChatCall(
         model=req.model,
@@ -227,7 +205,7 @@ class OpenAIChatFace:
 
     def parse(self, body: Any) -> ChatCompletionRequest:
         """Validate a chat-completions body."""
-        return validate(ChatCompletionRequest, body)
+        return parse_request(body)
 
     def to_chat_call(self, req: ChatCompletionRequest, history: History) -> ChatCall:
         """The canonical call."""
@@ -240,3 +218,7 @@ class OpenAIChatFace:
     def streamer(self, req: ChatCompletionRequest, ids: ResponseIds) -> ChatStreamer | None:
         """The event writer when `stream: true`."""
         return ChatStreamer(req, ids) if req.stream else None
+
+    def describe(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """Ignored fields and dropped tools."""
+        return notes(req._ignored, req._tool_map.dropped)

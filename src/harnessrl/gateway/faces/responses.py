@@ -1,47 +1,46 @@
-"""The OpenAI Responses face: `POST /v1/responses` with function tools, `previous_response_id`,
+"""The OpenAI Responses face: `POST /v1/responses` with tools of every kind, `previous_response_id`,
 non-streaming and streaming. Pure translation.
 
 Input items → canonical: `instructions` becomes the system message; message items keep their role;
-consecutive `function_call` items join the assistant message they follow (as its `tool_calls`);
-`function_call_output` items become `tool` messages; reasoning items are skipped. With
-`previous_response_id`, the conversation continues from that response of the same rollout (its
-messages and its answer), as the stateful API does. Output: a `message` item (if there is text or no
-tool call) and one `function_call` item per tool call.
+consecutive tool-call items (`function_call`, with its `namespace` if any, `custom_tool_call`,
+`local_shell_call`, `computer_call`, `tool_search_call`) join the assistant message they follow (as its
+`tool_calls`); their `*_output` items become `tool` messages; reasoning items and items of hosted
+tools are skipped (and reported). With `previous_response_id`, the conversation continues from that
+response of the same rollout (its messages and its answer), as the stateful API does. Tools are mapped
+by `faces.tools.responses_tools`; the answer maps the model's calls back: a message item (if there is
+text or no tool call), then one item per call in the shape of the tool it called.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from harnessrl.chat import ChatFormatError, content_text
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import APIError, validate
 from harnessrl.gateway.faces import ResponseIds
+from harnessrl.gateway.faces.fields import content_text, ignored_fields, notes
+from harnessrl.gateway.faces.tools import ToolMap, arguments_object, custom_input, flat_name, responses_tools
 from harnessrl.gateway.history import History
 
-
-class FunctionTool(BaseModel):
-    """A function tool (the only tool type a local model can serve)."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+# the fields generation uses; any other field is accepted, ignored and reported
+USED_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens",
+                         "temperature", "top_p", "stream", "previous_response_id", "top_logprobs"})  # fmt: skip
+CALL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call", "computer_call", "tool_search_call")
+OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output",
+                "computer_call_output", "tool_search_output")  # fmt: skip
 
 
 class ResponsesRequest(BaseModel):
-    """A `/v1/responses` request; documented fields the gateway does not use are accepted and ignored."""
+    """A `/v1/responses` request. Fields the gateway does not use are accepted, ignored and reported."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -49,44 +48,61 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = None
     previous_response_id: str | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # accepted, not used
-    store: bool | None = None
-    metadata: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    truncation: str | None = None
-    reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
-    include: list[str] | None = None
-    user: str | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    safety_identifier: str | None = None
-    stream_options: dict[str, Any] | None = None
-    background: bool | None = None
-    max_tool_calls: int | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
-    context_management: list[dict[str, Any]] | None = None
+    _tool_map: ToolMap = PrivateAttr(default_factory=ToolMap)
+    _messages: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+    _skipped: list[str] = PrivateAttr(default_factory=list)
+
+    def extra(self, name: str) -> Any:
+        """A field the gateway does not use (echoed in the answer where the API echoes it)."""
+        return (self.model_extra or {}).get(name)
 
 
-def _item_text(content: Any, where: str) -> str:
-    try:
-        return content_text(content, where=where)
-    except ChatFormatError as e:
-        raise APIError(400, str(e), param=where) from None
+def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """The canonical tool call of a tool-call input item."""
+    kind, call_id = item["type"], item.get("call_id") or item.get("id")
+    if not isinstance(call_id, str):
+        raise APIError(400, f"{where}: {kind} needs a string call_id", param=f"{where}.call_id")
+    namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+    if kind == "function_call":
+        name, args = item.get("name"), item.get("arguments")
+        if not isinstance(name, str) or not isinstance(args, str):
+            raise APIError(400, f"{where}: function_call needs string name and arguments", param=where)
+    elif kind == "custom_tool_call":
+        name, text = item.get("name"), item.get("input")
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise APIError(400, f"{where}: custom_tool_call needs string name and input", param=where)
+        args = json.dumps({"input": text}, ensure_ascii=False)
+    elif kind == "local_shell_call":
+        action = item.get("action")
+        fields = {k: v for k, v in action.items() if k != "type"} if isinstance(action, dict) else {}
+        name, args = "local_shell", json.dumps(fields)
+    elif kind == "computer_call":
+        name, args = "computer", json.dumps({"action": item.get("action")})
+    else:  # tool_search_call
+        raw = item.get("arguments")
+        name, args = "tool_search", raw if isinstance(raw, str) else json.dumps(raw or {})
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": flat_name(namespace, name), "arguments": args},
+    }
 
 
-def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-    if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
-        raise APIError(400, f"{where}: function_call needs string call_id, name and arguments", param=where)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+def _output_text(item: dict[str, Any], where: str) -> str:
+    if item["type"] == "tool_search_output":
+        names = [str(t.get("name") or t.get("type")) for t in item.get("tools") or [] if isinstance(t, dict)]
+        return "Tools loaded: " + ", ".join(names) if names else "No tools found."
+    output = item.get("output")
+    if isinstance(output, dict):
+        return content_text([output], f"{where}.output")
+    return content_text(output, f"{where}.output")
 
 
-def items_to_messages(items: list[dict[str, Any]], offset: int = 0) -> list[dict[str, Any]]:
-    """Canonical chat messages of Responses input items."""
+def items_to_messages(items: list[dict[str, Any]], offset: int = 0) -> tuple[list[dict[str, Any]], list[str]]:
+    """Canonical chat messages of Responses input items, and the types of the items skipped."""
     out: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for i, item in enumerate(items):
         where = f"input.{offset + i}"
         kind = item.get("type", "message")
@@ -94,24 +110,23 @@ def items_to_messages(items: list[dict[str, Any]], offset: int = 0) -> list[dict
             role = item["role"]
             if role not in ("system", "developer", "user", "assistant"):
                 raise APIError(400, f"{where}.role '{role}' is not supported", param=f"{where}.role")
-            out.append({"role": role, "content": _item_text(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            call = _function_call(item, where)
+            out.append({"role": role, "content": content_text(item.get("content"), f"{where}.content")})
+        elif kind in CALL_ITEMS:
+            call = _call(item, where)
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
                 last["content"] = last.get("content") or None
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else _item_text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
-        elif kind == "reasoning":
-            continue
+        elif kind in OUTPUT_ITEMS:
+            call_id = item.get("call_id") or item.get("id")
+            out.append(
+                {"role": "tool", "tool_call_id": str(call_id or ""), "content": _output_text(item, where)}
+            )
         else:
-            raise APIError(400, f"{where}: input item type '{kind}' is not supported", param=f"{where}.type")
-    return out
+            skipped.append(str(kind))
+    return out, skipped
 
 
 def _previous(history: History, response_id: str) -> list[dict[str, Any]]:
@@ -129,37 +144,87 @@ def _previous(history: History, response_id: str) -> list[dict[str, Any]]:
     )
 
 
+def parse_request(body: Any) -> ResponsesRequest:
+    """Validate a Responses body: its input items as canonical messages, its tools mapped, and the
+    fields it sets that are not used."""
+    req = validate(ResponsesRequest, body)
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    req._messages, skipped = items_to_messages(items)
+    req._skipped = sorted(set(skipped))
+    loaded = [
+        t for item in items if item.get("type") == "tool_search_output" for t in item.get("tools") or []
+    ]
+    req._tool_map = responses_tools([*(req.tools or []), *loaded])
+    req._ignored = ignored_fields(body, USED_FIELDS)
+    return req
+
+
 def to_chat_call(req: ResponsesRequest, history: History) -> ChatCall:
     """The canonical call of a Responses request (resolving `previous_response_id` in `history`)."""
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     messages = _previous(history, req.previous_response_id) if req.previous_response_id else []
-    messages = messages + items_to_messages(items)
+    messages = messages + req._messages
     if req.instructions is not None:
         messages = [{"role": "system", "content": req.instructions}, *messages]
     if not messages:
         raise APIError(400, "input: at least one input item is needed", param="input")
     tools = None
-    if req.tools and req.tool_choice != "none":
-        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                   "parameters": t.parameters or {"type": "object"}}}
-                 for t in req.tools]  # fmt: skip
+    if req._tool_map.functions and req.tool_choice != "none":
+        tools = req._tool_map.functions
     return ChatCall(
         model=req.model, messages=messages, tools=tools, max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, top_logprobs=req.top_logprobs or 0,
     )  # fmt: skip
 
 
-def output_items(gen: Generation, ids: ResponseIds) -> list[dict[str, Any]]:
-    """The response's output items: a message (text), then one function_call item per tool call."""
+def call_item(tc: dict[str, Any], tools: ToolMap, item_id: str) -> dict[str, Any]:
+    """The output item of one tool call, in the shape of the tool the model called."""
+    fn = tc["function"]
+    origin = tools.origin(fn["name"])
+    base: dict[str, Any] = {"id": item_id, "call_id": tc["id"], "status": "completed"}
+    if origin.kind == "custom":
+        item = {
+            "type": "custom_tool_call",
+            **base,
+            "name": origin.name,
+            "input": custom_input(fn["arguments"]),
+        }
+    elif origin.kind == "local_shell":
+        item = {
+            "type": "local_shell_call",
+            **base,
+            "action": {"type": "exec", **arguments_object(fn["arguments"])},
+        }
+    elif origin.kind == "computer":
+        args = arguments_object(fn["arguments"])
+        item = {
+            "type": "computer_call",
+            **base,
+            "action": args.get("action", args),
+            "pending_safety_checks": [],
+        }
+    elif origin.kind == "tool_search":
+        item = {
+            "type": "tool_search_call",
+            **base,
+            "execution": "client",
+            "arguments": arguments_object(fn["arguments"]),
+        }
+    else:
+        item = {"type": "function_call", **base, "name": origin.name, "arguments": fn["arguments"]}
+    if origin.namespace:
+        item["namespace"] = origin.namespace
+    return item
+
+
+def output_items(gen: Generation, ids: ResponseIds, tools: ToolMap | None = None) -> list[dict[str, Any]]:
+    """The response's output items: a message (text), then one item per tool call."""
     items: list[dict[str, Any]] = []
     if gen.content or not gen.tool_calls:
         part = {"type": "output_text", "text": gen.content, "annotations": [], "logprobs": []}
         items.append({"type": "message", "id": f"msg_{ids.response_id}", "status": "completed",
                       "role": "assistant", "content": [part]})  # fmt: skip
     for i, tc in enumerate(gen.tool_calls):
-        fn = tc["function"]
-        items.append({"type": "function_call", "id": f"fc_{ids.response_id}_{i}", "call_id": tc["id"],
-                      "name": fn["name"], "arguments": fn["arguments"], "status": "completed"})  # fmt: skip
+        items.append(call_item(tc, tools or ToolMap(), f"fc_{ids.response_id}_{i}"))
     return items
 
 
@@ -176,15 +241,15 @@ def response_object(gen: Generation, req: ResponsesRequest, ids: ResponseIds) ->
         "error": None,
         "model": req.model,
         "instructions": req.instructions,
-        "output": output_items(gen, ids),
-        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+        "output": output_items(gen, ids, req._tool_map),
+        "parallel_tool_calls": req.extra("parallel_tool_calls") is not False,
         "tool_choice": req.tool_choice or "auto",
-        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        "tools": req.tools or [],
         "temperature": req.temperature,
         "top_p": req.top_p,
         "max_output_tokens": req.max_output_tokens,
         "previous_response_id": req.previous_response_id,
-        "metadata": req.metadata or {},
+        "metadata": req.extra("metadata") if isinstance(req.extra("metadata"), dict) else {},
         "text": {"format": {"type": "text"}},
         "truncation": "disabled",
         "usage": {
@@ -247,7 +312,7 @@ class ResponseStreamer:
         ]
 
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
-        """Close the message item, emit function_call items, then the final response."""
+        """Close the message item, emit the tool-call items, then the final response."""
         frames = []
         items = out["output"]
         if items and items[0]["type"] == "message":
@@ -259,26 +324,28 @@ class ResponseStreamer:
                        self._ev("response.content_part.done", **ref, content_index=0, part=part),
                        self._ev("response.output_item.done", output_index=0, item=items[0])]  # fmt: skip
         for i, item in enumerate(items):
-            if item["type"] != "function_call":
-                continue
-            ref = {"item_id": item["id"], "output_index": i}
-            frames += [
-                self._ev(
-                    "response.output_item.added",
-                    output_index=i,
-                    item={**item, "status": "in_progress", "arguments": ""},
-                ),
-                self._ev("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
-                self._ev(
-                    "response.function_call_arguments.done",
-                    **ref,
-                    arguments=item["arguments"],
-                    name=item["name"],
-                ),
-                self._ev("response.output_item.done", output_index=i, item=item),
-            ]
+            if item["type"] != "message":
+                frames += self._call_frames(i, item)
         done = "response.completed" if out["status"] == "completed" else "response.incomplete"
         return [*frames, self._ev(done, response=out)]
+
+    def _call_frames(self, i: int, item: dict[str, Any]) -> list[str]:
+        """The events of one tool-call item: added, its arguments or input (delta, done), done."""
+        ref = {"item_id": item["id"], "output_index": i}
+        kind = item["type"]
+        if kind == "function_call":
+            opening = {**item, "status": "in_progress", "arguments": ""}
+            body = [self._ev("response.function_call_arguments.delta", **ref, delta=item["arguments"]),
+                    self._ev("response.function_call_arguments.done", **ref, arguments=item["arguments"],
+                             name=item["name"])]  # fmt: skip
+        elif kind == "custom_tool_call":
+            opening = {**item, "status": "in_progress", "input": ""}
+            body = [self._ev("response.custom_tool_call_input.delta", **ref, delta=item["input"]),
+                    self._ev("response.custom_tool_call_input.done", **ref, input=item["input"])]  # fmt: skip
+        else:
+            opening, body = {**item, "status": "in_progress"}, []
+        return [self._ev("response.output_item.added", output_index=i, item=opening), *body,
+                self._ev("response.output_item.done", output_index=i, item=item)]  # fmt: skip
 
     def error(self, message: str) -> list[str]:
         """An error event."""
@@ -292,13 +359,8 @@ class ResponsesFace:
     error_style = "openai"
 
     def parse(self, body: Any) -> ResponsesRequest:
-        """Validate a Responses body (only function tools are accepted)."""
-        if isinstance(body, dict) and isinstance(body.get("tools"), list):
-            for i, tool in enumerate(body["tools"]):
-                if isinstance(tool, dict) and tool.get("type") != "function":
-                    raise APIError(400, f"tools.{i}: only function tools are supported, not '{tool.get('type')}'",
-                                   param=f"tools.{i}.type")  # fmt: skip
-        return validate(ResponsesRequest, body)
+        """Validate a Responses body."""
+        return parse_request(body)
 
     def to_chat_call(self, req: ResponsesRequest, history: History) -> ChatCall:
         """The canonical call."""
@@ -311,3 +373,7 @@ class ResponsesFace:
     def streamer(self, req: ResponsesRequest, ids: ResponseIds) -> ResponseStreamer | None:
         """The event writer when `stream: true`."""
         return ResponseStreamer(req, ids) if req.stream else None
+
+    def describe(self, req: ResponsesRequest) -> dict[str, Any]:
+        """Ignored fields, dropped tools and skipped input items."""
+        return notes(req._ignored, req._tool_map.dropped, skipped_items=req._skipped)

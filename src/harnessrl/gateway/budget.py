@@ -1,0 +1,119 @@
+"""The output budget against the model's context, as a gateway in front of a small model must keep it.
+
+Harnesses ask for budgets sized for their usual models (Claude Code: `max_tokens` 32,000 to 128,000)
+whatever the context of the model served here. So a call whose `max_tokens` exceeds what the prompt
+leaves of the context is served with the budget clamped to the remainder (and the call record says
+so: `max_tokens_clamped`); a *prompt* that leaves no room at all gets the API's own error
+(`errors.context_too_long`), which harnesses know how to handle (compaction, retry).
+
+The context length comes from the engine (`max_model_len` of its `/tokenize` answer, as the builtin
+engine and vLLM report it), asked once per served model. The prompt is counted only when it might not
+fit: a byte-level BPE token is at least one byte, so a rendered prompt of B bytes has at most B tokens,
+and B + max_tokens within the context needs no count. Otherwise it is counted exactly: in tito mode
+with the very token IDs the gateway will send, in passthrough mode by the engine's `/tokenize`.
+An engine that reports no context length leaves budgets as the harness asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harnessrl.chat import ChatFormatError, render_chat
+from harnessrl.gateway.canonical import ChatCall, Sampling
+from harnessrl.gateway.errors import APIError, context_too_long
+from harnessrl.gateway.tito import build_prompt
+from harnessrl.gateway.upstream import StickyUpstream, UpstreamClientError, UpstreamFailed
+from harnessrl.schema import Call
+
+if TYPE_CHECKING:
+    from harnessrl.gateway.inference import TitoTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The sampling a call is served with, and the clamp applied (None when the budget fit)."""
+
+    sampling: Sampling
+    clamped: dict[str, int] | None = None
+
+
+def clamp(prompt_tokens: int, sampling: Sampling, context: int, style: str, param: str = "messages") -> Fit:
+    """Fit `sampling.max_tokens` into what `prompt_tokens` leave of `context`; a prompt that leaves no
+    room for one token is the API's 400."""
+    if prompt_tokens >= context:
+        raise context_too_long(prompt_tokens, context, style, param)
+    room = context - prompt_tokens
+    if sampling.max_tokens <= room:
+        return Fit(sampling)
+    clamped = {
+        "requested": sampling.max_tokens,
+        "served": room,
+        "prompt_tokens": prompt_tokens,
+        "context": context,
+    }
+    return Fit(dataclasses.replace(sampling, max_tokens=room), clamped)
+
+
+class ContextBudget:
+    """Knows the served models' context lengths and fits each call's output budget into them."""
+
+    def __init__(self, tito: TitoTokenizer | None) -> None:
+        self.tito = tito
+        self._contexts: dict[str, int | None] = {}
+
+    async def context(self, up: StickyUpstream, served: str) -> int | None:
+        """The served model's context length, asked of the engine once (None when it does not say)."""
+        if served in self._contexts:
+            return self._contexts[served]
+        try:
+            resp = await up.post("/tokenize", {"model": served, "prompt": "a"})
+        except UpstreamFailed:
+            return None  # the engine is unreachable now: ask again next time
+        except UpstreamClientError as e:
+            resp = {}
+            log.info("event=context_unknown model=%s reason=%r", served, e.message)
+        value = resp.get("max_model_len")
+        self._contexts[served] = value if isinstance(value, int) and value > 0 else None
+        return self._contexts[served]
+
+    async def count(
+        self, up: StickyUpstream, served: str, chat: ChatCall, history: Sequence[Call]
+    ) -> int | None:
+        """The prompt's exact token count: the tito prompt's IDs, or the engine's `/tokenize`."""
+        try:
+            if self.tito is not None:
+                tok = self.tito
+                return len(
+                    build_prompt(chat.messages, chat.tools, history, tok.encode, tok.eos_id).prompt_ids
+                )
+            body: dict[str, Any] = {"model": served, "messages": chat.messages, "add_generation_prompt": True}
+            if chat.tools:
+                body["tools"] = chat.tools
+            count = (await up.post("/tokenize", body)).get("count")
+        except ChatFormatError as e:
+            raise APIError(400, str(e)) from None
+        except (UpstreamFailed, UpstreamClientError) as e:
+            log.info("event=count_failed model=%s error=%r", served, str(e))
+            return None
+        return count if isinstance(count, int) else None
+
+    async def fit(self, up: StickyUpstream, served: str, chat: ChatCall, sampling: Sampling,
+                  history: Sequence[Call], style: str, param: str = "messages") -> Fit:  # fmt: skip
+        """The call's sampling with `max_tokens` fitted into the context (see the module docstring)."""
+        context = await self.context(up, served)
+        if context is None:
+            return Fit(sampling)
+        try:
+            upper_bound = len(render_chat(chat.messages, chat.tools).encode())
+        except ChatFormatError as e:
+            raise APIError(400, str(e)) from None
+        if upper_bound + sampling.max_tokens <= context:
+            return Fit(sampling)
+        n = await self.count(up, served, chat, history)
+        return Fit(sampling) if n is None else clamp(n, sampling, context, style, param)
