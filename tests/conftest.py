@@ -40,6 +40,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_model_dir() -> Path:
+    """The real SmolLM2-135M-Instruct (fp32), converted from the packaged GGUF on first use (~30 s),
+    so a fresh clone runs the real-model tests instead of skipping them."""
+    from harnessrl.modeling.loading import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """A real builtin engine process serving the tiny model."""
     svc = start_engine(tiny_model_dir, free_port(), tmp_path_factory.mktemp("engine-logs"), 16, 2048, 1)

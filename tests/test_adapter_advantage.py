@@ -162,3 +162,22 @@ def test_zero_variance_groups_are_counted_and_kept_or_dropped() -> None:
     assert (
         dropped.advantages == [by_rollout["b1"], by_rollout["b2"]] and by_rollout["b1"] > 0 > by_rollout["b2"]
     )
+
+
+@pytest.mark.parametrize("estimator", list(Estimator))
+@pytest.mark.parametrize("value", [0.7, 0.1, 1 / 3, 0.0, 1.0, 123.456])
+def test_equal_rewards_give_exact_zero_advantages(estimator: Estimator, value: float) -> None:
+    # 0.7 * 3 / 3 rounds to 0.7000000000000001: a mean-based deviation is ~1e-10 under GRPO, not 0
+    assert group_advantages([value] * 3, estimator) == [0.0, 0.0, 0.0]
+    rewards = {f"r{i}": value for i in range(3)}
+    groups = dict.fromkeys(rewards, "g")
+    assert set(sample_level_advantages(rewards, groups, {"r0": 1, "r1": 2, "r2": 3}).values()) == {0.0}
+
+
+def test_sample_level_is_rejected_with_another_estimator() -> None:
+    from harnessrl.config import ConfigError, load_config
+
+    load_config(None, ["train.advantage_level=sample", "train.estimator=grpo"])
+    for estimator in ("dr_grpo", "rloo"):
+        with pytest.raises(ConfigError, match="cannot be combined with estimator"):
+            load_config(None, ["train.advantage_level=sample", f"train.estimator={estimator}"])

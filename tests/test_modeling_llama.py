@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
-from harnessrl.modeling.loading import default_cache_dir, load_model, save_model
+from harnessrl.modeling.loading import load_model, save_model
 
 HF_KEYS_PER_LAYER = {
     "self_attn.q_proj.weight",
@@ -125,17 +124,8 @@ def test_save_and_load_round_trip(tmp_path: Path, engine_tiny_model: LlamaForCau
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
 
 
-def _smollm2_available() -> bool:
-    return (default_cache_dir() / "SmolLM2-135M-Instruct" / "model.safetensors").is_file() or bool(
-        os.environ.get("HARNESSRL_TEST_CONVERT")
-    )
-
-
-@pytest.mark.skipif(not _smollm2_available(), reason="SmolLM2 not converted yet (run the engine once)")
-def test_smollm2_matches_transformers() -> None:
-    from harnessrl.modeling.loading import smollm2_dir
-
-    d = smollm2_dir()
+def test_smollm2_matches_transformers(smollm2_model_dir: Path) -> None:
+    d = smollm2_model_dir
     model = load_model(d)
     assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
     _compare_with_hf(d, model, seq=24)

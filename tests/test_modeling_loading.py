@@ -95,11 +95,7 @@ def test_load_weights_into_rejects_mismatches(tmp_path: Path, engine_tiny_dir: P
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-@pytest.mark.skipif(
-    not (default_cache_dir() / "SmolLM2-135M-Instruct" / "model.safetensors").is_file(),
-    reason="SmolLM2 not converted yet",
-)
-def test_smollm2_dir_is_converted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smollm2_dir_is_converted_once(smollm2_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from harnessrl.modeling import loading
 
     def no_conversion(out: Path, weights: bool) -> None:

@@ -194,6 +194,11 @@ class TrainSection(_Section):
                 f"max_inflight_groups ({self.max_inflight_groups}) must be at least batch_groups "
                 f"({self.batch_groups}) for the async schedule"
             )
+        if self.advantage_level == AdvantageLevel.SAMPLE and self.estimator != Estimator.GRPO:
+            raise ValueError(
+                f"advantage_level 'sample' (an ablation) uses GRPO statistics over rows; it cannot be "
+                f"combined with estimator {self.estimator.value!r}"
+            )
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError("tis_cap must be positive")
         if self.max_staleness is not None and self.max_staleness < 0:

@@ -7,7 +7,8 @@ standard deviation s = sqrt((1/n) Σ (r_j - m)^2):
 - Dr.GRPO:  A_i = r_i - m
 - RLOO:     A_i = r_i - (1/(n-1)) Σ_{j≠i} r_j  =  n/(n-1) · (r_i - m)   (0 when n = 1)
 
-A group whose rewards are all equal has A_i = 0 for every estimator.
+A group whose rewards are all equal has A_i = 0 exactly for every estimator (not the ~1e-10 that
+float rounding of m would leave): the trainer skips such rows and counts them as zero-advantage.
 
 Ablation only — "sample-level" advantage: the statistics are taken over rows instead of rollouts,
 so a rollout with k rows counts k times: m' = Σ_r k_r r_r / Σ_r k_r, s' likewise, A = (r - m')/(s' + eps).
@@ -38,6 +39,8 @@ def group_advantages(
     n = len(rewards)
     if n == 0:
         return []
+    if max(rewards) == min(rewards):  # no signal: exact zeros, whatever the rounding of the mean
+        return [0.0] * n
     m = sum(rewards) / n
     if estimator == Estimator.GRPO:
         s = math.sqrt(sum((r - m) ** 2 for r in rewards) / n)
@@ -77,7 +80,7 @@ def sample_level_advantages(
     for rids in members.values():
         k = [rows_per_rollout.get(r, 0) for r in rids]
         total = sum(k)
-        if total == 0:
+        if total == 0 or len({rewards[r] for r in rids}) == 1:
             out.update({r: 0.0 for r in rids})
             continue
         m = sum(ki * rewards[r] for ki, r in zip(k, rids, strict=True)) / total

@@ -8,7 +8,9 @@ its rows, T_n trainable tokens of row n and T trainable tokens in the batch:
 - token-mean:                    w_t = 1 / T           →  L = (1/T) Σ_t ℓ_t
 - sample-mean (ablation):        w_t = 1 / (N · T_n)   →  L = (1/N) Σ_n (1/T_n) Σ_{t∈n} ℓ_t
 
-Because the weights are fixed before micro-batching, summing Σ w_t ℓ_t over k micro-batches gives
+Only rows and rollouts with at least one trainable token count in R, N and the T's: a rollout whose
+calls were all dropped (failed, empty completions) changes no denominator. Because the weights are
+fixed before micro-batching, summing Σ w_t ℓ_t over k micro-batches gives
 exactly the gradient of the whole batch.
 """
 

@@ -10,6 +10,10 @@ that extends no open row starts a new row, and the break is recorded with one ca
 - `template_change`: the messages extend, but the tools or the sampling temperature changed;
 - `truncation`: the previous completion was cut by the length limit;
 - `retokenized`: the messages extend, yet the tokens do not (text re-encoded differently).
+
+Calls that cannot enter a row are left out before merging (`usable`): failed calls, calls with an
+empty completion (nothing was sampled, so nothing can be trained on), and calls whose logprobs do not
+match their completion token by token.
 """
 
 from __future__ import annotations
