@@ -10,7 +10,15 @@ cd "$(dirname "$0")/.."
 mkdir -p .bench
 WANT=" ${*:-gateway} "
 if [[ "$WANT" == *" gateway "* ]]; then
-PY312=${PY312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3 2>/dev/null | head -n1 || true)}
+# A candidate counts only if it runs: under pyenv, `python3.12` on PATH can be a shim that fails when
+# 3.12 is installed but not the active version (exit 127); the version's own binary then works.
+working_py312() {
+  for c in "${PY312:-}" "$(command -v python3.12 || true)" "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3 \
+           /usr/bin/python3.1[2-9] /usr/local/bin/python3.1[2-9]; do
+    [ -n "$c" ] && [ -x "$c" ] && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$c"; return; }
+  done
+}
+PY312=$(working_py312)
 if [ ! -x .bench/venv-al/bin/python ]; then
   if [ -z "$PY312" ]; then echo "need Python >= 3.12 for agentlightning (set PY312)" >&2; exit 2; fi
   "$PY312" -m venv .bench/venv-al

@@ -12,6 +12,7 @@ checkpoint helpers with it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -81,9 +82,7 @@ class TrainContext:
     def ppo(self) -> PPOConfig:
         """The update's hyperparameters."""
         t = self.cfg.train
-        return PPOConfig(
-            t.clip_low, t.clip_high, t.max_grad_norm, t.micro_batch_tokens, t.epochs, t.tis_cap, t.kl_coef
-        )
+        return PPOConfig(**{f.name: getattr(t, f.name) for f in dataclasses.fields(PPOConfig)})
 
 
 async def run_rollouts(ctx: TrainContext, requests: list[RolloutRequest], label: str) -> list[RolloutOutcome]:
