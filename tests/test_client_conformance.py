@@ -164,6 +164,8 @@ def test_recorded_request_is_served_and_recorded(
         assert chat["max_tokens_clamped"] == {"requested": 128000, "served": room,
                                               "prompt_tokens": len(call.prompt_ids), "context": CONTEXT}  # fmt: skip
         assert len(call.completion_ids) <= room
+        if len(call.completion_ids) == room:  # cut by the context, not by the client's own maximum
+            assert (call.response or {})["stop_reason"] == "model_context_window_exceeded"
     else:
         assert "max_tokens_clamped" not in chat
 
@@ -355,6 +357,13 @@ def test_anthropic_turns_blocks_and_fields() -> None:
     assert anthropic_face.AnthropicFace().describe(req) == {"ignored_fields": ["betas", "thinking"]}
     with pytest.raises(APIError, match="temperature"):
         anthropic_face.parse_request({**body, "temperature": "hot"})  # a field it uses, malformed
+
+
+def test_anthropic_stop_reason_tells_the_clients_maximum_from_the_gateways_cut() -> None:
+    cut = Generation("text", [], "length", TokenRecord([1], [2, 3], [-0.1, -0.2], "length", None))
+    assert anthropic_face.stop_reason(cut, 2) == "max_tokens"  # the request's own max_tokens
+    assert anthropic_face.stop_reason(cut, 32000) == "model_context_window_exceeded"  # clamped or capped
+    assert anthropic_face.stop_reason(_gen(("Bash", "{}")), 32000) == "tool_use"
 
 
 def test_ignored_fields_and_custom_input() -> None:

@@ -213,11 +213,17 @@ def content_blocks(gen: Generation) -> list[dict[str, Any]]:
     return blocks
 
 
-def stop_reason(gen: Generation) -> str:
-    """Anthropic's stop reason for a generation."""
+def stop_reason(gen: Generation, requested_max: int | None = None) -> str:
+    """Anthropic's stop reason for a generation. A reply cut by length before the request's own
+    `max_tokens` was cut by the gateway (the budget clamped to the context, or the rollout's cap):
+    `model_context_window_exceeded`, which clients tell apart from their own output maximum."""
     if gen.tool_calls:
         return "tool_use"
-    return "max_tokens" if gen.finish_reason == "length" else "end_turn"
+    if gen.finish_reason != "length":
+        return "end_turn"
+    if requested_max is not None and len(gen.record.completion_ids) < requested_max:
+        return "model_context_window_exceeded"
+    return "max_tokens"
 
 
 def usage(gen: Generation) -> dict[str, int]:
@@ -238,7 +244,7 @@ def message_response(gen: Generation, req: MessagesRequest, ids: ResponseIds) ->
         "role": "assistant",
         "model": req.model,
         "content": content_blocks(gen),
-        "stop_reason": stop_reason(gen),
+        "stop_reason": stop_reason(gen, req.max_tokens),
         "stop_sequence": None,
         "usage": usage(gen),
     }
