@@ -60,7 +60,7 @@ def test_metrics_count_calls_tokens_and_errors(make_gateway: Callable[..., Gatew
     sdk = OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
     sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     httpx.post(f"{gw.url}/v1/chat/completions", content=b"{", headers={"Authorization": f"Bearer {key}"})
-    text = httpx.get(f"{gw.url}/metrics").text
+    text = httpx.get(f"{gw.url}/metrics", headers={"Authorization": f"Bearer {gw.admin_key}"}).text
     (call,) = gw.store.calls(rid)
     assert 'harnessrl_gateway_calls_total{face="openai.chat",status="ok"} 1' in text
     assert f"harnessrl_gateway_completion_tokens_total {len(call.completion_ids)}" in text

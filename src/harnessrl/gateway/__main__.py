@@ -5,14 +5,45 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from harnessrl.gateway.app import GatewayConfig, create_app
+from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
 from harnessrl.store import SQLiteStore
 
-KEEP_ALIVE_S = 30  # our clients expire idle connections sooner (ControlClient after 2 s)
+# Idle connections are closed after this; our clients expire them sooner (ControlClient after 2 s).
+KEEP_ALIVE_S = 30
+GRACEFUL_SHUTDOWN_S = 30  # on SIGTERM, streams still open after this are cut (their calls are recorded)
+
+
+def server_config(
+    app: ASGIApp, host: str, port: int, header_timeout_s: float = HEADER_TIMEOUT_S
+) -> uvicorn.Config:
+    """The uvicorn settings of a gateway: httptools with header size/time limits, idle keep-alive
+    connections closed after `KEEP_ALIVE_S`, a bounded graceful shutdown."""
+    protocol = type("GatewayHttpProtocol", (TimedHttpProtocol,), {"header_timeout_s": header_timeout_s})
+    return uvicorn.Config(app, host=host, port=port, http=protocol, log_level="warning", access_log=False,
+                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)  # fmt: skip
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, closing the store once the app has shut down: uvicorn re-raises SIGTERM after
+    its graceful shutdown, so code after `run()` never runs on a signal."""
+
+    def __init__(self, config: uvicorn.Config, store: SQLiteStore) -> None:
+        super().__init__(config)
+        self.store = store
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Shut down as uvicorn does, then fold the WAL into the database file and close it."""
+        try:
+            await super().shutdown(sockets)
+        finally:
+            self.store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sglang-incremental-streaming", action="store_true",
                    help="the SGLang server runs with --incremental-streaming-output")  # fmt: skip
     p.add_argument("--replica", action="append", default=[], help="another engine URL serving the same model")
+    p.add_argument("--upstream-timeout", type=float, default=600.0,
+                   help="seconds one engine try may take (streamed: between two pieces of the answer)")  # fmt: skip
+    p.add_argument("--stream-open-timeout", type=float, default=30.0,
+                   help="seconds a streamed engine try may wait for the answer's headers before a retry")  # fmt: skip
+    p.add_argument("--call-timeout", type=float, default=600.0,
+                   help="seconds all engine tries of one call may take together (so a pause can drain)")  # fmt: skip
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                   help="seconds a client has to send a request's headers")  # fmt: skip
+    p.add_argument("--wal-limit-mb", type=float, default=64.0, help="bound on the store's SQLite WAL file")
     p.add_argument(
         "--model-map",
         action="append",
@@ -71,10 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_path=args.tokenizer,
         upstream_kind=args.upstream_kind,
         sglang_incremental_streaming=args.sglang_incremental_streaming,
+        upstream_timeout_s=args.upstream_timeout,
+        stream_open_timeout_s=args.stream_open_timeout,
+        call_timeout_s=args.call_timeout,
     )
-    app = create_app(config, SQLiteStore(args.store, synchronous=args.synchronous))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
+    store = SQLiteStore(args.store, synchronous=args.synchronous, wal_limit_mb=args.wal_limit_mb)
+    app = create_app(config, store)
+    try:  # GatewayServer closes the store on SIGTERM/SIGINT; this covers any other way out
+        GatewayServer(server_config(app, args.host, args.port, args.header_timeout), store).run()
+    finally:
+        store.close()
     return 0
 
 

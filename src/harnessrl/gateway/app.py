@@ -62,8 +62,10 @@ class GatewayConfig(BaseModel):
     default_max_tokens: int = 512
     pause_wait_s: float = 30.0  # how long a call waits for resume before getting 429
     max_body_bytes: int = 8 * 1024 * 1024
-    upstream_timeout_s: float = 600.0
+    upstream_timeout_s: float = 600.0  # one try: the whole answer, or between two streamed pieces
     upstream_retries: int = 3
+    stream_open_timeout_s: float = 30.0  # one streamed try: until the engine's headers (sent at once)
+    call_timeout_s: float = 600.0  # every try of one call together, on all replicas (a pause can drain)
     mode: Literal["passthrough", "tito"] = "passthrough"
     tokenizer_path: str | None = None  # model directory with tokenizer.json; required for tito
     # wire of the upstream: "openai" = the engine protocol (builtin engine, vLLM's OpenAI server);
@@ -89,12 +91,12 @@ class Gateway:
         self.keys = KeyRing(store.set_meta_if_absent("key_secret", new_secret()))
         urls = [config.upstream_url, *config.replica_urls]
         kind = SGLangUpstream if config.upstream_kind == "sglang" else Upstream
-        built = [kind(f"engine{i}", url, timeout_s=config.upstream_timeout_s, max_retries=config.upstream_retries)
-                 for i, url in enumerate(urls)]  # fmt: skip
+        built = [kind(f"engine{i}", url, timeout_s=config.upstream_timeout_s, max_retries=config.upstream_retries,
+                      open_timeout_s=config.stream_open_timeout_s) for i, url in enumerate(urls)]  # fmt: skip
         for u in built:
             if isinstance(u, SGLangUpstream):
                 u.incremental_streaming = config.sglang_incremental_streaming
-        self.upstreams = UpstreamPool(upstreams or list(built))
+        self.upstreams = UpstreamPool(upstreams or list(built), call_timeout_s=config.call_timeout_s)
         self.weight_version: int | None = None
         self.tito: TitoTokenizer | None = None
         if config.mode == "tito":
@@ -269,6 +271,7 @@ class Gateway:
     ) -> AsyncIterator[str]:
         """Relay content as it comes; record the call, then send the closing events (so an answer a
         harness has seen complete is always in the store)."""
+        recorded = False  # once a record is on its way to the store, a disconnect adds none
         try:
             for frame in streamer.start():
                 yield frame
@@ -282,15 +285,26 @@ class Gateway:
             if gen is None:
                 raise BadUpstreamResponse("the engine's stream ended without a result")
             out = face.render(gen, req, ids)
+            recorded = True
             await self._record_ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
                                   _chat_record(chat, gen))  # fmt: skip
             for frame in streamer.end(gen, out):
                 yield frame
         except (UpstreamFailed, BadUpstreamResponse) as e:
+            recorded = True
             await self._record_failed(call, str(e), t0)
             self.count_error(502)
             for frame in streamer.error(f"the model failed to answer: {e}"):
                 yield frame
+        except APIError as e:  # the store refused the call (see CallWriter): the stream ends with why
+            self.count_error(e.status)
+            for frame in streamer.error(e.message):
+                yield frame
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: keep what was generated
+            if not recorded:
+                latency = time.perf_counter() - t0
+                self.writer.submit(inference.cut_short(call, stream.partial(), latency, stream.text, chat))
+            raise
         finally:
             self._release()
 
@@ -390,6 +404,7 @@ class Gateway:
         """Relay a streamed completion chunk by chunk; the chunk with the finish reason waits for the commit."""
         acc = inference.RawCompletionStream()
         held: list[dict[str, Any]] = []
+        recorded = False  # once a record is on its way to the store, a disconnect adds none
         try:
             async for event in events:
                 choice = acc.take(event)
@@ -400,17 +415,24 @@ class Gateway:
                     yield completions.sse(chunk)
             resp, record = acc.finish()
             out = completions.client_response(resp, req)
+            recorded = True
             await self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
             usage = completions.usage_chunk(resp, req)
             for chunk in held + ([usage] if usage else []):
                 yield completions.sse(chunk)
             yield "data: [DONE]\n\n"
         except (UpstreamFailed, BadUpstreamResponse) as e:
+            recorded = True
             await self._record_failed(call, str(e), t0)
             self.count_error(502)
             error = {"error": {"message": f"the model failed to answer: {e}", "type": "server_error",
                                "param": None, "code": "upstream_failed"}}  # fmt: skip
             yield completions.sse(error)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: keep what was generated
+            if not recorded:
+                latency = time.perf_counter() - t0
+                self.writer.submit(inference.cut_short(call, acc.partial(), latency, acc.text, None))
+            raise
         finally:
             self._release()
 
@@ -589,6 +611,7 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         return JSONResponse(spec)
 
     async def metrics(request: Request) -> Response:
+        gw().require_admin(request)  # counters span every rollout: not for a harness's key
         return PlainTextResponse(gw().metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes = [

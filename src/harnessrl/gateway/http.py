@@ -1,20 +1,41 @@
-"""Small HTTP helpers shared by the gateway's faces: key extraction, bounded JSON bodies, guards."""
+"""Small HTTP helpers shared by the gateway's faces: key extraction, bounded JSON bodies, guards.
+
+The JSON policy at the door (`read_json`), one for every route, so that nothing the gateway accepts
+is later unstorable or unreadable and no body can hold the event loop for long:
+- size: at most `max_body_bytes` (8 MiB by default), enforced while the body streams in (a chunked
+  body is cut at the limit, not read whole): 413;
+- time: the whole body within `BODY_TIMEOUT_S` of the headers: 408;
+- nesting: at most `MAX_JSON_DEPTH` levels of objects/arrays: 400 (the store's reader takes ~200);
+- bulk: at most `MAX_JSON_CONTAINERS` objects/arrays and `MAX_JSON_VALUES` values: 413 (a 100k-message
+  request costs the gateway seconds of CPU to validate; no model context holds that many turns).
+Large bodies are checked on a worker thread, so other rollouts keep being served meanwhile.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from harnessrl.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+MAX_JSON_DEPTH = 64
+MAX_JSON_CONTAINERS = 20_000
+MAX_JSON_VALUES = 250_000
+BODY_TIMEOUT_S = 60.0
+OFF_LOOP_BYTES = 256 * 1024  # bodies above this are checked on a worker thread
+HEADER_TIMEOUT_S = 15.0
+MAX_HEADER_BYTES = 64 * 1024
 
 
 def bearer(request: Request) -> str | None:
@@ -25,20 +46,86 @@ def bearer(request: Request) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
-async def read_json(request: Request, max_bytes: int, empty: Any = None) -> Any:
-    """The body parsed as JSON: 413 when oversized, 400 when malformed; `empty` for an empty body."""
+async def read_body(request: Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The request body, read as it streams in: 413 as soon as it passes `max_bytes`, 408 when it
+    takes longer than `timeout_s` (default `BODY_TIMEOUT_S`)."""
+    timeout_s = BODY_TIMEOUT_S if timeout_s is None else timeout_s
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body is {declared} bytes; the limit is {max_bytes}")
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {max_bytes}")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise APIError(
+                        413, f"request body is over {max_bytes} bytes (the limit); it was cut there"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(
+            408, f"request body not received within {timeout_s:g} s", code="body_timeout"
+        ) from None
+    except ClientDisconnect:
+        raise APIError(
+            400, "the client disconnected before sending the whole body", code="client_gone"
+        ) from None
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, max_bytes: int, empty: Any = None) -> Any:
+    """The body parsed as JSON under the door policy (module docstring): 413 when oversized, 408 when
+    too slow, 400 when malformed or nested too deep; `empty` for an empty body."""
+    raw = await read_body(request, max_bytes)
     if empty is not None and not raw.strip():
         return empty
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_json, raw)
+    return parse_json(raw)
+
+
+def parse_json(raw: bytes) -> Any:
+    """Parse `raw` and check it against the nesting and bulk limits; `APIError` names the problem."""
     try:
-        return orjson.loads(raw)
+        value = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    opened = raw.count(b"{") + raw.count(b"[")
+    if opened <= MAX_JSON_DEPTH and raw.count(b",") + opened < MAX_JSON_VALUES:
+        return value  # fewer brackets than the depth limit, fewer values than the bulk limit
+    problem = json_shape_problem(value)
+    if problem is not None:
+        status, message = problem
+        raise APIError(status, f"request body {message}", code="json_limits")
+    return value
+
+
+def json_shape_problem(
+    value: Any,
+    max_depth: int = MAX_JSON_DEPTH,
+    max_containers: int = MAX_JSON_CONTAINERS,
+    max_values: int = MAX_JSON_VALUES,
+) -> tuple[int, str] | None:
+    """(status, what is wrong) when `value` nests deeper than `max_depth` or holds more objects/arrays
+    or values than allowed; None when it is within the limits. Stops at the first excess, so its cost
+    is bounded by the limits, not by the body."""
+    containers = values = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            return 400, f"nests objects/arrays deeper than {max_depth} levels (the gateway's limit)"
+        items = node.values() if isinstance(node, dict) else node
+        containers += 1
+        values += len(items)
+        if containers > max_containers:
+            return 413, f"holds more than {max_containers} objects/arrays (the gateway's limit)"
+        if values > max_values:
+            return 413, f"holds more than {max_values} JSON values (the gateway's limit)"
+        stack.extend((item, depth + 1) for item in items if isinstance(item, dict | list))
+    return None
 
 
 class FastJSONResponse(Response):
@@ -71,3 +158,64 @@ def guarded(
             return APIError(500, "internal error in the gateway; see its log").response(style)
 
     return run
+
+
+class TimedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools) with the limits it lacks for slow or idle clients: a
+    request's line and headers must arrive within `header_timeout_s` (counted from the connection, or
+    from the first byte of a later request) and fit in `MAX_HEADER_BYTES`; otherwise the connection is
+    closed (431 for oversized headers). Idle keep-alive connections are closed by uvicorn's own
+    `timeout_keep_alive`, slow bodies by `read_body`'s timeout."""
+
+    header_timeout_s = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Start the clock for the first request's headers."""
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._header_bytes = 0
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        """Count header bytes while a request's headers are incomplete."""
+        if self._header_timer is not None:
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                log.warning("request_headers_too_large client=%s", self.client)
+                self._disarm()
+                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
+                                     b"Content-Length: 0\r\n\r\n")  # fmt: skip
+                self.transport.close()
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        """A new request begins: its headers are on the clock."""
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._header_bytes = 0
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        """The headers are in: stop their clock."""
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Drop the clock with the connection."""
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            log.info("request_headers_timeout client=%s", self.client)
+            self.transport.close()

@@ -25,6 +25,13 @@ def _parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:
     return int(lines[0].split(b" ", 2)[1]), headers
 
 
+def _bounded(wait_s: float, deadline: float | None) -> float:
+    """`wait_s`, cut short so as not to pass `deadline` (a `time.monotonic()` instant; None: none)."""
+    if deadline is None:
+        return wait_s
+    return max(0.0, min(wait_s, deadline - time.monotonic()))
+
+
 class HTTPError(Exception):
     """The connection failed or the answer could not be read (a transport error: retryable)."""
 
@@ -208,8 +215,10 @@ class HTTPPool:
             raise HTTPError(f"cannot connect to {self.host}:{self.port}: {e}") from e
         return conn
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """POST a JSON body; returns (status, body). Transport problems raise `HTTPError`."""
+    async def post(self, path: str, body: bytes, timeout_s: float | None = None) -> tuple[int, bytes]:
+        """POST a JSON body; returns (status, body). Transport problems, and no whole answer within
+        `timeout_s` (default: the pool's), raise `HTTPError`."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
         conn = await self._connect()
         conn.response = _Response()
         head = (
@@ -219,11 +228,11 @@ class HTTPPool:
         assert conn.transport is not None
         conn.transport.write(head + body)
         try:
-            status, data = await asyncio.wait_for(asyncio.shield(conn.response.done), timeout=self.timeout_s)
+            status, data = await asyncio.wait_for(asyncio.shield(conn.response.done), timeout=wait_s)
         except TimeoutError as e:
             conn.response.done.cancel()  # nobody waits for it any more: closing must not fail it
             conn.transport.close()
-            raise HTTPError(f"no answer from {self.host}:{self.port} within {self.timeout_s}s") from e
+            raise HTTPError(f"no answer from {self.host}:{self.port} within {wait_s:.3g}s") from e
         except asyncio.CancelledError:  # e.g. a call cut by a preempting pause
             conn.response.done.cancel()
             conn.transport.close()
@@ -236,8 +245,13 @@ class HTTPPool:
             conn.transport.close()
         return status, data
 
-    async def stream(self, path: str, body: bytes) -> tuple[int, AsyncIterator[bytes]]:
-        """POST a JSON body and return (status, the body's pieces as they arrive)."""
+    async def stream(
+        self, path: str, body: bytes, open_timeout_s: float | None = None, deadline: float | None = None
+    ) -> tuple[int, AsyncIterator[bytes]]:
+        """POST a JSON body and return (status, the body's pieces as they arrive). No status line and
+        headers within `open_timeout_s` (default: the pool's timeout), a piece that takes longer than
+        the pool's timeout, or passing `deadline` (a `time.monotonic()` instant) raise `HTTPError`."""
+        wait_s = _bounded(self.timeout_s if open_timeout_s is None else open_timeout_s, deadline)
         conn = await self._connect()
         parser = _StreamResponse()
         conn.response = parser
@@ -249,18 +263,25 @@ class HTTPPool:
         assert conn.transport is not None
         conn.transport.write(head + body)
         try:
-            status = await asyncio.wait_for(asyncio.shield(parser.head), timeout=self.timeout_s)
-        except (TimeoutError, asyncio.CancelledError):
+            status = await asyncio.wait_for(asyncio.shield(parser.head), timeout=wait_s)
+        except TimeoutError as e:
+            parser.head.cancel()
+            conn.transport.close()
+            raise HTTPError(f"no answer headers from {self.host}:{self.port} within {wait_s:.3g}s") from e
+        except asyncio.CancelledError:
             parser.head.cancel()
             conn.transport.close()
             raise
-        return status, self._pieces(conn, parser)
+        return status, self._pieces(conn, parser, deadline)
 
-    async def _pieces(self, conn: _Connection, parser: _StreamResponse) -> AsyncIterator[bytes]:
+    async def _pieces(
+        self, conn: _Connection, parser: _StreamResponse, deadline: float | None
+    ) -> AsyncIterator[bytes]:
         clean = False
         try:
             while True:
-                piece = await asyncio.wait_for(parser.pieces.get(), timeout=self.timeout_s)
+                wait_s = _bounded(self.timeout_s, deadline)
+                piece = await asyncio.wait_for(parser.pieces.get(), timeout=wait_s)
                 if piece is None:
                     clean = True
                     return
@@ -268,7 +289,9 @@ class HTTPPool:
                     raise piece
                 yield piece
         except TimeoutError as e:
-            raise HTTPError(f"the answer from {self.host}:{self.port} stalled for {self.timeout_s}s") from e
+            raise HTTPError(
+                f"the answer from {self.host}:{self.port} stalled or ran past its time limit"
+            ) from e
         finally:
             conn.response = None
             keep = clean and not conn.closed and parser.headers.get(b"connection", b"").lower() != b"close"

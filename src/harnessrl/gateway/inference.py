@@ -3,7 +3,7 @@ token-in-token-out (the gateway sends token IDs). Both return a `Generation` wit
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from harnessrl.chat import StreamingParser, parse_completion
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord
 from harnessrl.gateway.tito import build_prompt
 from harnessrl.gateway.upstream import StickyUpstream
-from harnessrl.schema import Call
+from harnessrl.schema import Call, CallStatus
 
 
 class BadUpstreamResponse(ValueError):
@@ -202,7 +202,68 @@ class ContentDelta:
     text: str
 
 
-Streamed = AsyncIterator[ContentDelta | Generation]
+Items = AsyncGenerator[ContentDelta | Generation, None]
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError)  # what a bad event raises
+
+
+class EngineStream:
+    """A streamed generation: `ContentDelta`s as they come, then the `Generation`. An engine event
+    that lacks what the gateway must record raises `BadUpstreamResponse`. `partial()` is what the
+    engine produced so far, for a call cut short (the client went away)."""
+
+    def __init__(self, acc: _Accumulator, items: Items) -> None:
+        self.acc = acc
+        self.text = ""  # the content handed out so far
+        self._items = items
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> ContentDelta | Generation:
+        item = await self._items.__anext__()
+        if isinstance(item, ContentDelta):
+            self.text += item.text
+        return item
+
+    async def aclose(self) -> None:
+        """Close the engine's stream (the engine then stops generating)."""
+        await self._items.aclose()
+
+    def partial(self) -> TokenRecord:
+        """The tokens generated so far (those with their logprob), marked `finish_reason="cancelled"`."""
+        return partial_record(self.acc)
+
+
+Streamed = EngineStream
+
+
+def cut_short(call: Call, record: TokenRecord, latency_s: float, text: str, chat: ChatCall | None) -> Call:
+    """The record of a streamed call whose client went away: the tokens generated until then, and for
+    chat faces the conversation with the content sent so far as its answer. `schema.CallStatus` has no
+    `cancelled`: such a call is `failed`, with `finish_reason="cancelled"` and an error that says so."""
+    n = len(record.completion_ids)
+    answer = {"role": "assistant", "content": text}
+    return call.model_copy(
+        update={
+            "latency_s": latency_s,
+            "status": CallStatus.FAILED,
+            "finish_reason": "cancelled",
+            "error": f"cancelled: the client disconnected after {n} completion tokens",
+            "prompt_ids": record.prompt_ids,
+            "completion_ids": record.completion_ids,
+            "completion_logprobs": record.completion_logprobs,
+            "weight_version": record.weight_version,
+            "chat": None
+            if chat is None
+            else {**(call.chat or {}), "messages": chat.messages, "tools": chat.tools, "answer": answer},
+        }
+    )
+
+
+def partial_record(acc: _Accumulator) -> TokenRecord:
+    """The token record of a stream cut short: the tokens that came with their logprobs."""
+    n = min(len(acc.ids), len(acc.logprobs))
+    return TokenRecord(list(acc.prompt_ids or []), acc.ids[:n], acc.logprobs[:n], "cancelled", acc.version)
 
 
 class _Accumulator:
@@ -257,31 +318,41 @@ async def passthrough_stream(
     if call.tools:
         body["tools"] = call.tools
     events = await upstream.open_stream("/v1/chat/completions", body)
-    return _passthrough_events(events)
+    acc = _Accumulator()
+    return EngineStream(acc, _passthrough_events(events, acc))
 
 
-async def _passthrough_events(events: AsyncIterator[dict[str, Any]]) -> Streamed:
-    acc, content, calls = _Accumulator(), "", {}  # type: ignore[var-annotated]
+async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: _Accumulator) -> Items:
+    content, calls = "", {}  # type: ignore[var-annotated]
     async for event in events:
-        choice = acc.take(event)
-        for entry in (choice.get("logprobs") or {}).get("content") or []:
-            acc.logprobs.append(float(entry["logprob"]))
-            acc.texts.append(str(entry.get("token", "")))
-        delta = choice.get("delta") or {}
-        if delta.get("content"):
-            content += delta["content"]
-            yield ContentDelta(delta["content"])
-        for tc in delta.get("tool_calls") or []:
-            slot = calls.setdefault(tc.get("index", len(calls)), {"id": "", "type": "function",
-                                                                   "function": {"name": "", "arguments": ""}})  # fmt: skip
-            slot["id"] = tc.get("id") or slot["id"]
-            fn = tc.get("function") or {}
-            slot["function"]["name"] += fn.get("name") or ""
-            slot["function"]["arguments"] += fn.get("arguments") or ""
+        try:
+            choice = acc.take(event)
+            entries = (choice.get("logprobs") or {}).get("content") or []
+            acc.logprobs += [float(e["logprob"]) for e in entries]  # all or none of the event's
+            acc.texts += [str(e.get("token", "")) for e in entries]
+            delta = choice.get("delta") or {}
+            piece = str(delta.get("content") or "")
+            _take_tool_calls(calls, delta.get("tool_calls") or [])
+        except MALFORMED as e:
+            raise BadUpstreamResponse(f"the engine sent a malformed stream event: {e!r}") from e
+        if piece:
+            content += piece
+            yield ContentDelta(piece)
     record = acc.record()
     tool_calls = [calls[i] for i in sorted(calls)]
     finish = "tool_calls" if tool_calls else (record.finish_reason or "stop")
     yield Generation(content, tool_calls, finish, record, acc.texts, acc.stop, acc.cached)
+
+
+def _take_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[Any]) -> None:
+    """Add streamed tool-call pieces (OpenAI's `delta.tool_calls`) to the calls being assembled."""
+    for tc in deltas:
+        slot = calls.setdefault(int(tc.get("index", len(calls))), {"id": "", "type": "function",
+                                                                   "function": {"name": "", "arguments": ""}})  # fmt: skip
+        slot["id"] = tc.get("id") or slot["id"]
+        fn = tc.get("function") or {}
+        slot["function"]["name"] += str(fn.get("name") or "")
+        slot["function"]["arguments"] += str(fn.get("arguments") or "")
 
 
 async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling,
@@ -292,17 +363,27 @@ async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sam
                             "return_token_ids": True, "logprobs": call.top_logprobs or 1, "stream_options": STREAM_USAGE,
                             **_sampling_fields(sampling)}  # fmt: skip
     events = await upstream.open_stream("/v1/completions", body)
-    return _tito_events(events, prompt.prompt_ids)
+    acc = _Accumulator()
+    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc))
 
 
-async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int]) -> Streamed:
-    acc, parser, text = _Accumulator(), StreamingParser(), ""
-    async for event in events:
-        choice = acc.take(event)
-        lp = choice.get("logprobs") or {}
-        acc.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
-        acc.texts += [str(t) for t in lp.get("tokens") or []]
-        piece = str(choice.get("text") or "")
+async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int], acc: _Accumulator) -> Items:
+    parser, text = StreamingParser(), ""
+    while True:
+        try:
+            event = await anext(events)
+        except StopAsyncIteration:
+            break
+        except MALFORMED as e:  # raised by an adapter's translation of the event (SGLang)
+            raise BadUpstreamResponse(f"the engine sent a malformed stream event: {e!r}") from e
+        try:
+            choice = acc.take(event)
+            lp = choice.get("logprobs") or {}
+            acc.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
+            acc.texts += [str(t) for t in lp.get("tokens") or []]
+            piece = str(choice.get("text") or "")
+        except MALFORMED as e:
+            raise BadUpstreamResponse(f"the engine sent a malformed stream event: {e!r}") from e
         text += piece
         out = parser.feed(piece)
         if out:
@@ -328,17 +409,24 @@ class RawCompletionStream:
         self.head: dict[str, Any] = {}
 
     def take(self, event: dict[str, Any]) -> dict[str, Any]:
-        """Absorb one engine event; return its first choice."""
-        if not self.head:
-            self.head = {k: event.get(k) for k in ("id", "object", "created", "model")}
-        choice = self.acc.take(event)
-        lp = choice.get("logprobs") or {}
-        self.acc.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
-        self.tokens += [str(t) for t in lp.get("tokens") or []]
-        self.text += str(choice.get("text") or "")
+        """Absorb one engine event; return its first choice (`BadUpstreamResponse` when malformed)."""
+        try:
+            if not self.head:
+                self.head = {k: event.get(k) for k in ("id", "object", "created", "model")}
+            choice = self.acc.take(event)
+            lp = choice.get("logprobs") or {}
+            self.acc.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
+            self.tokens += [str(t) for t in lp.get("tokens") or []]
+            self.text += str(choice.get("text") or "")
+        except MALFORMED as e:
+            raise BadUpstreamResponse(f"the engine sent a malformed stream event: {e!r}") from e
         if isinstance(event.get("usage"), dict):
             self.usage = event["usage"]
         return choice
+
+    def partial(self) -> TokenRecord:
+        """The tokens generated so far, for a call cut short."""
+        return partial_record(self.acc)
 
     def finish(self) -> tuple[dict[str, Any], TokenRecord]:
         """The answer as a non-streamed body would have carried it, and the token record."""

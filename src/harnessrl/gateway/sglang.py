@@ -138,21 +138,23 @@ class SGLangUpstream(Upstream):
 
     incremental_streaming = False
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def post(self, path: str, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
         """`/v1/completions` translated to `/generate`; other routes are not served by this adapter."""
         if path != "/v1/completions":
             raise UpstreamClientError(400, {"error": {"message": f"the SGLang upstream serves only token-ID "
                                                                  f"completions (--mode tito), not {path}"}})  # fmt: skip
         request = generate_body(body)
-        answer = await super().post("/generate", request)
+        answer = await super().post("/generate", request, deadline)
         return completion_response(answer, request["input_ids"], str(body.get("model", "")))
 
-    async def open_stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def open_stream(
+        self, path: str, body: dict[str, Any], deadline: float | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """Streamed `/v1/completions` translated to a streamed `/generate`."""
         if path != "/v1/completions":
             raise UpstreamClientError(400, {"error": {"message": f"the SGLang upstream serves only token-ID "
                                                                  f"completions (--mode tito), not {path}"}})  # fmt: skip
         request = generate_body({k: v for k, v in body.items() if k != "stream"})
-        events = await super().open_stream("/generate", request)
+        events = await super().open_stream("/generate", request, deadline)
         model = str(body.get("model", ""))
         return delta_events(events, request["input_ids"], model, self.incremental_streaming)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -42,7 +43,12 @@ class UpstreamFailed(Exception):
 
 
 class Upstream:
-    """One engine replica reached over HTTP (engine protocol: OpenAI routes + token-ID extensions)."""
+    """One engine replica reached over HTTP (engine protocol: OpenAI routes + token-ID extensions).
+
+    Time limits: each try waits at most `timeout_s` for a whole answer (or, streaming, between two
+    pieces of it) and a streamed try at most `open_timeout_s` for the answer to begin (an engine sends
+    its headers at once, before generating); a try that runs out is retried like a 5xx. A `deadline`
+    (a `time.monotonic()` instant, set per call by the pool) bounds all tries together."""
 
     def __init__(
         self,
@@ -51,22 +57,25 @@ class Upstream:
         timeout_s: float = 600.0,
         max_retries: int = 3,
         backoff_s: float = 0.25,
+        open_timeout_s: float = 30.0,
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self.open_timeout_s = open_timeout_s
         self._http = HTTPPool(self.base_url, timeout_s=timeout_s)
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def post(self, path: str, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
         """POST JSON and return the JSON answer, retrying timeouts, 429 and 5xx with backoff."""
-        payload = orjson.dumps(body)
+        payload = _encode(body)
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            if attempt and not await _backoff(self.backoff_s * 2 ** (attempt - 1), deadline):
+                break
             try:
-                status, raw = await self._http.post(path, payload)
+                status, raw = await self._http.post(path, payload, _remaining(self.timeout_s, deadline))
             except HTTPError as e:
                 last = f"ConnectError: {e}"
                 log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
@@ -84,24 +93,32 @@ class Upstream:
             if not isinstance(data, dict):
                 raise UpstreamFailed(f"upstream {self.name} sent JSON that is not an object")
             return data
-        raise UpstreamFailed(f"upstream {self.name} failed after {self.max_retries + 1} tries: {last}")
+        raise UpstreamFailed(f"upstream {self.name} failed after {attempt + 1} tries: {last}")
 
-    async def open_stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def open_stream(
+        self, path: str, body: dict[str, Any], deadline: float | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """POST with `stream: true`; once the engine has answered 200, return its SSE events as dicts.
-        Failures before the answer begins are retried like `post`; later ones raise `UpstreamFailed`."""
-        payload = orjson.dumps({**body, "stream": True})
+        Failures before the answer begins (no headers within `open_timeout_s` included) are retried
+        like `post`; later ones raise `UpstreamFailed`."""
+        payload = _encode({**body, "stream": True})
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            if attempt and not await _backoff(self.backoff_s * 2 ** (attempt - 1), deadline):
+                break
             try:
-                status, pieces = await self._http.stream(path, payload)
+                status, pieces = await self._http.stream(path, payload, self.open_timeout_s, deadline)
             except HTTPError as e:
                 last = f"ConnectError: {e}"
+                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             if status == 200:
                 return _sse_events(pieces, self.name)
-            raw = b"".join([p async for p in pieces])
+            try:
+                raw = b"".join([p async for p in pieces])
+            except HTTPError as e:
+                last = f"status {status}, then: {e}"
+                continue
             if status in RETRYABLE_STATUS:
                 last = f"status {status}: {raw[:300].decode(errors='replace')}"
                 continue
@@ -110,11 +127,31 @@ class Upstream:
             except orjson.JSONDecodeError:
                 data = raw.decode(errors="replace")
             raise UpstreamClientError(status, data)
-        raise UpstreamFailed(f"upstream {self.name} failed after {self.max_retries + 1} tries: {last}")
+        raise UpstreamFailed(f"upstream {self.name} failed after {attempt + 1} tries: {last}")
 
     async def aclose(self) -> None:
         """Close the connection pool."""
         await self._http.aclose()
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    """The engine request as JSON; a body that cannot be encoded is the client's fault."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError as e:
+        raise UpstreamClientError(400, {"error": {"message": f"the request cannot be encoded: {e}"}}) from e
+
+
+def _remaining(wait_s: float, deadline: float | None) -> float:
+    return wait_s if deadline is None else max(0.0, min(wait_s, deadline - time.monotonic()))
+
+
+async def _backoff(delay_s: float, deadline: float | None) -> bool:
+    """Sleep before a retry; False (without sleeping) when the retry would start past `deadline`."""
+    if deadline is not None and time.monotonic() + delay_s >= deadline:
+        return False
+    await asyncio.sleep(delay_s)
+    return True
 
 
 async def _sse_events(pieces: AsyncIterator[bytes], name: str) -> AsyncIterator[dict[str, Any]]:
@@ -142,12 +179,14 @@ async def _sse_events(pieces: AsyncIterator[bytes], name: str) -> AsyncIterator[
 class UpstreamPool:
     """The replicas serving one model. Each rollout sticks to one replica (its prefix cache stays
     warm); when that replica fails after its retries, the next replica in the rollout's own order
-    (rendezvous hashing) is tried, so failover spreads evenly and is stable."""
+    (rendezvous hashing) is tried, so failover spreads evenly and is stable. `call_timeout_s` bounds
+    each call's tries on all replicas together (None: no bound beyond each replica's own)."""
 
-    def __init__(self, replicas: list[Upstream]) -> None:
+    def __init__(self, replicas: list[Upstream], call_timeout_s: float | None = None) -> None:
         if not replicas:
             raise ValueError("an upstream pool needs at least one replica")
         self.replicas = replicas
+        self.call_timeout_s = call_timeout_s
 
     def order(self, rollout_id: str) -> list[Upstream]:
         """Replicas in the rollout's preference order."""
@@ -157,15 +196,22 @@ class UpstreamPool:
 
         return sorted(self.replicas, key=score, reverse=True)
 
+    def _deadline(self) -> float | None:
+        return None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
+
     async def post(self, rollout_id: str, path: str, body: dict[str, Any]) -> tuple[Upstream, dict[str, Any]]:
         """POST to the rollout's replica, failing over to the next ones; returns (replica, answer)."""
         errors = []
+        deadline = self._deadline()
         for upstream in self.order(rollout_id):
             try:
-                return upstream, await upstream.post(path, body)
+                return upstream, await upstream.post(path, body, deadline)
             except UpstreamFailed as e:
                 errors.append(str(e))
                 log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
+            if deadline is not None and time.monotonic() >= deadline:
+                errors.append(f"the call's time limit ({self.call_timeout_s:g} s) ran out")
+                break
         raise UpstreamFailed("; ".join(errors))
 
     async def open_stream(
@@ -173,12 +219,16 @@ class UpstreamPool:
     ) -> tuple[Upstream, AsyncIterator[dict[str, Any]]]:
         """Open a stream on the rollout's replica, failing over before the answer begins."""
         errors = []
+        deadline = self._deadline()
         for upstream in self.order(rollout_id):
             try:
-                return upstream, await upstream.open_stream(path, body)
+                return upstream, await upstream.open_stream(path, body, deadline)
             except UpstreamFailed as e:
                 errors.append(str(e))
                 log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
+            if deadline is not None and time.monotonic() >= deadline:
+                errors.append(f"the call's time limit ({self.call_timeout_s:g} s) ran out")
+                break
         raise UpstreamFailed("; ".join(errors))
 
     async def aclose(self) -> None:

@@ -8,8 +8,11 @@ loss at the price of an fsync per commit.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +23,7 @@ from harnessrl.schema import (
     AttemptFinish,
     AttemptStatus,
     Call,
+    CallStatus,
     InvalidTransition,
     Reward,
     RewardIn,
@@ -32,6 +36,8 @@ from harnessrl.schema import (
     now,
 )
 from harnessrl.store.base import Conflict, NotFound, Store
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -90,6 +96,15 @@ _ROLLOUT_COLS = (
 )
 
 
+_CALL_COLS = "call_id, rollout_id, attempt, idx, body"
+READ_DEPTH = 100
+WAL_LIMIT_MB = 64.0  # the WAL file stays under this (see `_checkpoint_loop`)
+WAL_POLL_S = 0.25  # how often the checkpointer looks at the WAL's size
+TRUNCATE_BUSY_MS = 200
+TRUNCATE_RETRY_S = 2.0  # after readers blocked a TRUNCATE, PASSIVE checkpoints only for this long
+BUSY_TIMEOUT_MS = 10_000  # how long a TRUNCATE checkpoint waits for readers of other processes  # levels of nesting kept when a stored call is too deep for the fast reader
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
@@ -102,31 +117,61 @@ class SQLiteStore(Store):
         path: str | Path,
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         checkpoint_every_s: float = 1.0,
+        wal_limit_mb: float = WAL_LIMIT_MB,
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.wal_limit_bytes = int(wal_limit_mb * 2**20)
+        self._wal = Path(f"{self.path}-wal")
         self._lock = threading.RLock()
         self._next_idx: dict[str, int] = {}  # this process is the only writer of calls
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
-        self._db.execute("PRAGMA busy_timeout=10000")
+        self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        self._db.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
         self._db.executescript(_SCHEMA)
         # Checkpoints (copying the WAL into the database file, with an fsync) run on a thread of their
-        # own, so no commit on a request path ever waits for one.
+        # own, so no commit on a request path ever waits for one (see `_checkpoint_loop`).
         self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._stop = threading.Event()
+        self.wal_truncations = 0
+        self._truncate_after = 0.0  # no TRUNCATE before this instant (readers blocked the last one)
         self._checkpointer = threading.Thread(
             target=self._checkpoint_loop, args=(checkpoint_every_s,), name="sqlite-checkpoint", daemon=True
         )
         self._checkpointer.start()
 
     def _checkpoint_loop(self, every_s: float) -> None:
+        """PASSIVE checkpoints every `every_s`, and a TRUNCATE whenever the WAL passes half its limit.
+
+        Under steady writes a PASSIVE checkpoint never catches up with the writer, so SQLite never
+        rewinds the WAL and it grows without bound. The TRUNCATE holds this process's writers back
+        (the store's lock, which they wait on without sleeping in SQLite's busy handler) while it folds
+        the rest in and empties the file: a pause of the order of one fsync, once per half-limit of
+        writes. A reader of another connection that holds an old snapshot blocks it: it then gives up
+        after `TRUNCATE_BUSY_MS` and tries again `TRUNCATE_RETRY_S` later, so writers never wait on
+        such readers for long (the WAL can pass its bound only while one holds its snapshot)."""
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA busy_timeout=10000")
+        db.execute(f"PRAGMA busy_timeout={TRUNCATE_BUSY_MS}")
+        tick = min(every_s, WAL_POLL_S)
+        last_passive = time.monotonic()
         try:
-            while not self._stop.wait(every_s):
-                db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            while not self._stop.wait(tick):
+                try:
+                    size = self._wal.stat().st_size
+                except FileNotFoundError:
+                    size = 0
+                if size > self.wal_limit_bytes // 2 and time.monotonic() >= self._truncate_after:
+                    with self._lock:
+                        busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+                        self._truncated(busy)
+                    log.info("wal_truncate size_mb=%.1f busy=%d", size / 2**20, busy)
+                elif time.monotonic() - last_passive >= every_s:
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    last_passive = time.monotonic()
+        except sqlite3.Error:
+            log.exception("checkpointer_stopped path=%s", self.path)
         finally:
             db.close()
 
@@ -326,17 +371,20 @@ class SQLiteStore(Store):
     def add_calls(self, calls: list[Call]) -> list[Call]:
         """Record calls in one transaction (group commit), each numbered within its rollout."""
         with self._lock:
-            rows = []
-            for call in calls:
-                idx = self._next_idx.get(call.rollout_id)
-                if idx is None:  # first call of this rollout seen by this process: ask the file
-                    idx = self._db.execute(
-                        "SELECT COALESCE(MAX(idx) + 1, 0) FROM calls WHERE rollout_id = ?", (call.rollout_id,)
-                    ).fetchone()[0]
-                call.index = int(idx)
-                self._next_idx[call.rollout_id] = call.index + 1
-                rows.append((call.call_id, call.rollout_id, call.attempt, call.index, call.model_dump_json()))
-            try:
+            try:  # a call that cannot be serialised fails the batch before anything is written
+                rows = []
+                for call in calls:
+                    idx = self._next_idx.get(call.rollout_id)
+                    if idx is None:  # first call of this rollout seen by this process: ask the file
+                        idx = self._db.execute(
+                            "SELECT COALESCE(MAX(idx) + 1, 0) FROM calls WHERE rollout_id = ?",
+                            (call.rollout_id,),
+                        ).fetchone()[0]
+                    call.index = int(idx)
+                    self._next_idx[call.rollout_id] = call.index + 1
+                    rows.append(
+                        (call.call_id, call.rollout_id, call.attempt, call.index, call.model_dump_json())
+                    )
                 with self._tx() as db:
                     db.executemany(
                         "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)", rows
@@ -344,26 +392,50 @@ class SQLiteStore(Store):
             except BaseException:
                 self._next_idx.clear()  # numbering must be re-read after a failed write
                 raise
+            self._bound_wal()
             if len(self._next_idx) > 100_000:
                 self._next_idx.clear()
         return calls
+
+    def _bound_wal(self) -> None:
+        """The backstop of `_checkpoint_loop`: when the checkpointer has fallen behind and the WAL
+        passes 3/4 of its limit, the writer empties it itself (the caller holds the lock)."""
+        try:
+            size = os.stat(self._wal).st_size
+        except FileNotFoundError:
+            return
+        if size <= self.wal_limit_bytes * 3 // 4 or time.monotonic() < self._truncate_after:
+            return
+        self._db.execute(f"PRAGMA busy_timeout={TRUNCATE_BUSY_MS}")
+        try:
+            busy = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        self._truncated(busy)
+        log.warning("wal_truncate_inline size_mb=%.1f busy=%d", size / 2**20, busy)
+
+    def _truncated(self, busy: int) -> None:
+        """Count a TRUNCATE; after one that readers blocked, wait `TRUNCATE_RETRY_S` before the next."""
+        self.wal_truncations += not busy
+        if busy:
+            self._truncate_after = time.monotonic() + TRUNCATE_RETRY_S
 
     def calls(self, rollout_id: str) -> list[Call]:
         """All calls of a rollout in the order they were made."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT body FROM calls WHERE rollout_id = ? ORDER BY idx, seq", (rollout_id,)
+                f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx, seq", (rollout_id,)
             ).fetchall()
-        return [Call.model_validate_json(r[0]) for r in rows]
+        return [_call(r) for r in rows]
 
     def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
         """The rollout's last `limit` calls, oldest first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT body FROM calls WHERE rollout_id = ? ORDER BY idx DESC, seq DESC LIMIT ?",
+                f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx DESC, seq DESC LIMIT ?",
                 (rollout_id, limit),
             ).fetchall()
-        return [Call.model_validate_json(r[0]) for r in reversed(rows)]
+        return [_call(r) for r in reversed(rows)]
 
     def count_calls(self, rollout_id: str) -> int:
         """Number of calls recorded for a rollout."""
@@ -412,12 +484,47 @@ class SQLiteStore(Store):
             return str(db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
 
     def close(self) -> None:
-        """Stop the checkpointer, fold the WAL into the file and close the connection."""
+        """Stop the checkpointer, fold the WAL into the file, empty it and close the connection."""
+        if self._stop.is_set():
+            return  # closed already
         self._stop.set()
         self._checkpointer.join(timeout=30)
         with self._lock:
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self._db.close()
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                self._db.close()
+
+
+def _call(row: tuple[Any, ...]) -> Call:
+    """A stored call, whatever its row holds: a reader never fails on one row.
+
+    Pydantic's JSON reader stops at ~200 levels of nesting, which rows stored before the gateway's
+    door policy (64 levels) may pass: those are read with Python's parser and cut at `READ_DEPTH`
+    levels. A row that cannot be read at all comes back as a failed call that says so."""
+    call_id, rollout_id, attempt, idx, body = row
+    try:
+        return Call.model_validate_json(body)
+    except ValueError:
+        pass
+    try:
+        return Call.model_validate(clip_depth(json.loads(body), READ_DEPTH))
+    except (ValueError, RecursionError) as e:
+        log.error("call_unreadable call=%s error=%s", call_id, e)
+        return Call(call_id=call_id, rollout_id=rollout_id, attempt=attempt, index=idx, created_at=0.0,
+                    latency_s=0.0, status=CallStatus.FAILED, model="", upstream="", request={},
+                    error=f"the stored record of this call cannot be read: {str(e)[:300]}")  # fmt: skip
+
+
+def clip_depth(value: Any, max_depth: int) -> Any:
+    """`value` with every object/array below `max_depth` levels replaced by a string saying so."""
+    if not isinstance(value, dict | list):
+        return value
+    if max_depth <= 0:
+        return f"<cut: nested deeper than {READ_DEPTH} levels>"
+    if isinstance(value, dict):
+        return {k: clip_depth(v, max_depth - 1) for k, v in value.items()}
+    return [clip_depth(v, max_depth - 1) for v in value]
 
 
 def _rollout(row: tuple[Any, ...]) -> Rollout:
