@@ -98,7 +98,9 @@ class ContextBudget:
             count = (await up.post("/tokenize", body)).get("count")
         except ChatFormatError as e:
             raise APIError(400, str(e)) from None
-        except (UpstreamFailed, UpstreamClientError) as e:
+        except UpstreamClientError as e:  # the engine says the prompt itself is invalid: the client's fault
+            raise APIError(400, f"the engine rejected the prompt: {e.message}") from None
+        except UpstreamFailed as e:
             log.info("event=count_failed model=%s error=%r", served, str(e))
             return None
         return count if isinstance(count, int) else None

@@ -83,7 +83,10 @@ def openapi_document() -> dict[str, Any]:
         "/v1/completions": {"post": _op("OpenAI completions", "CompletionRequest")},
         "/v1/responses": {"post": _op("OpenAI Responses", "ResponsesRequest")},
         "/v1/messages": {"post": _op("Anthropic messages", "MessagesRequest")},
+        "/v1/messages/count_tokens": {"post": _op("Anthropic: tokens a messages request would take", "MessagesRequest")},
         "/v1/models": {"get": _op("served models")},
+        "/v1/models/{model_id}": {"get": _op("one model (any name resolves to the served model)", None,
+                                             params=[_path_param("model_id", {"type": "string", "maxLength": 200})])},
         "/v1/harnessrl/reward": {"put": _op("the harness writes its rollout's reward (only if its task allows)", "RewardIn")},
         "/control/rollouts": {
             "post": _op("create a rollout (idempotent by client_id)", "RolloutCreate", admin),
