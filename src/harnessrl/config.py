@@ -72,8 +72,10 @@ class ControllerSection(_Section):
         default=0, ge=0
     )  # a crashed grader runs again this many times before the rollout fails
     # Each attempt in a bubblewrap sandbox: no network but the gateway, a private filesystem view,
-    # resource limits (docs/sandbox.md). None: not limited.
-    sandbox: bool = False
+    # resource limits (docs/sandbox.md; None in a sandbox_* limit: not limited). "auto": wherever bwrap
+    # works on this machine, else plain subprocesses with a loud warning; true: required (an error where
+    # bwrap cannot run); false: plain subprocesses, chosen.
+    sandbox: Literal["auto"] | bool = "auto"  # (what each mode guarantees: docs/security.md)
     # Local runs: Python harnesses forked from a process that has already imported `preload`
     # (docs/operations.md), saving each attempt's interpreter start and imports. With `sandbox` or
     # `ray_address` it does not apply (those runners start every attempt themselves).
@@ -99,8 +101,12 @@ class ControllerSection(_Section):
     def runner(self) -> Any:
         """The runner these settings describe: local, sandboxed, on Ray (sandboxed or not)."""
         from harnessrl.controller import LocalRunner, RayRunner, RaySpec, SandboxRunner
+        from harnessrl.controller.sandbox import SandboxUnavailable, use_sandbox
 
-        sandbox = self.sandbox_spec() if self.sandbox else None
+        try:
+            sandbox = self.sandbox_spec() if use_sandbox(self.sandbox) else None
+        except SandboxUnavailable as e:
+            raise ConfigError(str(e)) from e
         if self.fork_server and sandbox is None and self.ray_address is None:
             from harnessrl.controller import ForkServerRunner
 

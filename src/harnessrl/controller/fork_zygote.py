@@ -5,14 +5,16 @@ It imports the preload modules once, writes one JSON line to stdout (`{"ready": 
 request, a JSON line:
 
     {"kind": "path" | "module" | "code", "target": SCRIPT | MODULE | CODE, "args": [...],
-     "cwd": DIR, "env": {...}, "stdout": FILE, "stderr": FILE}
+     "cwd": DIR, "env": {...}, "stdout": FILE, "stderr": FILE, "uid": N | null}
 
 The zygote forks, answers `{"pid": N}`, and when that child exits answers `{"exit": CODE}` (-N when
 signal N ended it) and closes the connection. A request it cannot read is answered `{"error": why}`.
 
 The child becomes the harness: a session (process group) of its own, killed when the zygote dies,
 stdin from /dev/null, stdout/stderr into the given files, the attempt's cwd and exactly the given
-environment (with its `PYTHONPATH` entries put on `sys.path` when they differ from the zygote's);
+environment (with its `PYTHONPATH` entries put on `sys.path` when they differ from the zygote's),
+and, given a `uid` (the zygote runs as root), that uid and gid with no supplementary groups, after
+killing whatever that uid still runs (`kill(-1)` as the uid: an earlier attempt's leftovers);
 then `sys.argv` is set and `sys.path[0]` inserted, and the target runs as `__main__`, the way
 `python SCRIPT ARGS`, `python -m MODULE ARGS` or `python -c CODE ARGS` would run it, and the interpreter
 exits the normal way (atexit handlers, non-daemon threads joined, output flushed; an uncaught
@@ -65,6 +67,9 @@ def check(req: Any) -> str | None:
             return f"{key} must be a string"
     if not isinstance(req.get("args"), list) or not all(isinstance(a, str) for a in req["args"]):
         return "args must be a list of strings"
+    uid = req.get("uid")
+    if uid is not None and (not isinstance(uid, int) or isinstance(uid, bool) or uid <= 0):
+        return "uid must be a positive integer or null"
     env = req.get("env")
     if not isinstance(env, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
@@ -206,9 +211,8 @@ def redirect(fd: int, path: str, flags: int) -> None:
 
 
 def become(req: dict[str, Any]) -> None:
-    """In the child: turn into the harness the request describes and run it as `__main__`."""
-    import runpy
-
+    """In the child: turn into the harness the request describes (session, files, cwd, environment,
+    uid)."""
     os.setsid()
     die_with_parent()
     redirect(0, os.devnull, os.O_RDONLY)
@@ -221,6 +225,30 @@ def become(req: dict[str, Any]) -> None:
     pythonpath = req["env"].get("PYTHONPATH", "")
     if pythonpath != zygote_pythonpath:  # the interpreter read the zygote's at start: add the attempt's
         sys.path[0:0] = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
+    if req.get("uid") is not None:
+        try:
+            drop_to(req["uid"])
+        except OSError as e:
+            sys.stderr.write(f"harnessrl: the fork server could not take uid {req['uid']}: {e}\n")
+            os._exit(125)
+        die_with_parent()  # a change of uid clears the parent-death signal
+
+
+def drop_to(uid: int) -> None:
+    """Become `uid` (gid `uid`, no supplementary groups); kill every process that uid still runs."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    with contextlib.suppress(OSError, AttributeError):  # as after an exec: /proc shows it as the uid's
+        ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0)  # 4 = PR_SET_DUMPABLE
+    with contextlib.suppress(OSError):
+        os.kill(-1, signal.SIGKILL)  # every process this one may signal (the uid's), itself excepted
+
+
+def run_main(req: dict[str, Any]) -> None:
+    """Run the request's target as `__main__`."""
+    import runpy
+
     kind, target, args = req["kind"], req["target"], req["args"]
     if kind == "path":
         sys.argv = [target, *args]
@@ -254,7 +282,9 @@ def main(argv: list[str]) -> int:
             sys.stdout.write(json.dumps({"error": f"preload {name!r}: {type(e).__name__}: {e}"}) + "\n")
             return 2
     gc.freeze()  # the preloaded objects: never scanned by a child's collections (nor at its exit)
-    become(Server(argv[1]).serve())
+    req = Server(argv[1]).serve()
+    become(req)
+    run_main(req)
     return 0
 
 

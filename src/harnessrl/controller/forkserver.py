@@ -16,12 +16,16 @@ command (another program, interpreter options such as `-u`), and any attempt who
 modules must not read the environment when imported (the zygote's environment is not the
 attempt's); the standard library and `openai` do not. A zygote that dies is started again by the next
 attempt; the attempts it was running end as infrastructure errors (retried by the controller).
+
+As root, each forked harness drops to a uid of its own before it runs (`own_uid`, as `LocalRunner`;
+isolation.py): the zygote (root) forks, the child takes the attempt's uid and then runs the harness.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -33,12 +37,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harnessrl.controller.isolation import IsolationError, attempt_uid, finish_attempt, give_attempt_dirs
 from harnessrl.controller.runner import (
     DEFAULT_PASSTHROUGH,
     AttemptResult,
     AttemptSpec,
     HarnessSpec,
     LocalRunner,
+    OwnUid,
     contract_env,
     kill_group,
     prepare_workdir,
@@ -74,11 +80,12 @@ def fork_form(command: Sequence[str], python: str) -> tuple[str, str, list[str]]
 class ForkServerRunner:
     """`LocalRunner`'s contract; Python harnesses are forked from a zygote that preloaded modules."""
 
-    def __init__(self, preload: Sequence[str] = (), python: str = sys.executable) -> None:
+    def __init__(self, preload: Sequence[str] = (), python: str = sys.executable, own_uid: OwnUid = "auto") -> None:  # fmt: skip
         self.preload = tuple(preload)
         self.python = python
+        self.own_uid = own_uid
         self.starts = 0  # zygotes started (more than one: one died)
-        self._local = LocalRunner()
+        self._local = LocalRunner(own_uid)
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
         self._socket: Path | None = None
@@ -132,14 +139,32 @@ class ForkServerRunner:
         env = contract_env(spec, harness, task_file, output_dir)
         if _interpreter_env(env) != _interpreter_env(self._zygote_env()):
             return await self._local.run(spec, harness)  # e.g. PYTHONHASHSEED: read only at start-up
+        with contextlib.ExitStack() as stack:
+            try:  # the uid must reach the interpreter and, for a script, the script
+                uid = attempt_uid(self.own_uid, spec.workdir, [self.python, *([target] if kind == "path" else [])], env, stack)  # fmt: skip
+            except (IsolationError, OSError) as e:
+                return AttemptResult(None, False, output_dir, "", "", infra_error=str(e))
+            cwd = spec.workdir
+            if uid is not None:
+                cwd = give_attempt_dirs(spec.workdir, uid)
+                if "HOME" not in harness.env:
+                    env["HOME"] = str(cwd)
+            request = {"kind": kind, "target": target, "args": args, "cwd": str(cwd), "env": env, "uid": uid}
+            try:
+                result = await self._forked(spec, harness, request)
+            finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
+                note = finish_attempt(spec.workdir, uid, spec.rollout_id, spec.attempt)
+        return dataclasses.replace(result, stderr_tail=result.stderr_tail + note) if note else result
+
+    async def _forked(
+        self, spec: AttemptSpec, harness: HarnessSpec, request: dict[str, Any]
+    ) -> AttemptResult:
+        """Have the zygote fork the harness `request` describes and wait for its exit report."""
+        output_dir = spec.workdir / "output"
         out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
         out_path.write_bytes(b"")
         err_path.write_bytes(b"")
-        request = {
-            "kind": kind, "target": target, "args": args, "cwd": str(spec.workdir),
-            "env": env,
-            "stdout": str(out_path), "stderr": str(err_path),
-        }  # fmt: skip
+        request = {**request, "stdout": str(out_path), "stderr": str(err_path)}
 
         def failed(why: str) -> AttemptResult:
             return AttemptResult(None, False, output_dir, tail(out_path, harness.max_output_bytes),

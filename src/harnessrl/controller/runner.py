@@ -1,19 +1,30 @@
 """The local runner: one subprocess per attempt, the harness contract in its environment, a timeout
-that kills the whole process group."""
+that kills the whole process group; as root, the harness runs under a uid of its own (`isolation.py`),
+and after every attempt `output/` is cleaned of links the grader must not follow."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import signal
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
+from harnessrl.controller.isolation import (
+    IsolationError,
+    attempt_uid,
+    drop_to,
+    finish_attempt,
+    give_attempt_dirs,
+)
 from harnessrl.services import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -111,26 +122,49 @@ def prepare_workdir(spec: AttemptSpec) -> tuple[Path, Path]:
     return output_dir, task_file
 
 
+OwnUid = Literal["auto", "required", "never"]
+
+
 class LocalRunner:
-    """Runs each attempt as a local subprocess in its own process group."""
+    """Runs each attempt as a local subprocess in its own process group; as root, under a uid of its own
+    (`own_uid`: "auto" where that uid can reach the harness, "required", or "never"; see isolation.py)."""
+
+    own_uid: OwnUid = "auto"  # (also for subclasses that do not call __init__)
+
+    def __init__(self, own_uid: OwnUid = "auto") -> None:
+        self.own_uid = own_uid
 
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
         """Run one attempt to its end (exit, timeout, or failure to start)."""
         output_dir, task_file = prepare_workdir(spec)
         env = contract_env(spec, harness, task_file, output_dir)
+        with contextlib.ExitStack() as stack:
+            try:
+                uid = attempt_uid(self.own_uid, spec.workdir, harness.command, env, stack)
+            except (IsolationError, OSError) as e:
+                return AttemptResult(None, False, output_dir, "", "", infra_error=str(e))
+            cwd = spec.workdir
+            if uid is not None:
+                cwd = give_attempt_dirs(spec.workdir, uid)
+                if "HOME" not in harness.env:
+                    env["HOME"] = str(cwd)
+            try:
+                result = await self._spawn(spec, harness, env, cwd, preexec(uid))
+            finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
+                note = finish_attempt(spec.workdir, uid, spec.rollout_id, spec.attempt)
+        return dataclasses.replace(result, stderr_tail=result.stderr_tail + note) if note else result
+
+    async def _spawn(self, spec: AttemptSpec, harness: HarnessSpec, env: dict[str, str], cwd: Path,
+                     before_exec: Callable[[], None]) -> AttemptResult:  # fmt: skip
+        output_dir = spec.workdir / "output"
         out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
         with out_path.open("wb") as out, err_path.open("wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *harness.command,
-                    cwd=spec.workdir,
-                    env=env,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                    preexec_fn=die_with_parent,
-                )
-            except OSError as e:
+                    *harness.command, cwd=cwd, env=env, stdout=out, stderr=err,
+                    start_new_session=True, preexec_fn=before_exec,
+                )  # fmt: skip
+            except (OSError, subprocess.SubprocessError) as e:
                 return AttemptResult(
                     None, False, output_dir, "", "", infra_error=f"could not start harness: {e}"
                 )
@@ -152,6 +186,18 @@ class LocalRunner:
             stdout_tail=tail(out_path, harness.max_output_bytes),
             stderr_tail=tail(err_path, harness.max_output_bytes),
         )
+
+
+def preexec(uid: int | None) -> Callable[[], None]:
+    """What the harness's process does between fork and exec: become `uid` (if any), then arrange to
+    die with the controller (after the uid change, which would clear it)."""
+
+    def before_exec() -> None:
+        if uid is not None:
+            drop_to(uid)
+        die_with_parent()
+
+    return before_exec
 
 
 def _start_time(pid: int) -> int | None:
@@ -194,8 +240,9 @@ def kill_group(pgid: int) -> None:
 
 def tail(path: Path, limit: int) -> str:
     """The last `limit` bytes of a file, decoded as UTF-8."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # never a link planted in the attempt's folder
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
         if size > limit:
             f.seek(size - limit)
         return f.read().decode("utf-8", errors="replace")

