@@ -29,7 +29,8 @@ def _merge(report: dict[str, Any] | None) -> str:
         if m["calls"] < 2:
             return f"n/a ({m['calls']} call)"
         causes = ", ".join(f"{c}×{n}" for c, n in Counter(m["breaks"]).items())
-        return f"{m['merge_rate']:.2f} ({m['rows']} rows/{m['calls']} calls{': ' + causes if causes else ''})"
+        rows = f"{m['rows']} row{'s' if m['rows'] != 1 else ''}"
+        return f"{m['merge_rate']:.2f} ({rows}/{m['calls']} calls{': ' + causes if causes else ''})"
 
     text = one(whole)
     if main["calls"] != whole["calls"]:
@@ -46,7 +47,8 @@ def _loop(report: dict[str, Any] | None) -> str:
     return report["outcome"].replace("|", "\\|")[:160]
 
 
-def _first(entry: dict[str, Any], key: str) -> Any:
+def _first(entry: dict[str, Any]) -> dict[str, Any]:
+    """The first mode's replay report that reached the gateway (for the columns both modes share)."""
     for mode in MODES:
         r = entry.get("replay", {}).get(mode) or {}
         if r.get("calls") or r.get("http"):
@@ -83,12 +85,13 @@ def table(results: dict[str, Any]) -> str:
             "Tool loop: tito | Merge rate: passthrough | Merge rate: tito | One turn on SmolLM2 (8,192 ctx) |")  # fmt: skip
     rows = [head, "|" + " --- |" * 10]
     for name, e in results["harnesses"].items():
-        r = _first(e, "calls")
+        r = _first(e)
         http, calls = r.get("http") or {}, r.get("calls") or {}
         stream = {(True,): "yes", (False,): "no", (False, True): "both"}.get(
             tuple(http.get("streaming", [])), "–"
         )
-        tools = f"{calls.get('tools_declared', '–')}" if calls else "–"
+        called = ", ".join(f"`{t}`" for t in calls.get("tools_called", []))
+        tools = f"{calls['tools_declared']} ({called or 'none'})" if calls else "–"
         replay = e.get("replay", {})
         rows.append(f"| {name} | {e['version']} | {e['face']} | {stream} | {tools} | {_loop(replay.get('passthrough'))} "
                     f"| {_loop(replay.get('tito'))} | {_merge(replay.get('passthrough'))} | {_merge(replay.get('tito'))} "

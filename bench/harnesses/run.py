@@ -53,7 +53,7 @@ def _git(*args: str) -> str:
 
 def gateway_version() -> dict[str, Any]:
     """The gateway code the run used: last commit touching it, and whether it had local changes."""
-    return {"last_commit": _git("log", "-1", "--format=%h %s", "--", "src/harnessrl/gateway"),
+    return {"last_commit": _git("log", "-1", "--format=%h", "--", "src/harnessrl/gateway"),
             "uncommitted_changes": bool(_git("status", "--porcelain", "--", "src/harnessrl/gateway"))}  # fmt: skip
 
 
@@ -132,7 +132,9 @@ def smollm2_phase(names: list[str], runs: Path, tok_dir: Path, tok: Tokenizer, t
     logs = runs / "smollm2-logs"
     with ExitStack() as stack:
         port = free_port()
-        engine = start_engine(Path("smollm2"), port, logs, 2, SMOLLM2_CONTEXT, None)
+        # one sequence at a time: a harness's side call (a title) is answered first instead of sharing
+        # every step with the agent turn's long prefill
+        engine = start_engine(Path("smollm2"), port, logs, 1, SMOLLM2_CONTEXT, None)
         stack.callback(engine.stop)
         engine.wait_healthy(300)
         gw = start_gateway_pair(stack, "tito", engine.url, tok_dir, logs)
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-replay", action="store_true")
     p.add_argument("--skip-smollm2", action="store_true")
     p.add_argument("--smollm2-max-tokens", type=int, default=48)
+    p.add_argument("--smollm2-timeout-s", type=float, default=600.0, help="per harness turn on SmolLM2")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     os.chdir(REPO)  # the services are started as `python -m bench.harnesses...` from here
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_replay:
         replay_phase(names, args.modes, runs, tok_dir, tok, args.timeout_s, results)
     if not args.skip_smollm2:
-        smollm2_phase(names, runs, tok_dir, tok, args.timeout_s, args.smollm2_max_tokens, results)
+        smollm2_phase(names, runs, tok_dir, tok, args.smollm2_timeout_s, args.smollm2_max_tokens, results)
     doc = {"generated_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.monotonic() - t0),
            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
            "gateway": gateway_version(), "runs_dir": str(runs), "harnesses": results}  # fmt: skip

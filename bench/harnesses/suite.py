@@ -181,6 +181,9 @@ def call_report(calls: list[Call], task: Task, tok: Tokenizer) -> dict[str, Any]
         "tools_declared": max((len(_tools(c)) for c in calls), default=0),
         "tool_names": sorted({n for c in main for n in _tools(c)})[:40],
         "tool_call_answered": len(tool_calls),
+        "tools_called": sorted(
+            {tc["function"]["name"] for c in tool_calls for tc in c.conversation()[2]["tool_calls"]}
+        ),
         "tool_round_trip": any(task.secret in p for p in prompts),
         "prompt_tokens": [len(c.prompt_ids) for c in calls],
         "completion_tokens": [len(c.completion_ids) for c in calls],
@@ -227,9 +230,10 @@ def replay_run(harness: Harness, gw: Gateway, run_dir: Path, replay_url: str, to
 
 
 def _main_turn_done(calls: list[Call]) -> bool:
-    return any(_tools(c) and c.status == CallStatus.OK for c in calls) or any(
-        c.status != CallStatus.OK for c in calls
-    )
+    """The agent's turn (a call that declares tools) was answered, or failed other than by the
+    harness hanging up (a harness that gives up on a slow answer retries: that is its turn too)."""
+    return any(_tools(c) and (c.status == CallStatus.OK or not (c.error or "").startswith("cancelled"))
+               for c in calls)  # fmt: skip
 
 
 def smollm2_turn(harness: Harness, gw: Gateway, run_dir: Path, tok: Tokenizer, timeout_s: float,
