@@ -182,6 +182,11 @@ def test_slow_or_idle_connections_are_closed_and_huge_headers_refused(tmp_path: 
         assert raw_exchange(srv.url, b"", dribble, pause_s=0.1) == b""  # headers too slow: closed
         huge = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n"
         assert raw_exchange(srv.url, huge).startswith(b"HTTP/1.1 431")
+        big_body = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 300000\r\n\r\n"
+            + b" " * 300_000
+        )
+        assert raw_exchange(srv.url, big_body).startswith(b"HTTP/1.1 401")  # a body is not a header
 
 
 # the engine's faults ---------------------------------------------------------------------------------

@@ -15,15 +15,16 @@ A request picks its fault with the marker `fault:NAME` anywhere in its body (for
 - `badevent`: a logprobs entry without `logprob` (in the stream, the third event);
 - `slow`: a streamed answer of `SLOW_TOKENS` tokens, one every `SLOW_INTERVAL_S`.
 
-`python bench/reliability/fault_engine.py PORT [DEFAULT_FAULT]` serves on 127.0.0.1 until killed.
+`python bench/reliability/fault_engine.py PORT [DEFAULT_FAULT] [--tokens N] [--prompt-tokens N]` serves
+on 127.0.0.1 until killed.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
-import sys
 import threading
 from typing import Any
 
@@ -58,8 +59,10 @@ def _prompt_ids(body: dict[str, Any]) -> list[int]:
     return PROMPT_IDS
 
 
-def answer(path: str, body: dict[str, Any], n: int = TOKENS, bad: bool = False) -> dict[str, Any]:
-    """A complete non-streamed answer of `n` tokens (`bad`: one logprobs entry lacks its logprob)."""
+def answer(path: str, body: dict[str, Any], n: int | None = None, bad: bool = False) -> dict[str, Any]:
+    """A complete non-streamed answer of `n` tokens (default `TOKENS`; `bad`: one logprobs entry lacks
+    its logprob)."""
+    n = TOKENS if n is None else n
     ids = [2000 + i for i in range(n)]
     texts = [f"t{i} " for i in range(n)]
     prompt = _prompt_ids(body)
@@ -208,10 +211,22 @@ async def serve(port: int, default_fault: str = "ok") -> asyncio.Server:
 
 def main() -> None:
     """Serve until killed."""
-    port = int(sys.argv[1])
-    fault = sys.argv[2] if len(sys.argv) > 2 else "ok"
+    global TOKENS, PROMPT_IDS
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("port", type=int)
+    p.add_argument("default_fault", nargs="?", default="ok")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="completion tokens of an answer")
+    p.add_argument("--prompt-tokens", type=int, default=len(PROMPT_IDS), help="prompt tokens reported")
+    args = p.parse_args()
+    TOKENS, PROMPT_IDS = args.tokens, list(range(1000, 1000 + args.prompt_tokens))
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
     loop = asyncio.new_event_loop()
-    loop.run_until_complete(serve(port, fault))
+    loop.run_until_complete(serve(args.port, args.default_fault))
     loop.run_forever()
 
 

@@ -11,6 +11,7 @@ import sys
 import uvicorn
 from starlette.types import ASGIApp
 
+from harnessrl.gateway import http
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
 from harnessrl.store import SQLiteStore
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds all engine tries of one call may take together (so a pause can drain)")  # fmt: skip
     p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
                    help="seconds a client has to send a request's headers")  # fmt: skip
+    p.add_argument("--body-timeout", type=float, default=http.BODY_TIMEOUT_S,
+                   help="seconds a client has to send a request's body")  # fmt: skip
     p.add_argument("--wal-limit-mb", type=float, default=64.0, help="bound on the store's SQLite WAL file")
     p.add_argument(
         "--model-map",
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         stream_open_timeout_s=args.stream_open_timeout,
         call_timeout_s=args.call_timeout,
     )
+    http.BODY_TIMEOUT_S = args.body_timeout  # read_json's default, for every route
     store = SQLiteStore(args.store, synchronous=args.synchronous, wal_limit_mb=args.wal_limit_mb)
     app = create_app(config, store)
     try:  # GatewayServer closes the store on SIGTERM/SIGINT; this covers any other way out

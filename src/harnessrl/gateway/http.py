@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from harnessrl.gateway.errors import APIError
 
@@ -36,6 +36,7 @@ BODY_TIMEOUT_S = 60.0
 OFF_LOOP_BYTES = 256 * 1024  # bodies above this are checked on a worker thread
 HEADER_TIMEOUT_S = 15.0
 MAX_HEADER_BYTES = 64 * 1024
+HEADERS_TOO_LARGE = f"request line and headers over {MAX_HEADER_BYTES} bytes"
 
 
 def bearer(request: Request) -> str | None:
@@ -120,11 +121,15 @@ def json_shape_problem(
         items = node.values() if isinstance(node, dict) else node
         containers += 1
         values += len(items)
-        if containers > max_containers:
-            return 413, f"holds more than {max_containers} objects/arrays (the gateway's limit)"
         if values > max_values:
             return 413, f"holds more than {max_values} JSON values (the gateway's limit)"
-        stack.extend((item, depth + 1) for item in items if isinstance(item, dict | list))
+        room = max_containers - containers - len(stack)  # objects/arrays still allowed
+        for item in items:
+            if isinstance(item, dict | list):
+                if room <= 0:
+                    return 413, f"holds more than {max_containers} objects/arrays (the gateway's limit)"
+                room -= 1
+                stack.append((item, depth + 1))
     return None
 
 
@@ -173,25 +178,60 @@ class TimedHttpProtocol(HttpToolsProtocol):
         """Start the clock for the first request's headers."""
         self._header_timer: asyncio.TimerHandle | None = None
         self._header_bytes = 0
+        self._serving: RequestResponseCycle | None = None
+        self._parsed_head = 0  # bytes of the current request's line and headers, as parsed
         super().connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        """Count header bytes while a request's headers are incomplete."""
-        if self._header_timer is not None:
-            self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                log.warning("request_headers_too_large client=%s", self.client)
-                self._disarm()
-                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
-                                     b"Content-Length: 0\r\n\r\n")  # fmt: skip
-                self.transport.close()
-                return
+        """Parse, then refuse a request whose headers are still incomplete past `MAX_HEADER_BYTES`
+        (the parser buffers a header until it ends, so it is counted here by the chunk)."""
+        pending = self._header_timer is not None
         super().data_received(data)
+        if not pending or self._header_timer is None:
+            return  # no headers were pending, or they are complete now
+        self._header_bytes += len(data)
+        if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+            self._disarm()
+            self.send_400_response(HEADERS_TOO_LARGE)
+
+    def on_url(self, url: bytes) -> None:
+        """Count the request target against `MAX_HEADER_BYTES`."""
+        super().on_url(url)
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """Count each header against `MAX_HEADER_BYTES`."""
+        super().on_header(name, value)
+        self._count_head(len(name) + len(value) + 4)
+
+    def _count_head(self, n: int) -> None:
+        self._parsed_head += n
+        if self._parsed_head > MAX_HEADER_BYTES:
+            raise ValueError(HEADERS_TOO_LARGE)  # the parser stops; uvicorn answers via send_400_response
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to an unparsable request; a 431 when the headers were too large."""
+        if self.transport.is_closing():
+            return
+        if self._parsed_head <= MAX_HEADER_BYTES and msg != HEADERS_TOO_LARGE:
+            super().send_400_response(msg)
+            return
+        log.warning("request_headers_too_large client=%s", self.client)
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
+                             b"Content-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(HEADERS_TOO_LARGE), HEADERS_TOO_LARGE.encode()))  # fmt: skip
+        self.transport.close()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        """Remember the cycle being served: with pipelined requests it is not `self.cycle`."""
+        self._serving = cycle
+        super()._start_asgi_task(cycle, app)
 
     def on_message_begin(self) -> None:
         """A new request begins: its headers are on the clock."""
         super().on_message_begin()
+        self._parsed_head = 0
         if self._header_timer is None:
             self._header_bytes = 0
             self._arm()
@@ -202,8 +242,13 @@ class TimedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """Drop the clock with the connection."""
+        """Drop the clock with the connection; tell the request being served (uvicorn tells only the
+        last one parsed, so a pipelined request's handler would write to a closed transport)."""
         self._disarm()
+        serving = self._serving
+        if serving is not None and serving is not self.cycle and not serving.response_complete:
+            serving.disconnected = True
+            serving.message_event.set()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
