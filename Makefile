@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-train test-harnesses clean
+.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-train test-harnesses clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ bench-gateway: $(STAMP)
 # About a minute: attempts per second at concurrency 64, plain subprocesses against bwrap sandboxes.
 bench-controller: $(STAMP)
 	$(PY) bench/controller.py --out bench/results/controller.json
+
+# About 8 minutes: the gateway's fault suite on loopback (kill -9 under load, 282 bad inputs, WAL under
+# 60 s of c64 load, engine faults), the corpus, WAL and event-loop probes also run against the gateway
+# before the reliability fixes. Results in bench/results/reliability.json; figures in docs/reliability.md.
+RELIABILITY_BASELINE ?= ad64d71~1
+bench-reliability: $(STAMP)
+	$(PY) -m bench.reliability.run --baseline-ref $(RELIABILITY_BASELINE)
 
 # About 10 minutes (plus ~10 the first time, to install): the pinned real harnesses (Claude Code, Codex CLI,
 # OpenCode, OpenHands SDK, mini-swe-agent) into .bench/harnesses/, each driven unmodified through the
