@@ -4,6 +4,7 @@ through a full tool loop. Checks the token IDs the gateway records against the r
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,7 +62,17 @@ def gateway(request: pytest.FixtureRequest, replay: Service, tmp_path: Path) -> 
                         tokenizer_path=str(smollm2_tokenizer_dir()))  # fmt: skip
     store = SQLiteStore(tmp_path / "store.sqlite")
     with ThreadServer(create_app(cfg, store)) as srv:
-        yield GatewayHandle(srv.url, admin, store, replay.url)
+        handle = GatewayHandle(srv.url, admin, store, replay.url)
+        MODES[id(handle)] = request.param
+        yield handle
+
+
+MODES: dict[int, str] = {}
+
+
+def gateway_mode(gw: GatewayHandle) -> str:
+    """The mode a `gateway` fixture was started in."""
+    return MODES[id(gw)]
 
 
 def test_script_selection() -> None:
@@ -154,3 +165,36 @@ def test_openai_sdk_tool_loop(gateway: GatewayHandle, stream: bool) -> None:
     assert second.completion_ids == [*tok.encode(ANSWER), tok.eos_id]
     merged = merge_calls([first, second])
     assert len(merged.rows) == 1 and merged.breaks == []  # the second prompt extends the first call exactly
+
+
+@pytest.mark.parametrize("gateway", ["passthrough", "tito"], indirect=True)
+def test_compact_tool_call_merges_only_in_tito(gateway: GatewayHandle) -> None:
+    """A tool call written as compact JSON comes back from the harness as a parsed call: passthrough
+    renders it with the template's spacing (other tokens, a `retokenized` break), tito reuses the
+    tokens the model produced (one row)."""
+    compact = SCRIPT.model_copy(update={"compact": True})
+    httpx.post(f"{gateway.engine_url}/admin/script", json=compact.model_dump()).raise_for_status()
+    rid, key = gateway.new_rollout()
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the secret word in notes.txt?"}]
+    msg = client.chat.completions.create(model="m", messages=messages, tools=[TOOL]).choices[0].message  # type: ignore[arg-type,list-item]
+    assert msg.tool_calls and json.loads(msg.tool_calls[0].function.arguments) == {"path": "notes.txt"}  # type: ignore[union-attr]
+    messages += [
+        msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "plum"},
+    ]
+    assert (
+        client.chat.completions.create(model="m", messages=messages, tools=[TOOL]).choices[0].message.content
+        == ANSWER
+    )  # type: ignore[arg-type,list-item]
+    calls = gateway.store.calls(rid)
+    tok = TitoTokenizer.from_dir(str(smollm2_tokenizer_dir()))
+    written = tok.tokenizer.decode(calls[0].completion_ids, skip_special_tokens=True)
+    assert (
+        written == 'Let me look.<tool_call>{"name":"read_file","arguments":{"path":"notes.txt"}}</tool_call>'
+    )
+    merged = merge_calls(calls)
+    if gateway_mode(gateway) == "tito":
+        assert len(merged.rows) == 1 and merged.breaks == []
+    else:
+        assert len(merged.rows) == 2 and [str(b) for b in merged.breaks] == ["retokenized"]

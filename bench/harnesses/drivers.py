@@ -170,10 +170,11 @@ class Harness:
     last_step: Callable[[Task], ScriptStep] = lambda task: ScriptStep(text=task.answer)
     answer: Callable[[Path, str], str] = lambda run, stdout: stdout
 
-    def script(self, task: Task) -> dict[str, object]:
-        """The replay engine's script: a tool call first, then the final answer."""
+    def script(self, task: Task, compact: bool = False) -> dict[str, object]:
+        """The replay engine's script: a tool call first, then the final answer (tool calls in
+        compact JSON with `compact`)."""
         steps = [ScriptStep(tools=self.first_tools(task)), self.last_step(task)]
-        return {"steps": [s.model_dump() for s in steps], "fallback": "OK."}
+        return {"steps": [s.model_dump() for s in steps], "fallback": "OK.", "compact": compact}
 
 
 def _cat(task: Task) -> str:

@@ -47,6 +47,13 @@ def _loop(report: dict[str, Any] | None) -> str:
     return report["outcome"].replace("|", "\\|")[:160]
 
 
+def _by_style(replay: dict[str, Any], mode: str, cell: Any) -> str:
+    """One cell per mode: the template-style run, and the compact-JSON run when there was one."""
+    first = cell(replay.get(mode))
+    compact = replay.get(f"{mode}, compact")
+    return first if compact is None else f"template JSON: {first}<br>compact JSON: {cell(compact)}"
+
+
 def _first(entry: dict[str, Any]) -> dict[str, Any]:
     """The first mode's replay report that reached the gateway (for the columns both modes share)."""
     for mode in MODES:
@@ -93,8 +100,8 @@ def table(results: dict[str, Any]) -> str:
         called = ", ".join(f"`{t}`" for t in calls.get("tools_called", []))
         tools = f"{calls['tools_declared']} ({called or 'none'})" if calls else "–"
         replay = e.get("replay", {})
-        rows.append(f"| {name} | {e['version']} | {e['face']} | {stream} | {tools} | {_loop(replay.get('passthrough'))} "
-                    f"| {_loop(replay.get('tito'))} | {_merge(replay.get('passthrough'))} | {_merge(replay.get('tito'))} "
+        cells = [_by_style(replay, m, f) for f in (_loop, _merge) for m in MODES]
+        rows.append(f"| {name} | {e['version']} | {e['face']} | {stream} | {tools} | {' | '.join(cells)} "
                     f"| {_smollm2(e.get('smollm2'))} |")  # fmt: skip
     rows += [
         "",

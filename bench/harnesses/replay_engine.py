@@ -8,7 +8,7 @@ with the real SmolLM2 tokenizer and ended with `<|im_end|>`, so the gateway reco
 completion token IDs. Every scripted token has logprob 0.0 (the scripted policy is deterministic).
 Stop strings, stop token IDs and `max_tokens` end an answer exactly as in the builtin engine.
 
-The script (`POST /admin/script`) is a list of steps. A prompt's step is the number of assistant turns
+The script (`POST /admin/script`) is a list of steps (see `Script`). A prompt's step is the number of assistant turns
 it already holds (0 for a conversation's first call, 1 after one answer, ...); the step's answer is
 its `text` followed by a call of the first of its `tools` the prompt declares, written in the chat
 convention the gateway parses (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`). A prompt that
@@ -71,10 +71,13 @@ class ScriptStep(BaseModel):
 
 
 class Script(BaseModel):
-    """The replay engine's policy: answers by conversation step, and the answer to side calls."""
+    """The replay engine's policy: answers by conversation step, and the answer to side calls.
+    `compact` writes tool calls as compact JSON (`{"name":"x","arguments":{...}}`), as models often
+    do, instead of the spacing the chat template renders calls back with."""
 
     steps: list[ScriptStep] = Field(default_factory=list)
     fallback: str = "OK."
+    compact: bool = False
 
 
 def declared_tools(prompt_text: str) -> list[str]:
@@ -101,10 +104,20 @@ def scripted_answer(script: Script, prompt_text: str) -> tuple[str, str]:
     declared = set(declared_tools(prompt_text))
     for tool in chosen.tools:
         if tool.name in declared:
-            return chosen.text + render_tool_call(tool.name, tool.arguments), f"step {step}"
+            return chosen.text + _tool_call(tool, script.compact), f"step {step}"
     if not chosen.require_tool:
         return chosen.text, f"step {step} (no tool)"
     return script.fallback, "fallback"
+
+
+def _tool_call(tool: ToolStep, compact: bool) -> str:
+    """A tool call in the chat convention, as the template renders it or in compact JSON."""
+    if not compact:
+        return render_tool_call(tool.name, tool.arguments)
+    body = json.dumps(
+        {"name": tool.name, "arguments": tool.arguments}, ensure_ascii=False, separators=(",", ":")
+    )
+    return f"{SMOLLM2.tool_call_open}{body}{SMOLLM2.tool_call_close}"
 
 
 @dataclass

@@ -5,6 +5,8 @@
    makes its first turn a call of the harness's own read/shell tool, the harness runs it, and the next
    turn answers. Reported: exit status, HTTP outcomes, calls recorded with token IDs, the tool round
    trip, the final answer, and the adapter's merge of the rollout (rows, breaks and their causes).
+   Each pair runs with the scripted tool call written as the chat template renders calls back, and
+   again in compact JSON, as models often write it (passthrough then re-renders it differently).
 2. SmolLM2: one turn of each harness on the real builtin engine (8,192-token context) behind a tito
    gateway, with the answer capped at `--smollm2-max-tokens`; a prompt that does not fit is reported.
 
@@ -18,6 +20,7 @@ a summary. `make test-harnesses` installs the harnesses and runs this.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -102,9 +105,9 @@ def installed(h: Harness) -> str | None:
     return None if exe.exists() else f"not installed: {exe} (run bench/harnesses/setup.sh)"
 
 
-def replay_phase(names: list[str], modes: list[str], runs: Path, tok_dir: Path, tok: Tokenizer,
-                 timeout_s: float, results: dict[str, Any]) -> None:  # fmt: skip
-    """Every harness x mode through the replay engine."""
+def replay_phase(names: list[str], modes: list[str], styles: list[str], runs: Path, tok_dir: Path,
+                 tok: Tokenizer, timeout_s: float, results: dict[str, Any]) -> None:  # fmt: skip
+    """Every harness x mode x tool-call style through the replay engine."""
     logs = runs / "replay-logs"
     with ExitStack() as stack:
         port = free_port()
@@ -117,13 +120,15 @@ def replay_phase(names: list[str], modes: list[str], runs: Path, tok_dir: Path, 
             h = HARNESSES[name]
             entry = results[name]
             if (missing := installed(h)) is not None:
-                entry["replay"] = {m: {"outcome": missing} for m in modes}
+                entry["replay"] = {"all": {"outcome": missing}}
                 continue
-            for mode, gw in gateways.items():
-                log.info("event=replay_run harness=%s mode=%s", name, mode)
-                report = replay_run(h, gw, runs / name / mode, replay.url, tok, timeout_s)
-                entry["replay"][mode] = report
-                log.info("event=replay_done harness=%s mode=%s outcome=%r", name, mode, report["outcome"])
+            for (mode, gw), style in itertools.product(gateways.items(), styles):
+                key = mode if style == "canonical" else f"{mode}, {style}"
+                log.info("event=replay_run harness=%s run=%r", name, key)
+                report = replay_run(h, gw, runs / name / key.replace(", ", "-"), replay.url, tok, timeout_s,
+                                    compact=style == "compact")  # fmt: skip
+                entry["replay"][key] = report
+                log.info("event=replay_done harness=%s run=%r outcome=%r", name, key, report["outcome"])
 
 
 def smollm2_phase(names: list[str], runs: Path, tok_dir: Path, tok: Tokenizer, timeout_s: float,
@@ -151,16 +156,16 @@ def smollm2_phase(names: list[str], runs: Path, tok_dir: Path, tok: Tokenizer, t
 
 def summary(results: dict[str, Any]) -> str:
     """A plain-text table of the run."""
-    lines = [f"{'harness':16} {'mode':12} {'outcome':60} calls ids rt  merge"]
+    lines = [f"{'harness':16} {'run':22} {'outcome':50} calls ids rt  merge"]
     for name, entry in results.items():
         for mode, r in entry.get("replay", {}).items():
             c = r.get("calls") or {}
             merge = (c.get("merge_all_calls") or {}).get("merge_rate")
-            lines.append(f"{name:16} {mode:12} {r['outcome'][:60]:60} {c.get('recorded', 0):5} "
+            lines.append(f"{name:16} {mode:22} {r['outcome'][:50]:50} {c.get('recorded', 0):5} "
                          f"{c.get('with_token_ids', 0):3} {str(c.get('tool_round_trip', '-'))[:1]:3} {merge}")  # fmt: skip
         s = entry.get("smollm2")
         if s:
-            lines.append(f"{name:16} {'smollm2':12} {s['outcome'][:60]:60} {s.get('recorded', 0):5}")
+            lines.append(f"{name:16} {'smollm2':22} {s['outcome'][:50]:50} {s.get('recorded', 0):5}")
     return "\n".join(lines)
 
 
@@ -169,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--harness", action="append", choices=sorted(HARNESSES), help="default: all")
     p.add_argument("--modes", nargs="+", default=["passthrough", "tito"], choices=["passthrough", "tito"])
+    p.add_argument(
+        "--styles",
+        nargs="+",
+        default=["canonical", "compact"],
+        choices=["canonical", "compact"],
+        help="tool calls as the template renders them, and as compact JSON (as models often write)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "harnesses.json")
     p.add_argument("--runs-dir", type=Path, default=INSTALL / "runs")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per harness run")
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                                for n in names}  # fmt: skip
     t0 = time.monotonic()
     if not args.skip_replay:
-        replay_phase(names, args.modes, runs, tok_dir, tok, args.timeout_s, results)
+        replay_phase(names, args.modes, args.styles, runs, tok_dir, tok, args.timeout_s, results)
     if not args.skip_smollm2:
         smollm2_phase(names, runs, tok_dir, tok, args.smollm2_timeout_s, args.smollm2_max_tokens, results)
     doc = {"generated_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.monotonic() - t0),

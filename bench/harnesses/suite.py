@@ -97,13 +97,14 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
 
 def launch_and_wait(harness: Harness, gw: Gateway, run_dir: Path, timeout_s: float,
                     replay_url: str | None, sampling: dict[str, Any] | None = None,
-                    stop_rule: StopRule | None = None) -> dict[str, Any]:  # fmt: skip
+                    stop_rule: StopRule | None = None, compact: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run `harness` once through `gw` on a fresh task; return the raw facts of the run."""
     task = Task(run_dir / "work", secret=f"plum-{secrets.token_hex(3)}")
     task.write()
     rid, key = gw.new_rollout(f"{harness.name}-{gw.mode}-{secrets.token_hex(4)}", sampling)
     if replay_url is not None:
-        httpx.post(f"{replay_url}/admin/script", json=harness.script(task), timeout=10).raise_for_status()
+        script = harness.script(task, compact)
+        httpx.post(f"{replay_url}/admin/script", json=script, timeout=10).raise_for_status()
     launch = harness.launch(Endpoint(gw.proxy_url, key, harness.model), task, run_dir / "home", run_dir)
     out, err = run_dir / "stdout.txt", run_dir / "stderr.txt"
     t0 = time.monotonic()
@@ -217,9 +218,9 @@ def outcome(raw: dict[str, Any], calls: dict[str, Any], http: dict[str, Any]) ->
 
 
 def replay_run(harness: Harness, gw: Gateway, run_dir: Path, replay_url: str, tok: Tokenizer,
-               timeout_s: float) -> dict[str, Any]:  # fmt: skip
+               timeout_s: float, compact: bool = False) -> dict[str, Any]:  # fmt: skip
     """A full tool loop scripted by the replay engine; the report of that run."""
-    raw = launch_and_wait(harness, gw, run_dir, timeout_s, replay_url)
+    raw = launch_and_wait(harness, gw, run_dir, timeout_s, replay_url, compact=compact)
     http = http_outcome(raw["exchanges"])
     calls = call_report(raw["calls"], raw["task"], tok)
     (run_dir / "exchanges.json").write_text(json.dumps(raw["exchanges"], indent=1))
