@@ -26,6 +26,7 @@ import logging
 import os
 import platform
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     os.chdir(REPO)  # the services are started as `python -m bench.harnesses...` from here
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop harnesses and services
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     names = args.harness or list(HARNESSES)
     runs = args.runs_dir / time.strftime("%Y%m%d-%H%M%S")

@@ -112,8 +112,10 @@ def launch_and_wait(harness: Harness, gw: Gateway, run_dir: Path, timeout_s: flo
         proc = subprocess.Popen(launch.argv, env=launch.env, cwd=launch.cwd, stdout=fo, stderr=fe,
                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         poll = (lambda: stop_rule(gw.calls(rid))) if stop_rule is not None else None
-        how = _wait(proc, timeout_s, poll)
-        _end(proc)
+        try:
+            how = _wait(proc, timeout_s, poll)
+        finally:
+            _end(proc)  # also when the suite itself is interrupted: no harness is left running
     if how != "exited":
         time.sleep(3.0)  # the gateway records the calls the harness left unfinished (as cancelled)
     stdout = out.read_text(errors="replace")
