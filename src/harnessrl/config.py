@@ -22,10 +22,14 @@ class _Section(BaseModel):
 class EngineSection(_Section):
     """The engine: the builtin one (started by the run) or an external vLLM / SGLang server."""
 
-    model: str = "smollm2"  # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct
+    # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct ("smollm2-16k",
+    # "smollm2-32k": the same weights with YaRN-scaled RoPE for long harness prompts)
+    model: str = "smollm2"
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
     max_batch: int = Field(default=32, ge=1)  # sequences the builtin engine decodes together
-    max_model_len: int = Field(default=2048, ge=64)  # context length (prompt + completion) the engine accepts
+    # context length (prompt + completion) the engine accepts; None: the model's own (8,192 for smollm2,
+    # 16,384 for smollm2-16k, 32,768 for smollm2-32k: RoPE-scaled variants, docs/long-context.md)
+    max_model_len: int | None = Field(default=None, ge=64)
     threads: int | None = None  # CPU threads of the engine (None: torch's default)
     device: str = "cpu"  # builtin engine: "cpu" or "cuda[:N]"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # builtin engine's weights and KV cache

@@ -91,15 +91,16 @@ def start_engine(
     port: int,
     log_dir: Path,
     max_batch: int,
-    max_model_len: int,
+    max_model_len: int | None,
     threads: int | None,
     device: str = "cpu",
     dtype: str = "float32",
     matmul: str = "auto",
 ) -> Service:
-    """The builtin engine serving `model_dir`."""
-    args = ["harnessrl.engine", "--model", str(model_dir), "--port", str(port)]
-    args += ["--max-batch", str(max_batch), "--max-model-len", str(max_model_len)]
+    """The builtin engine serving `model_dir` (`max_model_len` None: the model's own context)."""
+    args = ["harnessrl.engine", "--model", str(model_dir), "--port", str(port), "--max-batch", str(max_batch)]
+    if max_model_len is not None:
+        args += ["--max-model-len", str(max_model_len)]
     args += ["--device", device, "--dtype", dtype, "--matmul", matmul]
     if threads:
         args += ["--threads", str(threads)]
