@@ -58,7 +58,7 @@ bench-gateway: $(STAMP)
 bench-controller: $(STAMP)
 	$(PY) bench/controller.py --out bench/results/controller.json
 
-# About 8 minutes: the gateway's fault suite on loopback (kill -9 under load, 282 bad inputs, WAL under
+# About 5 minutes: the gateway's fault suite on loopback (kill -9 under load, 282 bad inputs, WAL under
 # 60 s of c64 load, engine faults), the corpus, WAL and event-loop probes also run against the gateway
 # before the reliability fixes. Results in bench/results/reliability.json; figures in docs/reliability.md.
 RELIABILITY_BASELINE ?= ad64d71~1
