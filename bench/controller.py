@@ -1,7 +1,9 @@
 """`make bench-controller`: attempts started and graded per second at concurrency 64, plain
 subprocesses (LocalRunner) against bubblewrap sandboxes (SandboxRunner) and forks of a fork server
-(ForkServerRunner), in one run; then a harness that imports the `openai` SDK (as the examples' do),
-plain against forked from a fork server that preloaded it.
+(ForkServerRunner), in one run; the plain runner as root with and without a uid of its own per attempt
+(with an interpreter other uids can run, when there is one); then a harness that imports the `openai`
+SDK (as the examples' do): plain, forked from a fork server that preloaded it, and sandboxed (what the
+default `controller.sandbox: auto` costs the examples, whose fork server a sandbox replaces).
 
 A real gateway process over a real SQLite store, the real Controller (create rollout, start attempt,
 run the harness, finish the attempt, grade, write the reward, set the state), and a trivial harness
@@ -40,6 +42,7 @@ from harnessrl.controller import (
     Runner,
     SandboxRunner,
 )
+from harnessrl.controller.isolation import unreachable
 from harnessrl.controller.runner import prepare_workdir
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RolloutState, Task
@@ -90,12 +93,13 @@ async def measure(
     n: int,
     concurrency: int,
     code: str = HARNESS,
+    python: str = sys.executable,
 ) -> dict[str, Any]:
     """Run `n` rollouts of the harness `python -c code` at `concurrency`; attempts per second and
     attempt latencies (ms)."""
     timed = Timed(runner)
     client = ControlClient(gw_url, admin)
-    harness = HarnessSpec([sys.executable, "-c", code], timeout_s=120)
+    harness = HarnessSpec([python, "-c", code], timeout_s=120)
     ctl = Controller(client, gw_url, harness, grader, work / name, concurrency=concurrency, runner=timed)
     tag = secrets.token_hex(4)
     reqs = [RolloutRequest(Task(task_id=f"t{i}", input={}), client_id=f"{name}-{tag}-{i}") for i in range(n)]
@@ -121,8 +125,8 @@ async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[s
     gw = start_gateway(work / "store.sqlite", "http://127.0.0.1:9", port, admin, work / "logs", 16)
     try:
         gw.wait_healthy(60)
-        fork = ForkServerRunner(["openai"])
-        runners: dict[str, Runner] = {"plain": LocalRunner(), "sandbox": SandboxRunner(), "fork": fork}
+        fork = ForkServerRunner(["openai"], own_uid="never")
+        runners: dict[str, Runner] = {"plain": LocalRunner(own_uid="never"), "sandbox": SandboxRunner(), "fork": fork}  # fmt: skip
         for name, runner in runners.items():  # warm-up: imports, page cache, the store's first writes
             await measure(f"warm-{name}", runner, gw.url, admin, work, 8, 8)
         out: dict[str, Any] = {"saturated": {}, "sequential": {}}
@@ -134,8 +138,9 @@ async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[s
         )
         for name, runner in runners.items():
             out["sequential"][name] = await measure(f"seq-{name}", runner, gw.url, admin, work, sequential, 1)
+        out["uid"] = await bench_uid(gw.url, admin, work, n, concurrency)
         out["openai"] = {}
-        for name in ("plain", "fork"):
+        for name in ("plain", "fork", "sandbox"):
             out["openai"][name] = r = await measure(f"openai-{name}", runners[name], gw.url, admin, work, n // 4,
                                                     concurrency, OPENAI_HARNESS)  # fmt: skip
             log.info("openai harness runner=%s attempts_per_s=%.1f", name, r["attempts_per_s"])
@@ -143,6 +148,25 @@ async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[s
     finally:
         fork.close()
         gw.stop()
+
+
+async def bench_uid(gw_url: str, admin: str, work: Path, n: int, concurrency: int) -> dict[str, Any]:
+    """The plain runner as root with a uid of its own per attempt against the same runner as root,
+    both with an interpreter other uids can run ({} when not root or there is none)."""
+    python = next((p for p in (sys.executable, "/usr/bin/python3") if unreachable(p, os.X_OK) is None), None)
+    if os.geteuid() != 0 or python is None:
+        return {}
+    work = work / "uid"
+    work.mkdir(mode=0o711)  # the attempts' uids must reach their folders
+    work.chmod(0o711)
+    runners = {"root": LocalRunner(own_uid="never"), "own-uid": LocalRunner(own_uid="required")}
+    out: dict[str, Any] = {"python": python}
+    for name, runner in runners.items():
+        await measure(f"warm-uid-{name}", runner, gw_url, admin, work, 8, 8, python=python)
+    for name, runner in runners.items():
+        out[name] = await measure(f"uid-{name}", runner, gw_url, admin, work, n, concurrency, python=python)
+        log.info("plain runner user=%s attempts_per_s=%.1f", name, out[name]["attempts_per_s"])
+    return out
 
 
 def main() -> int:
@@ -156,6 +180,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-controller-") as tmp:
+        os.chmod(tmp, 0o711)  # the plain runner's attempt uids must reach their folders
         raw = asyncio.run(bench(args.attempts, args.concurrency, args.sequential, Path(tmp)))
     sat, seq = raw["saturated"], raw["sequential"]
     plain, sandbox = sat["plain"]["attempts_per_s"], sat["sandbox"]["attempts_per_s"]
@@ -172,6 +197,16 @@ def main() -> int:
         "openai_harness_ratio_fork_vs_plain": round(
             raw["openai"]["fork"]["attempts_per_s"] / raw["openai"]["plain"]["attempts_per_s"], 2
         ),
+        "openai_harness_attempts_per_s_sandbox": round(raw["openai"]["sandbox"]["attempts_per_s"], 2),
+        "openai_harness_ratio_sandbox_vs_fork": round(
+            raw["openai"]["sandbox"]["attempts_per_s"] / raw["openai"]["fork"]["attempts_per_s"], 3
+        ),
+        "attempts_per_s_plain_own_uid": round(raw["uid"]["own-uid"]["attempts_per_s"], 2)
+        if raw["uid"]
+        else None,
+        "attempts_per_s_plain_root_same_python": round(raw["uid"]["root"]["attempts_per_s"], 2)
+        if raw["uid"]
+        else None,
         "concurrency": args.concurrency,
         "attempts": args.attempts,
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, {len(os.sched_getaffinity(0))} CPUs",
@@ -191,7 +226,11 @@ def main() -> int:
           f"process) does {summary['attempts_per_s_no_harness']} attempts/s")  # fmt: skip
     print(f"harness importing openai: plain {summary['openai_harness_attempts_per_s_plain']} attempts/s, "
           f"fork server {summary['openai_harness_attempts_per_s_fork']} attempts/s "
-          f"({summary['openai_harness_ratio_fork_vs_plain']}x)")  # fmt: skip
+          f"({summary['openai_harness_ratio_fork_vs_plain']}x), sandboxed "
+          f"{summary['openai_harness_attempts_per_s_sandbox']} attempts/s")  # fmt: skip
+    if raw["uid"]:
+        print(f"plain runner as root ({raw['uid']['python']}): {summary['attempts_per_s_plain_root_same_python']} "
+              f"attempts/s as root, {summary['attempts_per_s_plain_own_uid']} with a uid of its own per attempt")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
