@@ -333,6 +333,43 @@ async def test_a_uid_that_cannot_reach_the_harness_is_reported(open_dir: Path, c
     assert "WARNING: harnesses run as root, not under a uid of their own" in err and str(hidden) in err
 
 
+DAEMON = r"""
+import os, sys, time
+out = os.environ["HARNESSRL_OUTPUT"]
+if os.fork() == 0:
+    os.setsid()  # out of the attempt's process group
+    if os.fork() == 0:
+        fd = os.open(out, os.O_RDONLY)  # keeps a handle on output/ whatever happens to the path
+        open(os.path.join(out, "daemon.pid"), "w").write(str(os.getpid()))
+        for i in range(3000):
+            try:
+                os.symlink("/etc/shadow", f"late-{i}", dir_fd=fd)
+            except OSError:
+                pass
+            time.sleep(0.01)
+    os._exit(0)
+time.sleep(0.5)
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid of its own for the harness needs root")
+@pytest.mark.skipif(PYTHON is None, reason="no Python interpreter that an unprivileged uid can run")
+async def test_a_daemon_that_left_its_process_group_is_stopped(open_dir: Path) -> None:
+    """A harness's daemon (setsid, double fork) is killed with the attempt, and nothing it could
+    still do reaches `output/` after the cleaning."""
+    assert PYTHON is not None
+    script = _write(open_dir / "scripts" / "daemon.py", DAEMON)
+    workdir = open_dir / "run" / "rollouts" / "r1" / "attempt-0"
+    spec = AttemptSpec("r1", 0, "k", "http://127.0.0.1:9", {}, workdir)
+    result = await LocalRunner(own_uid="required").run(spec, HarnessSpec([PYTHON, str(script)], timeout_s=60))
+    assert result.exit_code == 0, result.stderr_tail
+    pid = int((result.output_dir / "daemon.pid").read_text())
+    await asyncio.sleep(0.3)
+    assert not Path(f"/proc/{pid}").exists() or "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    assert "symlink" in (workdir / REMOVED_NOTE).read_text()  # what it made before the end: removed
+    assert not [p for p in result.output_dir.iterdir() if p.is_symlink()]
+
+
 def test_clean_output_removes_what_leads_elsewhere(tmp_path: Path) -> None:
     out = tmp_path / "output"
     (out / "sub").mkdir(parents=True)
