@@ -268,7 +268,7 @@ def test_a_client_gone_mid_stream_leaves_its_call_recorded_as_cancelled(
             if seen >= 5:
                 break  # leaving the block closes the connection mid-stream
     (call,) = wait_for_calls(gw, rid)
-    assert call.status == CallStatus.FAILED and call.finish_reason == "cancelled"
+    assert call.status == CallStatus.CANCELLED and call.finish_reason == "cancelled"
     assert call.error and call.error.startswith("cancelled: the client disconnected")
     assert 5 <= len(call.completion_ids) < 200 and len(call.completion_logprobs) == len(call.completion_ids)
     assert call.prompt_ids

@@ -76,6 +76,7 @@ class CallStatus(StrEnum):
 
     OK = "ok"
     FAILED = "failed"
+    CANCELLED = "cancelled"  # the client went away mid-answer: what was generated is kept, not trained on
 
 
 class Strict(BaseModel):

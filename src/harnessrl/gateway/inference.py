@@ -239,14 +239,13 @@ Streamed = EngineStream
 
 def cut_short(call: Call, record: TokenRecord, latency_s: float, text: str, chat: ChatCall | None) -> Call:
     """The record of a streamed call whose client went away: the tokens generated until then, and for
-    chat faces the conversation with the content sent so far as its answer. `schema.CallStatus` has no
-    `cancelled`: such a call is `failed`, with `finish_reason="cancelled"` and an error that says so."""
+    chat faces the conversation with the content sent so far as its answer; status `cancelled`."""
     n = len(record.completion_ids)
     answer = {"role": "assistant", "content": text}
     return call.model_copy(
         update={
             "latency_s": latency_s,
-            "status": CallStatus.FAILED,
+            "status": CallStatus.CANCELLED,
             "finish_reason": "cancelled",
             "error": f"cancelled: the client disconnected after {n} completion tokens",
             "prompt_ids": record.prompt_ids,
