@@ -133,11 +133,10 @@ def _tail(path: Path) -> str:
 def run_check(cfg: Any, task_index: int = 0) -> CheckReport:
     """`harnessrl check`: start the engine and gateway for `cfg`, run the preflight on one training
     task in a scratch directory (kept: its path is in the report), stop everything."""
+    from harnessrl.config import check_model
     from harnessrl.modeling.loading import resolve_model
     from harnessrl.project import resolve_project
     from harnessrl.run import start_services
-
-    from harnessrl.config import check_model
 
     check_model(cfg)
     project = resolve_project(cfg)

@@ -81,7 +81,8 @@ def prepare(run_dir: Path, cfg: RunConfig, mode: Mode) -> list[str]:
         if diff:
             raise RunDirError(
                 f"cannot resume {run_dir} with a different config:\n{_lines(diff)}\n"
-                "Only these may change on resume: " + ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE)
+                "Only these may change on resume: "
+                + ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE)
             )
     if holds_run and mode == Mode.FRESH:
         shutil.rmtree(run_dir)
