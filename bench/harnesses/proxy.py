@@ -1,5 +1,6 @@
 """A transparent recording proxy in front of the gateway: every exchange a harness has with its model
-API is forwarded unchanged (body, headers, streamed answer byte for byte) and logged as one JSON line:
+API is forwarded unchanged (body, headers, streamed answer byte for byte; a client hanging up hangs up on
+the gateway too, streamed or not) and logged as one JSON line:
 method, path, status, whether the request asked to stream, and for an error its message. The suite
 reads these logs to report each harness's HTTP outcome (a 400 and its message is never recorded as a
 call by the gateway, so the store alone cannot tell it). Each line names the API key that sent it by a
@@ -11,6 +12,7 @@ hash (`key_hash`, see `key_hash()`), never the key itself, so one proxy serves m
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -31,6 +33,7 @@ from starlette.routing import Route
 log = logging.getLogger(__name__)
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive", "upgrade"}
 ERROR_BYTES = 2000
+DISCONNECT_POLL_S = 0.25
 
 
 def key_hash(key: str) -> str:
@@ -83,8 +86,15 @@ def build_app(upstream: str, log_path: Path) -> Starlette:
                                  "method": request.method, "path": request.url.path, **_summary(body)}  # fmt: skip
         client = state["client"]
         req = client.build_request(request.method, url, headers=headers, content=body)
+        sending = asyncio.ensure_future(client.send(req, stream=True))
+        while not sending.done():  # a client that hangs up before the answer hangs up on the gateway too
+            await asyncio.wait({sending}, timeout=DISCONNECT_POLL_S)
+            if not sending.done() and await request.is_disconnected():
+                sending.cancel()
+                write({**entry, "status": 499, "error": "the client disconnected before the answer began"})
+                return Response(status_code=499)
         try:
-            resp = await client.send(req, stream=True)
+            resp = sending.result()
         except httpx.HTTPError as exc:
             write({**entry, "status": 502, "error": f"proxy could not reach the gateway: {exc!r}"})
             return Response(status_code=502)

@@ -34,6 +34,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 from tokenizers import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,18 +133,50 @@ def replay_phase(names: list[str], modes: list[str], styles: list[str], runs: Pa
                 log.info("event=replay_done harness=%s run=%r outcome=%r", name, key, report["outcome"])
 
 
+class SmolLM2Engine:
+    """The builtin engine on SmolLM2, restartable on the same port: a harness stopped mid-turn may
+    leave a generation running (a non-streamed request the harness resent), which would otherwise
+    delay the next harness's turn."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs, self.port = logs, free_port()
+        self.service: Service | None = None
+
+    def start(self) -> str:
+        """Start (one sequence at a time: a side call is answered before the agent turn's long
+        prefill instead of sharing every step with it); returns the URL."""
+        self.service = start_engine(Path("smollm2"), self.port, self.logs, 1, SMOLLM2_CONTEXT, None)
+        self.service.wait_healthy(300)
+        return self.service.url
+
+    def busy(self) -> bool:
+        """True while the engine still runs or queues a sequence."""
+        assert self.service is not None
+        stats = httpx.get(f"{self.service.url}/admin/stats", timeout=10).json()
+        return bool(stats.get("running") or stats.get("waiting"))
+
+    def restart_if_busy(self) -> bool:
+        """Restart when a left-over generation is running; True if it did."""
+        if self.service is None or not self.busy():
+            return False
+        self.service.stop()
+        self.start()
+        return True
+
+    def stop(self) -> None:
+        """Stop the engine."""
+        if self.service is not None:
+            self.service.stop()
+
+
 def smollm2_phase(names: list[str], runs: Path, tok_dir: Path, tok: Tokenizer, timeout_s: float,
                   max_tokens: int, results: dict[str, Any]) -> None:  # fmt: skip
     """One turn of each harness on the real SmolLM2 engine behind a tito gateway."""
     logs = runs / "smollm2-logs"
     with ExitStack() as stack:
-        port = free_port()
-        # one sequence at a time: a harness's side call (a title) is answered first instead of sharing
-        # every step with the agent turn's long prefill
-        engine = start_engine(Path("smollm2"), port, logs, 1, SMOLLM2_CONTEXT, None)
+        engine = SmolLM2Engine(logs)
         stack.callback(engine.stop)
-        engine.wait_healthy(300)
-        gw = start_gateway_pair(stack, "tito", engine.url, tok_dir, logs)
+        gw = start_gateway_pair(stack, "tito", engine.start(), tok_dir, logs)
         for name in names:
             h = HARNESSES[name]
             if (missing := installed(h)) is not None:
@@ -151,6 +184,7 @@ def smollm2_phase(names: list[str], runs: Path, tok_dir: Path, tok: Tokenizer, t
                 continue
             log.info("event=smollm2_run harness=%s", name)
             report = smollm2_turn(h, gw, runs / name / "smollm2", tok, timeout_s, max_tokens, SMOLLM2_CONTEXT)
+            report["engine_restarted_after"] = engine.restart_if_busy()
             results[name]["smollm2"] = report
             log.info("event=smollm2_done harness=%s outcome=%r", name, report["outcome"])
 
@@ -187,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=240.0, help="per harness run")
     p.add_argument("--skip-replay", action="store_true")
     p.add_argument("--skip-smollm2", action="store_true")
-    p.add_argument("--smollm2-max-tokens", type=int, default=48)
+    p.add_argument("--smollm2-max-tokens", type=int, default=32)
     p.add_argument("--smollm2-timeout-s", type=float, default=600.0, help="per harness turn on SmolLM2")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -208,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         smollm2_phase(names, runs, tok_dir, tok, args.smollm2_timeout_s, args.smollm2_max_tokens, results)
     doc = {"generated_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.monotonic() - t0),
            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-           "gateway": gateway_version(), "runs_dir": str(runs), "harnesses": results}  # fmt: skip
+           "gateway": gateway_version(), "runs_dir": str(runs), "smollm2_max_tokens": args.smollm2_max_tokens,
+           "harnesses": results}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(summary(results))
