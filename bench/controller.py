@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import json
 import logging
 import os
 import platform
+import resource
 import secrets
 import statistics
 import sys
@@ -104,9 +107,9 @@ async def measure(
     tag = secrets.token_hex(4)
     reqs = [RolloutRequest(Task(task_id=f"t{i}", input={}), client_id=f"{name}-{tag}-{i}") for i in range(n)]
     try:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds(runner)
         outcomes = await ctl.run(reqs)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(runner) - cpu0
     finally:
         await client.aclose()
     graded = sum(o.state == RolloutState.SUCCEEDED and o.reward == 1.0 for o in outcomes)
@@ -115,7 +118,43 @@ async def measure(
         raise RuntimeError(f"{name}: {n - graded} of {n} rollouts were not graded 1.0: {errors}")
     ms = sorted(1e3 * s for s in timed.seconds)
     return {"attempts": n, "concurrency": concurrency, "wall_s": wall, "attempts_per_s": n / wall,
-            "latency_p50_ms": statistics.median(ms), "latency_p90_ms": ms[int(0.9 * (len(ms) - 1))]}  # fmt: skip
+            "latency_p50_ms": statistics.median(ms), "latency_p90_ms": ms[int(0.9 * (len(ms) - 1))],
+            "cpu_ms_per_attempt": 1e3 * cpu / n}  # fmt: skip
+
+
+def become_subreaper() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux PR_SET_CHILD_SUBREAPER): bwrap's
+    monitor exits without waiting for the sandbox's init, whose CPU time would otherwise go uncounted."""
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+
+
+def reap_orphans() -> None:
+    """Collect the exited orphans handed to this process (called between measurements, when no attempt
+    runs: every child that asyncio waits for has been waited for), adding their CPU to RUSAGE_CHILDREN."""
+    time.sleep(0.3)  # a sandbox's init dies just after bwrap's monitor (--die-with-parent)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def cpu_seconds(runner: Runner) -> float:
+    """CPU time (user + system) of this process and of every process of the attempts so far: ended
+    children and what they waited for, and a fork server's zygote with its harnesses. The gateway's
+    is left out (the same work for every runner). Unlike wall time, this hardly moves with the load
+    other work puts on the machine."""
+    reap_orphans()
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    proc = getattr(runner, "_proc", None)  # ForkServerRunner's zygote: its harnesses are its children
+    if proc is not None:
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(f) for f in fields[11:15]) / os.sysconf(
+                "SC_CLK_TCK"
+            )  # utime stime cutime cstime
+        except (OSError, ValueError):
+            pass
+    return total
 
 
 async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[str, Any]:
@@ -179,6 +218,7 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     load_before = os.getloadavg()[0]
+    become_subreaper()
     with tempfile.TemporaryDirectory(prefix="bench-controller-") as tmp:
         os.chmod(tmp, 0o711)  # the plain runner's attempt uids must reach their folders
         raw = asyncio.run(bench(args.attempts, args.concurrency, args.sequential, Path(tmp)))
@@ -191,6 +231,13 @@ def main() -> int:
         "sandbox_overhead_ms_saturated": round(1e3 / sandbox - 1e3 / plain, 2),
         "throughput_ratio_sandbox_vs_plain": round(sandbox / plain, 3),
         "attempts_per_s_fork": round(sat["fork"]["attempts_per_s"], 2),
+        "cpu_ms_per_attempt": {k: round(v["cpu_ms_per_attempt"], 1) for k, v in sat.items()},
+        "openai_harness_cpu_ms_per_attempt": {
+            k: round(v["cpu_ms_per_attempt"], 1) for k, v in raw["openai"].items()
+        },
+        "plain_own_uid_cpu_ms_per_attempt": {
+            k: round(v["cpu_ms_per_attempt"], 1) for k, v in raw["uid"].items() if isinstance(v, dict)
+        },
         "attempts_per_s_no_harness": round(sat["no-harness"]["attempts_per_s"], 2),  # control path alone
         "openai_harness_attempts_per_s_plain": round(raw["openai"]["plain"]["attempts_per_s"], 2),
         "openai_harness_attempts_per_s_fork": round(raw["openai"]["fork"]["attempts_per_s"], 2),
@@ -220,6 +267,9 @@ def main() -> int:
     for name in ("plain", "sandbox", "fork"):
         print(f"{name:<10}{sat[name]['attempts_per_s']:>18.1f}{seq[name]['latency_p50_ms']:>12.1f}"
               f"{sat[name]['latency_p50_ms']:>14.1f}")  # fmt: skip
+    print(f"CPU per attempt (ms): {summary['cpu_ms_per_attempt']}; harness importing openai: "
+          f"{summary['openai_harness_cpu_ms_per_attempt']}; plain as root / own uid: "
+          f"{summary['plain_own_uid_cpu_ms_per_attempt']}")  # fmt: skip
     print(f"sandbox overhead per attempt: {summary['sandbox_overhead_ms']} ms alone, "
           f"{summary['sandbox_overhead_ms_saturated']} ms of wall time per attempt at saturation; "
           f"throughput ratio {summary['throughput_ratio_sandbox_vs_plain']}; the control path alone (no harness "
