@@ -1,4 +1,12 @@
-"""Controller: turns tasks into rollouts, runs harnesses, grades them."""
+"""Controller: turns tasks into rollouts, runs harnesses, grades them.
+
+`controller` (rollouts, attempts, retries, grading) runs each attempt through a runner: `runner`
+(local subprocesses), `forkserver` + `fork_zygote` (Python harnesses forked from a preloaded process),
+`sandbox` + `sandbox_init` + `bridge` + `cgroups` (bubblewrap, the default wherever it works),
+`ray_runner`, `kubernetes*`. `isolation` keeps an unsandboxed harness to its own rollout (a uid of its
+own as root) and cleans `output/` for every runner; docs/security.md says what each mode guarantees.
+`grader` runs graders outside the harness.
+"""
 
 from harnessrl.controller.controller import Controller, RolloutOutcome, RolloutRequest
 from harnessrl.controller.forkserver import ForkServerError, ForkServerRunner
