@@ -4,7 +4,8 @@
 (local subprocesses), `forkserver` + `fork_zygote` (Python harnesses forked from a preloaded process),
 `sandbox` + `sandbox_init` + `bridge` + `cgroups` (bubblewrap, the default wherever it works),
 `ray_runner`, `kubernetes*`. `isolation` keeps an unsandboxed harness to its own rollout (a uid of its
-own as root) and cleans `output/` for every runner; docs/security.md says what each mode guarantees.
+own as root) and cleans `output/` after each attempt of the local runners (Ray runs them on its nodes);
+docs/security.md says what each mode guarantees.
 `grader` runs graders outside the harness.
 """
 
