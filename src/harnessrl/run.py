@@ -22,6 +22,7 @@ import torch
 from harnessrl.check import CheckReport, preflight
 from harnessrl.config import RunConfig, check_model
 from harnessrl.controller import Controller
+from harnessrl.controller.isolation import protect_run_dir
 from harnessrl.examples import write_tasks
 from harnessrl.gateway.client import ControlClient
 from harnessrl.modeling.loading import load_model, resolve_model
@@ -127,6 +128,7 @@ def run(
     model_dir = resolve_model(cfg.engine.model)
     admin_key = secrets.token_hex(16)
     engine, gateway, engine_url = start_services(cfg, run_dir, model_dir, admin_key)
+    protect_run_dir(run_dir)  # the store (key secret), logs and references: not for the harness's uid
     services = Services(gateway.url, engine_url, admin_key)
     try:
         summary = asyncio.run(

@@ -121,6 +121,10 @@ class SQLiteStore(Store):
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if (
+            not self.path.exists()
+        ):  # 0600: the store holds the key secret (SQLite gives -wal/-shm the same mode)
+            os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
         self.wal_limit_bytes = int(wal_limit_mb * 2**20)
         self._wal = Path(f"{self.path}-wal")
         self._lock = threading.RLock()
