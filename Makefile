@@ -65,7 +65,7 @@ RELIABILITY_BASELINE ?= ad64d71~1
 bench-reliability: $(STAMP)
 	$(PY) -m bench.reliability.run --baseline-ref $(RELIABILITY_BASELINE)
 
-# About 10 minutes (plus ~10 the first time, to install): the pinned real harnesses (Claude Code, Codex CLI,
+# About 15 minutes (plus ~10 the first time, to install): the pinned real harnesses (Claude Code, Codex CLI,
 # OpenCode, OpenHands SDK, mini-swe-agent) into .bench/harnesses/, each driven unmodified through the
 # gateway; results in bench/results/harnesses.json, the matrix in docs/harnesses.md.
 test-harnesses: $(STAMP)
