@@ -9,8 +9,10 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -95,6 +97,13 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
+def _end_tmux(tmux_dir: Path) -> None:
+    """Stop the tmux servers a harness started (they leave its process group) and their sockets."""
+    for sock in tmux_dir.glob("tmux-*/*"):
+        subprocess.run(["tmux", "-S", str(sock), "kill-server"], capture_output=True, check=False, timeout=10)
+    shutil.rmtree(tmux_dir, ignore_errors=True)
+
+
 def launch_and_wait(harness: Harness, gw: Gateway, run_dir: Path, timeout_s: float,
                     replay_url: str | None, sampling: dict[str, Any] | None = None,
                     stop_rule: StopRule | None = None, compact: bool = False) -> dict[str, Any]:  # fmt: skip
@@ -106,6 +115,8 @@ def launch_and_wait(harness: Harness, gw: Gateway, run_dir: Path, timeout_s: flo
         script = harness.script(task, compact)
         httpx.post(f"{replay_url}/admin/script", json=script, timeout=10).raise_for_status()
     launch = harness.launch(Endpoint(gw.proxy_url, key, harness.model), task, run_dir / "home", run_dir)
+    tmux_dir = Path(tempfile.mkdtemp(prefix="hrl-tmux-"))  # short: a socket path is at most 107 bytes
+    launch.env["TMUX_TMPDIR"] = str(tmux_dir)  # OpenHands' terminal runs in a tmux server of its own
     out, err = run_dir / "stdout.txt", run_dir / "stderr.txt"
     t0 = time.monotonic()
     with out.open("wb") as fo, err.open("wb") as fe:
@@ -116,6 +127,7 @@ def launch_and_wait(harness: Harness, gw: Gateway, run_dir: Path, timeout_s: flo
             how = _wait(proc, timeout_s, poll)
         finally:
             _end(proc)  # also when the suite itself is interrupted: no harness is left running
+            _end_tmux(tmux_dir)
     if how != "exited":
         time.sleep(3.0)  # the gateway records the calls the harness left unfinished (as cancelled)
     stdout = out.read_text(errors="replace")
