@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from harnessrl.schema import Task
 from harnessrl.services import Service, free_port, start_engine, start_gateway
 from harnessrl.trainer.async_loop import run_async
 from harnessrl.trainer.loop import EvalResult, TrainContext, evaluate, run_sync
-from harnessrl.trainer.metrics import MetricsLogger
+from harnessrl.trainer.metrics import MetricsLogger, finite_json
 from harnessrl.trainer.ppo import lr_lambda
 
 log = logging.getLogger(__name__)
@@ -146,7 +145,7 @@ def run(
     from harnessrl.plot import reward_curve
 
     reward_curve(run_dir / "metrics.jsonl", summary, run_dir / "reward_curve.png")
-    summary = strict_json(summary)
+    summary = finite_json(summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary
 
@@ -159,17 +158,6 @@ def _write_index(run_dir: Path) -> None:
         write_rollout_index(run_dir)
     except Exception as e:  # an index is a convenience: never fail a run over it
         log.warning("event=rollout_index_failed error=%s", e)
-
-
-def strict_json(value: Any) -> Any:
-    """`value` with every NaN or infinity replaced by None, so it serialises as strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict_json(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)

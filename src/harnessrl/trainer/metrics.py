@@ -26,7 +26,7 @@ class MetricsLogger:
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record the metrics of one step."""
         with self.path.open("a") as f:
-            f.write(json.dumps(_finite({"step": step, **values}), allow_nan=False) + "\n")
+            f.write(json.dumps(finite_json({"step": step, **values}), allow_nan=False) + "\n")
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
@@ -52,14 +52,14 @@ class MetricsLogger:
             self._tb.close()
 
 
-def _finite(value: Any) -> Any:
-    """NaN and infinities become None (strict JSON), recursively."""
+def finite_json(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None (strict JSON), recursively."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [finite_json(v) for v in value]
     return value
 
 
