@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import json
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,7 @@ from harnessrl.modeling.loading import (
     load_tokenizer,
     resolve_model,
 )
+from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import choose_matmul
 
 log = logging.getLogger(__name__)
@@ -49,16 +47,6 @@ def _eos_ids(model_dir: Path, eos: int) -> set[int]:
     return ids
 
 
-def _release_freed_memory() -> None:
-    """Return freed heap memory to the OS (glibc keeps it otherwise, inflating the resident size)."""
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-
-
 class Engine:
     """Loads the model and runs generation; every method is safe to call from the event loop."""
 
@@ -74,8 +62,11 @@ class Engine:
         torch.set_num_threads(1)
         try:
             self.model = load_model(self.model_dir, dtype=config.torch_dtype, device=config.device)
-            _release_freed_memory()  # the loaded state dict is garbage now
             self.packed, self.matmul = choose_matmul(self.model, config.matmul, torch.device(config.device))
+            if self.packed is not None:  # the packed copies serve state dict, loads and sleep from now on
+                freed = self.packed.release_originals()
+                release_freed_memory()
+                log.info("event=packed_originals_released mb=%.0f", freed / 2**20)
         finally:
             torch.set_num_threads(previous)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -199,11 +190,14 @@ class Engine:
         return seq
 
     async def load_weights(self, path: str, version: int) -> int:
-        """Read weights from disk, then swap them in between steps once no sequence is running."""
-        state = await asyncio.to_thread(self._read_weights, path)
+        """Swap in the weights at `path` between steps, once no sequence is running. They are read then,
+        after the prefix cache (stale after the swap) is given back, so its memory and the read weights
+        are never held together; a request arriving meanwhile waits and is served by the new weights."""
+        if not Path(path).exists():
+            raise EngineError(f"weights path {path} does not exist", "path")
         fut, on_done = self._future()
-        self.scheduler.queue_weight_load(WeightLoad(state, version, on_done))
-        return await fut
+        self.scheduler.queue_weight_load(WeightLoad(lambda: self._read_weights(path), version, on_done))
+        return int(await fut)
 
     def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
         p = Path(path)

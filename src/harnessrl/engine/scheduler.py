@@ -23,6 +23,7 @@ from harnessrl.engine.sampling import SamplingParams, StepSample, make_generator
 from harnessrl.engine.slots import SlotTable
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_weights_into
+from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import PackedLinears
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,9 @@ def _release_device_memory(device: torch.device) -> None:
 
 @dataclass
 class WeightLoad:
-    """A queued weight swap, applied when no sequence is running."""
+    """A queued weight swap, applied when no sequence is running: `read` returns the state dict then."""
 
-    state: dict[str, torch.Tensor]
+    read: Callable[[], dict[str, torch.Tensor]]
     version: int
     on_done: Callable[[int | BaseException], None]
 
@@ -210,7 +211,8 @@ class Scheduler:
         come before anything is admitted (the trainer is about to publish new weights anyway)."""
         self.slots.clear_cache()
         self.cache.free()
-        if self.packed is not None:
+        # on CPU the packed copies are the weights (nothing to offload them to): level 1 keeps them
+        if self.packed is not None and (level == 2 or not self.packed.released):
             self.packed.drop()
         for p in self.model.parameters():  # tied weights are one Parameter, seen once
             if level == 2:
@@ -226,19 +228,29 @@ class Scheduler:
         """(scheduler thread) Take the memory back: weights to the device (level 1) or allocated empty
         (level 2: admission waits for a weight load), then the KV cache."""
         if self.sleep_level == 2:
+            kept = self._kept_parameters()
             for p in self.model.parameters():
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                if id(p) in kept:
+                    p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
         elif self.sleep_level == 1 and self.device.type != "cpu":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
-        if self.packed is not None and self.sleep_level == 1:
+        if self.packed is not None and self.sleep_level == 1 and not self.packed.active:
             self.packed.refresh()  # level 2: at the weight load that must come next
         self.cache.allocate()
         self.sleeping, self.sleep_level = False, 0
 
+    def _kept_parameters(self) -> set[int]:
+        """ids of the parameters that hold their weights (not released to packed copies)."""
+        released = self.packed.released if self.packed is not None else set()
+        return {id(p) for name, p in self.model.named_parameters() if name not in released}
+
     def weight_bytes(self) -> int:
-        """Bytes of weights held on the engine's device (0 while asleep at level 2 or offloaded)."""
-        return sum(p.untyped_storage().nbytes() for p in self.model.parameters() if p.device == self.device)
+        """Bytes of weights held on the engine's device, packed copies included (0 while asleep at level
+        2 or offloaded)."""
+        params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                  for p in self.model.parameters() if p.device == self.device}  # fmt: skip
+        return sum(params.values()) + (self.packed.nbytes if self.packed is not None else 0)
 
     def set_paused(self, paused: bool) -> None:
         """Pause (stop admitting; running sequences finish) or resume admission."""
@@ -453,20 +465,27 @@ class Scheduler:
         if self.sleep_level == 2:
             load.on_done(EngineAsleep("the engine sleeps at level 2 (weights discarded): wake it up first"))
             return
+        self.slots.clear_cache()  # first: the cached K/V are stale either way, and their memory is freed
         try:
-            load_weights_into(self.model, load.state)
-            if self.packed is not None:
-                self.packed.refresh()
+            self._swap_weights(load.read())
         except Exception as exc:
             log.exception("event=weight_load_failed version=%d", load.version)
             load.on_done(exc)
             return
-        self.slots.clear_cache()  # cached K/V were computed by the old weights
         self.needs_weights = False
         self.weight_version = load.version
         self.stats.weight_loads += 1
         log.info("event=weights_swapped version=%d seconds=%.2f", load.version, time.monotonic() - t0)
         load.on_done(load.version)
+
+    def _swap_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy (or pack) `state` into the model, then give the read copy's memory back to the OS."""
+        if self.packed is not None:
+            self.packed.load(state)
+        else:
+            load_weights_into(self.model, state)
+        state.clear()
+        release_freed_memory()
 
     def _apply_maintenance(self, op: Maintenance) -> None:
         try:

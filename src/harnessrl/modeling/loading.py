@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
+from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.rope import RopeScaling, RopeType
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights_into(model, load_state_dict_file(d))
     model = model.to(dtype).eval()
+    release_freed_memory()  # the state dict read from disk (and an fp32 copy cast away) is garbage now
     log.info("event=model_loaded path=%s dtype=%s seconds=%.2f", d, dtype, time.monotonic() - t0)
     return model
 

@@ -4,8 +4,12 @@ torch's `F.linear` on CPU goes to MKL's sgemm, which repacks the weight on every
 CPUs (AMD EPYC here), runs its slow generic path: with the 16-row products of a decode step it reaches
 ~120 GFLOP/s on two cores, where oneDNN with a weight packed once reaches ~380 (and ~500 instead of
 ~200 for a 1,600-token prefill). `PackedLinears` keeps a oneDNN-packed copy of every `nn.Linear`
-weight of an inference model and routes the layer through it; the model's own parameters stay the
-source of truth (state dict, weight loads, sleep), and `refresh` repacks after they change.
+weight of an inference model and routes the layer through it; `refresh` repacks after the parameters
+change. The engine then calls `release_originals`: the fp32 parameters of the packed layers are freed
+(a placeholder keeps their shape) and the packed copies become the one copy of those weights — `load`
+packs new weights straight from a state dict, `state_dict` unpacks them (exactly: packing only
+reorders), and sleep keeps or drops them. A weight shared with a module that is not packed (SmolLM2's
+output projection is its token embedding) keeps its parameter.
 
 The packed product sums in a different order than MKL's, so the engine's logprobs move slightly away
 from the trainer's (which stay on `F.linear`, forward and backward). `choose_matmul` therefore checks
@@ -19,13 +23,14 @@ SmolLM2), or is unavailable.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from harnessrl.modeling.llama import MLP, Attention
+from harnessrl.modeling.llama import MLP, Attention, LlamaForCausalLM
+from harnessrl.modeling.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,10 @@ def _pack(*weights: Tensor) -> _PackedForward:
     return _PackedForward(torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT))
 
 
+# (module whose attribute routes the product, attribute name, the linear layers computed by it)
+_Plan = list[tuple[nn.Module, str, list[nn.Linear]]]
+
+
 class PackedLinears:
     """Routes every bias-free `nn.Linear` of `model` (CPU, not training) through oneDNN-packed weights.
 
@@ -76,28 +85,107 @@ class PackedLinears:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.active = False
+        self.released: set[str] = set()  # weights whose packed copy is the only copy (`release_originals`)
 
     def _linears(self) -> list[nn.Linear]:
         return _bias_free_linears(self.model)
 
-    def refresh(self) -> None:
-        """(Re)pack every linear weight from the current parameters and route the layers through them."""
+    def _plan(self) -> _Plan:
+        plan: _Plan = []
         fused: set[int] = set()  # layers computed inside a fused product: not packed on their own
+        for mod in self.model.modules():
+            if isinstance(mod, Attention):
+                plan.append((mod, "fused_qkv", [mod.q_proj, mod.k_proj, mod.v_proj]))
+            elif isinstance(mod, MLP):
+                plan.append((mod, "fused_gate_up", [mod.gate_proj, mod.up_proj]))
+            else:
+                continue
+            fused.update(map(id, plan[-1][2]))
+        plan += [(lin, "forward", [lin]) for lin in self._linears() if id(lin) not in fused]
+        return plan
+
+    def _names(self) -> dict[int, str]:
+        return {id(m): f"{name}.weight" for name, m in self.model.named_modules() if isinstance(m, nn.Linear)}
+
+    def refresh(self, state: Mapping[str, Tensor] | None = None) -> None:
+        """(Re)pack every linear weight, from `state` (HF names) or else the current parameters, and route
+        the layers through the packed copies."""
+        names = self._names()
         with torch.no_grad():
-            for mod in self.model.modules():
-                if isinstance(mod, Attention):
-                    mod.fused_qkv = _pack(mod.q_proj.weight, mod.k_proj.weight, mod.v_proj.weight)
-                    fused.update(map(id, (mod.q_proj, mod.k_proj, mod.v_proj)))
-                elif isinstance(mod, MLP):
-                    mod.fused_gate_up = _pack(mod.gate_proj.weight, mod.up_proj.weight)
-                    fused.update(map(id, (mod.gate_proj, mod.up_proj)))
-            for lin in self._linears():
-                if id(lin) not in fused:
-                    lin.forward = _pack(lin.weight)  # type: ignore[method-assign, assignment]
+            for owner, attr, lins in self._plan():
+                weights = []
+                for lin in lins:
+                    name = names[id(lin)]
+                    if state is None and name in self.released:
+                        raise RuntimeError(f"{name} lives only in its packed copy: refresh from a state dict")
+                    weights.append(lin.weight if state is None else state[name])
+                setattr(owner, attr, _pack(*weights))
         self.active = True
 
+    def release_originals(self) -> int:
+        """Free the parameters of the packed layers (a zero-stride placeholder keeps shape and dtype): the
+        packed copies become the only copy. Weights shared with a module that is not packed are kept.
+        Returns the bytes freed."""
+        if not self.active:
+            raise RuntimeError("pack the weights (refresh) before releasing the originals")
+        names = self._names()
+        shared = {id(p) for m in self.model.modules() if not isinstance(m, nn.Linear)
+                  for p in m.parameters(recurse=False)}  # fmt: skip
+        freed = 0
+        for _, _, lins in self._plan():
+            for lin in lins:
+                w = lin.weight
+                if id(w) in shared or names[id(lin)] in self.released:
+                    continue
+                freed += w.untyped_storage().nbytes()
+                w.data = torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
+                self.released.add(names[id(lin)])
+        return freed
+
+    def load(self, state: Mapping[str, Tensor]) -> None:
+        """Load a full HF-named state dict: parameters that are kept are copied in, packed layers are packed
+        from `state` (their released parameters stay placeholders)."""
+        from harnessrl.modeling.loading import check_state_dict  # loading imports this module's model
+
+        model = self.model
+        if not isinstance(model, LlamaForCausalLM):
+            raise TypeError("PackedLinears.load needs a LlamaForCausalLM")
+        full = check_state_dict(model, dict(state))
+        with torch.no_grad():
+            for name, param in model.state_dict().items():
+                if name not in self.released:
+                    param.copy_(full[name])
+        self.refresh(full)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The model's state dict with released weights unpacked from their packed copies (exact)."""
+        out = dict(self.model.state_dict())
+        names = self._names()
+        for owner, attr, lins in self._plan():
+            todo = [lin for lin in lins if names[id(lin)] in self.released]
+            if not todo:
+                continue
+            fwd = getattr(owner, attr)
+            if not isinstance(fwd, _PackedForward):
+                raise RuntimeError(f"{names[id(lins[0])]}: no packed copy (the weights were discarded)")
+            dense = fwd.packed.to_dense()
+            for lin, part in zip(lins, dense.split([lin.out_features for lin in lins]), strict=True):
+                out[names[id(lin)]] = part.clone()
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the packed copies."""
+        total = 0
+        for owner, attr, _ in self._plan():
+            fwd = owner.__dict__.get(attr) if attr == "forward" else getattr(owner, attr)
+            if isinstance(fwd, _PackedForward):
+                total += fwd.packed.numel() * fwd.packed.element_size()
+        return total
+
     def drop(self) -> None:
-        """Forget the packed copies (their memory is freed) and route the layers through `F.linear` again."""
+        """Forget the packed copies (their memory is freed) and route the layers through `F.linear` again.
+        After `release_originals` the released weights are then gone until the next `load`."""
         for mod in self.model.modules():
             if isinstance(mod, Attention):
                 mod.fused_qkv = None
@@ -159,7 +247,10 @@ def choose_matmul(model: nn.Module, want: Matmul, device: torch.device) -> tuple
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """y = x @ W.T through oneDNN-packed copies of W; backward: dx through a packed W.T, dW = dy.T @ x."""
+    """y = x @ W.T through a oneDNN-packed copy of W; backward: dW = dy.T @ x and dx = dy @ W, the latter
+    through a packed copy of W.T for layers that widen it (in_features > out_features: MLP down
+    projections, where it runs 165 -> 60 ms for 4,000 rows of SmolLM2), else as a plain matrix product
+    (as fast or faster for the other shapes, and no second copy of every weight held)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, layer: _TrainPackedForward) -> Tensor:
@@ -169,11 +260,13 @@ class _OneDNNLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        x, _ = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         grad = grad.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.layer.transposed:
             dx = torch.ops.mkldnn._linear_pointwise(grad, ctx.layer.packed_t(), None, "none", [], "")
+        elif ctx.needs_input_grad[0]:
+            dx = grad @ weight
         if ctx.needs_input_grad[1]:
             dw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
         return dx, dw, None
@@ -182,10 +275,11 @@ class _OneDNNLinear(torch.autograd.Function):
 class _TrainPackedForward:
     """The replacement `forward` of one trainable linear layer. The packed copies follow the weight:
     they are rebuilt whenever its version counter moved (every optimizer step or weight load bumps it),
-    so a stale copy can never be used."""
+    so a stale copy can never be used; `release` frees them between updates."""
 
     def __init__(self, layer: nn.Linear) -> None:
         self.layer = layer
+        self.transposed = layer.in_features > layer.out_features  # dx through a packed W.T (see above)
         self._key: tuple[int, int] | None = None
         self._packed: Tensor | None = None
         self._packed_t: Tensor | None = None
@@ -213,6 +307,23 @@ class _TrainPackedForward:
     def __call__(self, x: Tensor) -> Tensor:
         return _OneDNNLinear.apply(x, self.layer.weight, self)  # type: ignore[no-any-return]
 
+    def release(self) -> int:
+        """Forget the packed copies (rebuilt on the next call); returns the bytes they held."""
+        held = sum(t.numel() * t.element_size() for t in (self._packed, self._packed_t) if t is not None)
+        self._key, self._packed, self._packed_t = None, None, None
+        return held
+
+
+def release_training_packs(model: nn.Module) -> int:
+    """Free the packed weight copies of a model trained through oneDNN (after an optimizer step they are
+    stale and would be rebuilt at the next forward anyway); returns the bytes freed (0 on `F.linear`)."""
+    freed = 0
+    for lin in _bias_free_linears(model):
+        fwd = lin.__dict__.get("forward")
+        if isinstance(fwd, _TrainPackedForward):
+            freed += fwd.release()
+    return freed
+
 
 def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device) -> str:
     """Route a trainable model's linear layers through oneDNN (forward and the input gradient) when `want`
@@ -236,6 +347,8 @@ def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device
         install()
         return "onednn (asked)"
     gap = _probe_gap(model, install)
+    release_training_packs(model)  # the probe's copies: the first update packs its own
+    release_freed_memory()
     if gap > PROBE_BOUND:
         for lin in _bias_free_linears(model):
             del lin.forward

@@ -5,6 +5,17 @@ siblings). For a micro-batch whose rows agree on their first P tokens, the prefi
 and every row's suffix attends to its keys/values; gradients flow back through the shared prefix, so
 the result equals a full forward of every row exactly (up to float summation order). The vocabulary
 projection and log-softmax run only at positions whose next token is trainable.
+
+Memory: the [tokens × vocab] fp32 logits (SmolLM2: 192 KB a token) are never materialised for a whole
+micro-batch: the projection, log-softmax and gather run over chunks of `LOGIT_CHUNK_ELEMENTS // vocab`
+tokens, each chunk checkpointed (its logits are recomputed in the backward pass instead of kept), so
+the head holds one chunk's buffers at a time. With `checkpoint_layers` each decoder layer is
+checkpointed too: the forward keeps only every layer's input and the backward recomputes one layer at a
+time (about a third more compute for a small fraction of the activations). By default (None) layers
+are checkpointed when a micro-batch's activations would exceed `CHECKPOINT_ABOVE_BYTES`: SmolLM2-135M
+keeps ~1.3 MB per token position (30 layers) plus the attention weights, 5-8 GB for a 4,096-token
+micro-batch. Recomputation runs the same operations on the same inputs: logprobs and gradients are
+unchanged.
 """
 
 from __future__ import annotations
@@ -13,10 +24,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.llama import DecoderLayer, LlamaForCausalLM
 from harnessrl.modeling.logprobs import tempered_log_softmax
+
+# Logit elements materialised at once by the head (64 MB of fp32 logits: 341 tokens of a 49,152 vocab).
+LOGIT_CHUNK_ELEMENTS = 1 << 24
+# Estimated activation bytes of a micro-batch above which its layers are checkpointed by default.
+CHECKPOINT_ABOVE_BYTES = 256 << 20
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -54,13 +71,16 @@ def selected_logprobs(
     temps: Tensor,
     prefix: int,
     entropy: bool = False,
+    checkpoint_layers: bool | None = None,
 ) -> Selected:
     """Logprobs of tokens[b, t+1] for every (b, t) with select[b, t] (select: [B, L-1] bool).
 
     `tokens` [B, L] is right-padded; its first `prefix` tokens are identical in every row and no
-    selected position lies before `prefix`.
+    selected position lies before `prefix`. `checkpoint_layers`: recompute each layer's activations in
+    the backward pass instead of keeping them (same values); None: when `activation_bytes` exceeds
+    `CHECKPOINT_ABOVE_BYTES` (see the module docstring).
     """
-    b, length = tokens.shape
+    length = tokens.shape[1]
     emb = model.model.embed_tokens
     dtype = emb.weight.dtype
     xs = emb(tokens[:, prefix:])
@@ -70,29 +90,90 @@ def selected_logprobs(
     cos_p, sin_p = model.rope(torch.arange(prefix, device=tokens.device).unsqueeze(0), dtype)
     s = length - prefix
     mask = torch.ones(s, prefix + s, dtype=torch.bool, device=tokens.device).tril(prefix)
+    if checkpoint_layers is None:
+        checkpoint_layers = activation_bytes(model, tokens.shape[0], s, prefix) > CHECKPOINT_ABOVE_BYTES
+    recompute = checkpoint_layers and torch.is_grad_enabled()
     for layer in model.model.blocks:
-        attn = layer.self_attn
-        hs = layer.input_layernorm(xs)
-        q, k, v = attn._qkv(hs, cos_s, sin_s)
-        if xp is not None:
-            qp, kp, vp = attn._qkv(layer.input_layernorm(xp), cos_p, sin_p)
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-            xp = layer.finish(xp, attn._out(op))
-            k = torch.cat([kp.expand(b, -1, -1, -1), k], dim=2)
-            v = torch.cat([vp.expand(b, -1, -1, -1), v], dim=2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        xs = layer.finish(xs, attn._out(o))
+        args = (layer, xs, xp, cos_s, sin_s, cos_p, sin_p, mask)
+        xs, xp = checkpoint(_layer, *args, use_reentrant=False) if recompute else _layer(*args)
     row, pos = torch.nonzero(select, as_tuple=True)
     if bool((pos < prefix).any()):
         raise ValueError("a selected position lies inside the shared prefix")
     hidden = model.model.norm(xs[row, pos - prefix])
-    logits = model.lm_head(hidden)
-    full = tempered_log_softmax(logits, temps[row])  # the same function the engine's logprobs use
-    lp = full.gather(-1, tokens[row, pos + 1].unsqueeze(-1)).squeeze(-1)
+    lp, ent = head_logprobs(model.lm_head, hidden, tokens[row, pos + 1], temps[row], entropy)
+    return Selected(lp, row, pos, ent)
+
+
+def activation_bytes(model: LlamaForCausalLM, rows: int, suffix: int, prefix: int) -> int:
+    """About the bytes autograd keeps for the decoder layers of a micro-batch of `rows` suffixes of
+    `suffix` positions after a shared `prefix`: per position and layer ~8 hidden-size and 4
+    intermediate-size vectors (norms, projections, SwiGLU), plus each layer's attention weights."""
+    c = model.config
+    positions = rows * suffix + prefix
+    per_layer = positions * (8 * c.hidden_size + 4 * c.intermediate_size)
+    per_layer += rows * c.num_attention_heads * suffix * (prefix + suffix)
+    size = model.model.embed_tokens.weight.element_size()
+    return int(c.num_hidden_layers * per_layer * size)
+
+
+def _layer(
+    layer: DecoderLayer,
+    xs: Tensor,
+    xp: Tensor | None,
+    cos_s: Tensor,
+    sin_s: Tensor,
+    cos_p: Tensor,
+    sin_p: Tensor,
+    mask: Tensor,
+) -> tuple[Tensor, Tensor | None]:
+    """One decoder layer over the rows' suffixes `xs` [B, S, H] and their shared prefix `xp` [1, P, H]
+    (run once, its keys/values broadcast to every row); returns both outputs."""
+    b = xs.shape[0]
+    attn = layer.self_attn
+    q, k, v = attn._qkv(layer.input_layernorm(xs), cos_s, sin_s)
+    if xp is not None:
+        qp, kp, vp = attn._qkv(layer.input_layernorm(xp), cos_p, sin_p)
+        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        xp = layer.finish(xp, attn._out(op))
+        k = torch.cat([kp.expand(b, -1, -1, -1), k], dim=2)
+        v = torch.cat([vp.expand(b, -1, -1, -1), v], dim=2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return layer.finish(xs, attn._out(o)), xp
+
+
+def head_logprobs(
+    head: nn.Linear, hidden: Tensor, targets: Tensor, temps: Tensor, entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Logprobs of `targets` [N] under the tempered softmax of `head(hidden)` ([N, H] -> [N, V] logits),
+    and (no gradient) the entropy of each position's distribution; chunk by chunk over the N positions,
+    each chunk checkpointed when gradients are recorded (see the module docstring)."""
+    chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.out_features)
+    # one chunk's buffers are kept for the backward pass as they are; several are recomputed one by one
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] > chunk
+    lps: list[Tensor] = []
+    ents: list[Tensor] = []
+    for start in range(0, hidden.shape[0], chunk):
+        part = slice(start, start + chunk)
+        args = (head, hidden[part], targets[part], temps[part], entropy)
+        lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if recompute else _head_chunk(*args)
+        lps.append(lp)
+        if ent is not None:
+            ents.append(ent)
+    if not lps:  # no selected position: empty results of the right dtype
+        lp, ent = _head_chunk(head, hidden, targets, temps, entropy)
+        return lp, ent
+    return torch.cat(lps), torch.cat(ents) if entropy else None
+
+
+def _head_chunk(
+    head: nn.Linear, hidden: Tensor, targets: Tensor, temps: Tensor, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    full = tempered_log_softmax(head(hidden), temps)  # the same function the engine's logprobs use
+    lp = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ent = None
     if entropy:
         with torch.no_grad():
-            ent = -(full.exp() * full).sum(-1)
-    return Selected(lp, row, pos, ent)
+            ent = -full.exp().mul_(full).sum(-1)
+    return lp, ent

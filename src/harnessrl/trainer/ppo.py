@@ -22,6 +22,11 @@ The batch is cut into micro-batches by a token budget (rows with a common prefix
 `trainer.forward`); their losses are summed into the gradient, which therefore equals the whole
 batch's gradient. One optimizer step per epoch over the batch; the learning-rate schedule (if any)
 steps once per update.
+
+Memory: a micro-batch's logits are computed chunk by chunk and, with `checkpoint_layers`, its layer
+activations are recomputed in the backward pass (`trainer.forward`); after the update the gradients,
+the stale oneDNN-packed weight copies and the heap the update freed are given back (`release_memory`),
+so the trainer's resident size returns to about parameters + optimizer state between updates.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from torch import Tensor
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.memory import release_freed_memory, trim_heap
+from harnessrl.modeling.packed import release_training_packs
 from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
 
 
@@ -135,12 +142,16 @@ def micro_batch_loss(
     cfg: PPOConfig,
     prox: Tensor | None = None,
     ref_model: LlamaForCausalLM | None = None,
+    checkpoint_layers: bool | None = None,
 ) -> tuple[Tensor, dict[str, float], Tensor]:
     """Σ w_t ℓ_t over the rows `idx` (a differentiable scalar), statistics of those tokens, and the
     new logprobs (detached: the proximal policy of later epochs). `prox` is needed when `cfg.tis_cap`
-    is set and this is not the first epoch; in the first epoch the proximal policy is the current one."""
+    is set and this is not the first epoch; in the first epoch the proximal policy is the current one.
+    `checkpoint_layers`: recompute layer activations in the backward pass (less memory, same values);
+    None: when the micro-batch's activations would be large (`trainer.forward.CHECKPOINT_ABOVE_BYTES`)."""
     p = _pack(batch, idx, next(model.parameters()).device)
-    sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, entropy=True)
+    sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, entropy=True,
+                            checkpoint_layers=checkpoint_layers)  # fmt: skip
     behaviour = p.old_lp[sel.row, sel.pos]
     adv, w = p.adv[sel.row], p.weights[sel.row, sel.pos]
     if cfg.tis_cap is None:
@@ -182,9 +193,13 @@ def ppo_update(
     ref_model: LlamaForCausalLM | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     progress: Callable[[int, int], None] | None = None,
+    checkpoint_layers: bool | None = None,
 ) -> dict[str, float]:
     """Run `cfg.epochs` optimizer steps over the batch, then step the LR schedule; returns loss and
     diagnostic metrics (of the last epoch; `mismatch` is mean |π − μ|, engine/trainer gap on epoch 1).
+    `checkpoint_layers` trades a third more compute for most of the activation memory (same values);
+    None (default) decides per micro-batch by its estimated activation bytes (`trainer.forward`).
+    The update's memory is released before it returns (`release_memory`: gradients are None after).
 
     Rows whose advantage is exactly 0 (zero-variance groups kept with zero advantage, a common case with
     sparse rewards) add nothing to the loss or its gradient when there is no KL term: they are not
@@ -214,8 +229,11 @@ def ppo_update(
         optimizer.zero_grad(set_to_none=True)
         total_loss, agg = 0.0, dict.fromkeys(_STAT_KEYS, 0.0)
         for g, idx in enumerate(groups):
-            loss, stats, new_lp = micro_batch_loss(model, batch, idx, cfg, prox[g], ref_model)
+            loss, stats, new_lp = micro_batch_loss(model, batch, idx, cfg, prox[g], ref_model,
+                                                   checkpoint_layers)  # fmt: skip
+            trim_heap()  # the forward's freed transients go back before the backward allocates gradients
             loss.backward()
+            trim_heap()
             if progress is not None:  # micro-batches done of all epochs'
                 progress(epoch * len(groups) + g + 1, cfg.epochs * len(groups))
             if epoch == 0:
@@ -224,6 +242,7 @@ def ppo_update(
             for k in agg:
                 agg[k] += stats[k]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        release_training_packs(model)  # copies of the weights the step is about to change
         if math.isfinite(grad_norm):
             optimizer.step()
         n = max(agg["tokens"], 1.0)
@@ -242,7 +261,17 @@ def ppo_update(
     if scheduler is not None:
         scheduler.step()
     model.eval()
+    release_memory(model, optimizer)
     return metrics
+
+
+def release_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give back what an update no longer needs: the gradients (the next update zeroes them anyway), the
+    oneDNN-packed copies of the old weights (rebuilt from the new ones at the next forward), and the
+    heap glibc keeps after large frees (`malloc_trim`), so the resident size drops back."""
+    optimizer.zero_grad(set_to_none=True)
+    release_training_packs(model)
+    release_freed_memory()
 
 
 _STAT_KEYS = ("tokens", "clipped", "logprob_diff_abs", "ratio_sum", "entropy_sum", "kl_sum", "tis_truncated")
