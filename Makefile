@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-train test-harnesses clean
+.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train test-harnesses clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,14 @@ bench-controller: $(STAMP)
 RELIABILITY_BASELINE ?= ad64d71~1
 bench-reliability: $(STAMP)
 	$(PY) -m bench.reliability.run --baseline-ref $(RELIABILITY_BASELINE)
+
+# About 30-60 minutes on 2 cores: the demo's workload (2 steps, 8 held-out tasks) with the RSS of every
+# process sampled (trainer, engine, gateway, fork server, harnesses), then the PPO update alone on a fixed
+# demo-shaped batch; on the commit before the memory work (a git worktree) and on this tree. Results in
+# bench/results/memory.json; the table in docs/benchmarks.md.
+MEMORY_BASELINE ?= 5a4d0e4
+bench-memory: $(STAMP)
+	$(PY) bench/memory.py --baseline-ref $(MEMORY_BASELINE)
 
 # About 15 minutes (plus ~10 the first time, to install): the pinned real harnesses (Claude Code, Codex CLI,
 # OpenCode, OpenHands SDK, mini-swe-agent) into .bench/harnesses/, each driven unmodified through the
