@@ -239,7 +239,7 @@ class Gateway:
             call.chat = {"messages": chat.messages, "tools": chat.tools, "answer": None, **notes}
             if streamer is None:
                 gen = await self._preemptible_call(
-                    lambda: self._engine(call, up, served, chat, sampling, history, t0)
+                    lambda: self._engine(call, up, served, chat, sampling, history, t0), request, call, t0
                 )
                 out = face.render(gen, req, ids)
                 await self._record_ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
@@ -308,26 +308,59 @@ class Gateway:
         finally:
             self._release()
 
-    async def _preemptible_call(self, make: Callable[[], Awaitable[T]]) -> T:
-        """Await `make()`; if a preempting pause cuts it, wait for resume (not counted in flight, so the
-        pause drains) and run it again."""
-        while True:
-            task = asyncio.ensure_future(make())
-            self._preemptible.add(task)
-            try:
-                return await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if task not in self._preempted or (current is not None and current.cancelling()):
-                    raise  # the handler itself was cancelled (client gone, shutdown)
-            finally:
-                self._preemptible.discard(task)
-                self._preempted.discard(task)
-            self.preempted_calls += 1
-            self._release()
-            await self._resumed.wait()
-            self.in_flight += 1
-            self._idle.clear()
+    async def _preemptible_call(
+        self, make: Callable[[], Awaitable[T]], request: Request, call: Call, t0: float
+    ) -> T:
+        """Await `make()` (a non-streamed call to the engine).
+
+        If a preempting pause cuts it, wait for resume (not counted in flight, so the pause drains) and
+        run it again. If the client hangs up first, cut it (the engine aborts the sequence when the
+        gateway's connection to it closes: nobody would receive the answer), record the call as
+        cancelled and answer 499."""
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            while True:
+                task = asyncio.ensure_future(make())
+                self._preemptible.add(task)
+                try:
+                    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not task.done():
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await task
+                        await self._record_gone(call, t0)
+                        raise APIError(
+                            499, "the client closed the connection before the answer", code="client_closed"
+                        )
+                    return await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if task not in self._preempted or (current is not None and current.cancelling()):
+                        raise  # the handler itself was cancelled (shutdown)
+                finally:
+                    if not task.done():  # the handler was cancelled while waiting
+                        task.cancel()
+                    self._preemptible.discard(task)
+                    self._preempted.discard(task)
+                self.preempted_calls += 1
+                self._release()
+                await self._resumed.wait()
+                self.in_flight += 1
+                self._idle.clear()
+        finally:
+            gone.cancel()
+
+    async def _record_gone(self, call: Call, t0: float) -> None:
+        """Record a non-streamed call whose client hung up before its answer (no tokens reached anyone)."""
+        error = "cancelled: the client disconnected before the answer"
+        await self.writer.write(call.model_copy(update={
+            "latency_s": time.perf_counter() - t0, "status": CallStatus.CANCELLED,
+            "finish_reason": "cancelled", "error": error,
+        }))  # fmt: skip
+        self.metrics.inc(
+            "harnessrl_gateway_calls_total", "Model calls recorded.", face=call.face, status="cancelled"
+        )
+        log.info("event=call_cancelled rollout=%s reason=client_gone", call.rollout_id)
 
     async def _engine(
         self,
@@ -384,7 +417,10 @@ class Gateway:
             resp, record = await self._preemptible_call(
                 lambda: self._guard(
                     call, t0, inference.raw_completion(up, served, req.prompt, sampling, req.logprobs or 0)
-                )
+                ),
+                request,
+                call,
+                t0,
             )
             out = completions.client_response(resp, req)
             await self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
@@ -529,6 +565,13 @@ class Gateway:
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return once the client has hung up: with the body read, the server's next ASGI message for the
+    request is `http.disconnect` (sent when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _chat_record(chat: ChatCall, gen: Generation) -> dict[str, Any]:
