@@ -157,7 +157,7 @@ class Sampler:
                     proc.hwm_kb = max(proc.hwm_kb, hwm_kb)
 
     def _role(self, pid: int, parents: dict[int, int], cmd: str) -> str:
-        if pid == self.root:
+        if pid == self.root or any(f"harnessrl {c}" in cmd for c in ("demo", "train")):
             return "trainer"
         if "harnessrl.engine" in cmd:
             return "engine"
