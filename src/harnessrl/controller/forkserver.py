@@ -190,7 +190,7 @@ class ForkServerRunner:
                 line = await asyncio.wait_for(reader.readline(), timeout=harness.timeout_s)
             except TimeoutError:
                 timed_out = True
-                log.info("attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
+                log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
                 kill_group(pid)
                 with contextlib.suppress(TimeoutError):
                     line = await asyncio.wait_for(reader.readline(), timeout=EXIT_REPORT_TIMEOUT_S)

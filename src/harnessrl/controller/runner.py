@@ -174,7 +174,7 @@ class LocalRunner:
                 await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
             except TimeoutError:
                 timed_out = True
-                log.info("attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
+                log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
             finally:
                 kill_group(proc.pid)  # also reaps anything the harness left running
                 if proc.returncode is None:

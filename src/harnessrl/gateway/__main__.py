@@ -9,6 +9,7 @@ import socket
 import sys
 
 import uvicorn
+from pydantic import ValidationError
 from starlette.types import ASGIApp
 
 from harnessrl.gateway import http
@@ -97,27 +98,26 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: --model-map takes NAME=SERVED, got {bad[0]!r}", file=sys.stderr)
         return 2
-    if args.mode == "tito" and not args.tokenizer:
-        print("error: --mode tito needs --tokenizer MODEL_DIR", file=sys.stderr)
+    try:  # the settings' rules (tito needs a tokenizer, SGLang needs tito) live in GatewayConfig
+        config = GatewayConfig(
+            admin_key=admin_key,
+            upstream_url=args.upstream,
+            replica_urls=args.replica,
+            served_model=args.served_model,
+            model_map=dict(m.split("=", 1) for m in args.model_map),
+            default_max_tokens=args.default_max_tokens,
+            mode=args.mode,
+            tokenizer_path=args.tokenizer,
+            upstream_kind=args.upstream_kind,
+            sglang_incremental_streaming=args.sglang_incremental_streaming,
+            upstream_timeout_s=args.upstream_timeout,
+            stream_open_timeout_s=args.stream_open_timeout,
+            call_timeout_s=args.call_timeout,
+        )
+    except ValidationError as e:
+        problems = (err["msg"].removeprefix("Value error, ") for err in e.errors())
+        print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    if args.upstream_kind == "sglang" and args.mode != "tito":
-        print("error: --upstream-kind sglang needs --mode tito", file=sys.stderr)
-        return 2
-    config = GatewayConfig(
-        admin_key=admin_key,
-        upstream_url=args.upstream,
-        replica_urls=args.replica,
-        served_model=args.served_model,
-        model_map=dict(m.split("=", 1) for m in args.model_map),
-        default_max_tokens=args.default_max_tokens,
-        mode=args.mode,
-        tokenizer_path=args.tokenizer,
-        upstream_kind=args.upstream_kind,
-        sglang_incremental_streaming=args.sglang_incremental_streaming,
-        upstream_timeout_s=args.upstream_timeout,
-        stream_open_timeout_s=args.stream_open_timeout,
-        call_timeout_s=args.call_timeout,
-    )
     http.BODY_TIMEOUT_S = args.body_timeout  # read_json's default, for every route
     store = SQLiteStore(args.store, synchronous=args.synchronous, wal_limit_mb=args.wal_limit_mb)
     app = create_app(config, store)

@@ -78,11 +78,11 @@ class Upstream:
                 status, raw = await self._http.post(path, payload, _remaining(self.timeout_s, deadline))
             except HTTPError as e:
                 last = f"ConnectError: {e}"
-                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
+                log.warning("event=upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             if status in RETRYABLE_STATUS:
                 last = f"status {status}: {raw[:300].decode(errors='replace')}"
-                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
+                log.warning("event=upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             try:
                 data = orjson.loads(raw)
@@ -110,7 +110,7 @@ class Upstream:
                 status, pieces = await self._http.stream(path, payload, self.open_timeout_s, deadline)
             except HTTPError as e:
                 last = f"ConnectError: {e}"
-                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
+                log.warning("event=upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             if status == 200:
                 return _sse_events(pieces, self.name)
@@ -208,7 +208,7 @@ class UpstreamPool:
                 return upstream, await upstream.post(path, body, deadline)
             except UpstreamFailed as e:
                 errors.append(str(e))
-                log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
+                log.warning("event=upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
             if deadline is not None and time.monotonic() >= deadline:
                 errors.append(f"the call's time limit ({self.call_timeout_s:g} s) ran out")
                 break
@@ -225,7 +225,7 @@ class UpstreamPool:
                 return upstream, await upstream.open_stream(path, body, deadline)
             except UpstreamFailed as e:
                 errors.append(str(e))
-                log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
+                log.warning("event=upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
             if deadline is not None and time.monotonic() >= deadline:
                 errors.append(f"the call's time limit ({self.call_timeout_s:g} s) ran out")
                 break
