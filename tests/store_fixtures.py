@@ -73,7 +73,9 @@ def store_backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def store_factory(store_backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
+def store_factory(
+    store_backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[StoreFactory]:
     """A `StoreFactory` on a fresh SQLite file or a fresh PostgreSQL database."""
     spec: str | Path = (
         request.getfixturevalue("pg_url") if store_backend == "postgres" else tmp_path / "store.sqlite"

@@ -58,7 +58,9 @@ def _free_port() -> int:
 class LocalPostgres:
     """One PostgreSQL cluster in a temporary directory; `url(db)` names a database on it."""
 
-    def __init__(self, bin_dir: Path | None = None, fsync: bool = False, superuser: str = "harnessrl") -> None:
+    def __init__(
+        self, bin_dir: Path | None = None, fsync: bool = False, superuser: str = "harnessrl"
+    ) -> None:
         found = bin_dir or find_pg_bin()
         if found is None:
             raise PostgresUnavailable(

@@ -282,7 +282,9 @@ class PostgresStore(Store):
 
     @staticmethod
     def _get(conn: Any, rollout_id: str) -> Rollout:
-        row = conn.execute(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,)).fetchone()
+        row = conn.execute(
+            f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,)
+        ).fetchone()
         return _rollout(row)
 
     # rollouts -------------------------------------------------------------------------------------
@@ -455,8 +457,15 @@ class PostgresStore(Store):
             (rollout_id,),
         )
         return [
-            Attempt(rollout_id=r[0], attempt=r[1], status=AttemptStatus(r[2]), started_at=r[3], ended_at=r[4],
-                    exit_code=r[5], error=r[6])  # fmt: skip
+            Attempt(
+                rollout_id=r[0],
+                attempt=r[1],
+                status=AttemptStatus(r[2]),
+                started_at=r[3],
+                ended_at=r[4],
+                exit_code=r[5],
+                error=r[6],
+            )
             for r in rows
         ]
 
@@ -506,7 +515,9 @@ class PostgresStore(Store):
 
     def calls(self, rollout_id: str) -> list[Call]:
         """All calls of a rollout in the order they were made."""
-        rows = self._read(f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx, seq", (rollout_id,))
+        rows = self._read(
+            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx, seq", (rollout_id,)
+        )
         return [_call(r) for r in rows]
 
     def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
@@ -537,7 +548,9 @@ class PostgresStore(Store):
 
     def get_reward(self, rollout_id: str) -> Reward | None:
         """The rollout's reward, or None."""
-        rows = self._read("SELECT value, details, updated_at FROM rewards WHERE rollout_id = %s", (rollout_id,))
+        rows = self._read(
+            "SELECT value, details, updated_at FROM rewards WHERE rollout_id = %s", (rollout_id,)
+        )
         if not rows:
             return None
         value, details, updated_at = rows[0]
@@ -553,7 +566,9 @@ class PostgresStore(Store):
         """Set a store-level setting unless present; returns the stored value (the first writer's,
         when replicas race)."""
         with self._tx() as conn:
-            conn.execute("INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, value))
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, value)
+            )
             return str(conn.execute("SELECT value FROM meta WHERE key = %s", (key,)).fetchone()[0])
 
     def schema_version(self) -> int:
