@@ -323,6 +323,10 @@ class RunConfig(_Section):
     # the config file's folder
     config_dir: str = ""
     run_dir: str = "runs/demo"  # where the run keeps its store, logs, checkpoints and summary (relative to the current folder)
+    # Where the gateway records rollouts and calls: "" is `<run_dir>/store.sqlite`; another path is a
+    # SQLite file; a postgresql://user@host:port/db URL is a PostgreSQL database (the `postgres` extra;
+    # migrations are applied at start; docs/operations.md). `harnessrl inspect` reads SQLite stores only.
+    store: str = ""
     harness: HarnessSection = Field(default_factory=HarnessSection)
     tasks: TasksSection = Field(default_factory=TasksSection)
     grader: GraderSection = Field(default_factory=GraderSection)

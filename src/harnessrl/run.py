@@ -69,7 +69,7 @@ def start_services(
     mode = "tito" if cfg.engine.kind == "sglang" else cfg.gateway.mode  # SGLang returns ids only to tito
     gateway_port = cfg.gateway.port or free_port()
     gateway = start_gateway(
-        run_dir / "store.sqlite", engine_url, gateway_port, admin_key, run_dir / "logs",
+        cfg.store or run_dir / "store.sqlite", engine_url, gateway_port, admin_key, run_dir / "logs",
         cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
         upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
     )  # fmt: skip
