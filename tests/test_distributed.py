@@ -115,4 +115,6 @@ def test_two_ranks_sum_to_the_whole_batch_gradient(tiny_model_dir: Path) -> None
     for w0, a, b in zip(before, single.parameters(), model.parameters(), strict=True):
         g1, g2 = w0 - a.detach(), w0 - b.detach()
         torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-9)
-    assert any(float((w0 - a.detach()).abs().max()) > 1e-6 for w0, a in zip(before, single.parameters()))
+    assert any(
+        float((w0 - a.detach()).abs().max()) > 1e-6 for w0, a in zip(before, single.parameters(), strict=True)
+    )

@@ -56,7 +56,7 @@ from harnessrl.trainer.ppo import (
     release_memory,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("harnessrl.trainer.distributed")  # also when run as __main__ (a worker rank)
 
 COLLECTIVE_TIMEOUT = timedelta(hours=2)  # one update (a collective waits for the slowest rank's share)
 JOIN_TIMEOUT_S = 120.0  # workers to start and join the process group
@@ -135,7 +135,7 @@ def rank_update(
     skipped = float(len(batch.rows) - len(run_rows))
     if not run_rows or batch.n_trainable_tokens == 0:  # the same decision on every rank
         return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0, "lr": lr,
-                "skipped_zero_adv_rows": skipped}  # fmt: skip
+                "skipped_zero_adv_rows": skipped, "ranks": float(world), "rank_rows_max": 0.0}  # fmt: skip
     mine = shard_rows(batch, run_rows, world)[rank]
     local = micro_batches(
         [batch.rows[i].tokens for i in mine], [first_trainable(batch.rows[i].loss_mask) for i in mine],
@@ -242,12 +242,11 @@ class DataParallel:
                 "matmul": matmul, "optimizer": type(optimizer).__name__, "defaults": defaults,
                 "kl_coef": kl_coef}  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
-        self._logs = []
+        self._logs: list[Any] = []
         for rank in range(1, world_size):
-            out = (
-                open(log_dir / f"trainer-rank{rank}.log", "ab") if log_dir is not None else subprocess.DEVNULL
-            )  # noqa: SIM115
+            out: Any = subprocess.DEVNULL
             if log_dir is not None:
+                out = open(log_dir / f"trainer-rank{rank}.log", "ab")  # noqa: SIM115 - closed in `_kill`
                 self._logs.append(out)
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "harnessrl.trainer.distributed", "--rank", str(rank), "--spec", json.dumps(spec)],
