@@ -9,7 +9,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
 import pytest
 
 from harnessrl.schema import (
@@ -24,6 +23,8 @@ from harnessrl.schema import (
 )
 from harnessrl.store import StoreError, open_store
 from harnessrl.store.postgres import MIGRATIONS, SCHEMA_VERSION, PostgresStore
+
+psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed")
 
 
 def _call(rid: str, cid: str) -> Call:
