@@ -205,3 +205,32 @@ def test_bad_values_and_unreachable_servers_are_clear_errors(pg_url: str, pg_ser
     with pytest.raises(StoreError, match="cannot reach the PostgreSQL store") as info:
         PostgresStore(dead, connect_timeout_s=2)
     assert "hunter2" not in str(info.value)
+
+
+def test_an_event_number_taken_by_an_open_transaction_holds_later_writers_back(pg_url: str) -> None:
+    """The mechanism behind commit-ordered numbers, forced: while one transaction holds an event number
+    it has not committed, another replica's write waits, so no reader can see a higher number first."""
+    store, reader = PostgresStore(pg_url), PostgresStore(pg_url)
+    store.create_rollout(RolloutCreate(client_id="a", task_id="t"), "ra")
+    done = threading.Event()
+    with psycopg.connect(pg_url) as slow:  # a replica in the middle of its transaction
+        seq = slow.execute(
+            "UPDATE counters SET value = value + 1 WHERE name = 'events' RETURNING value"
+        ).fetchone()
+        writer = threading.Thread(
+            target=lambda: (store.set_state("ra", RolloutState.CANCELLED), done.set()), daemon=True
+        )
+        writer.start()
+        time.sleep(0.5)
+        assert not done.is_set(), "a later writer committed while a lower event number was still open"
+        assert [e.seq for e in reader.events()] == [1]
+        slow.execute(
+            "INSERT INTO events (seq, rollout_id, state, group_id, time) VALUES (%s, 'ra', 'running', NULL, 0)",
+            (seq[0],),  # type: ignore[index]
+        )
+        slow.commit()
+    writer.join(10)
+    assert done.is_set()
+    assert [e.seq for e in reader.events()] == [1, 2, 3]
+    store.close()
+    reader.close()
