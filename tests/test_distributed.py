@@ -110,6 +110,10 @@ def test_two_ranks_sum_to_the_whole_batch_gradient(tiny_model_dir: Path) -> None
     try:
         dp.update(batch, cfg)
         assert dp.divergence() == 0.0  # rank 1 built an SGD too
+        dp.procs[0].kill()  # a rank that dies: the next update says so instead of hanging
+        dp.procs[0].wait()
+        with pytest.raises(RuntimeError, match=r"trainer rank\(s\) exited: \[\(1, -9\)\]"):
+            dp.update(batch, cfg)
     finally:
         dp.close()
     for w0, a, b in zip(before, single.parameters(), model.parameters(), strict=True):
