@@ -26,10 +26,12 @@ class PostgresUnavailable(RuntimeError):
 
 
 def find_pg_bin() -> Path | None:
-    """The directory holding `initdb`, `pg_ctl` and `postgres`, or None."""
+    """The directory holding `initdb`, `pg_ctl` and `postgres`, or None. `$HARNESSRL_PG_BIN`, when set, is
+    the only place looked at."""
     candidates: list[str] = []
     if os.environ.get("HARNESSRL_PG_BIN"):
-        candidates.append(os.environ["HARNESSRL_PG_BIN"])
+        d = Path(os.environ["HARNESSRL_PG_BIN"])
+        return d if all((d / tool).exists() for tool in ("initdb", "pg_ctl", "postgres")) else None
     pg_config = shutil.which("pg_config")
     if pg_config:
         try:
@@ -65,7 +67,7 @@ class LocalPostgres:
         if found is None:
             raise PostgresUnavailable(
                 "no PostgreSQL server binaries (initdb, pg_ctl, postgres) found: install Debian's "
-                "'postgresql' package (make install does) or set HARNESSRL_PG_BIN"
+                "'postgresql' package (make install does) or set HARNESSRL_PG_BIN to their directory"
             )
         self.bin = found
         self.fsync = fsync

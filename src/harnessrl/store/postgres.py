@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from harnessrl.schema import (
@@ -233,12 +233,13 @@ class PostgresStore(Store):
 
     # plumbing -------------------------------------------------------------------------------------
     @contextmanager
-    def _tx(self) -> Iterator[Any]:
-        """A connection inside one transaction (committed on exit, rolled back on an exception).
+    def _tx(self, write: bool = True) -> Iterator[Any]:
+        """A connection inside one transaction (committed on exit, rolled back on an exception); with
+        `write=False` a single autocommit statement's connection (no BEGIN/COMMIT round trips).
         Database errors come out as `StoreError`s: a constraint or trigger as `Conflict`."""
         psycopg = self._psycopg
         try:
-            with self._pool.connection() as conn, conn.transaction():
+            with self._pool.connection() as conn, conn.transaction() if write else nullcontext():
                 yield conn
         except psycopg.errors.CheckViolation as e:
             raise Conflict(_message(e)) from e
@@ -250,7 +251,7 @@ class PostgresStore(Store):
             raise StoreError(f"the store cannot hold this value: {_message(e)}") from e
 
     def _read(self, sql: str, args: tuple[Any, ...] | list[Any] = ()) -> list[tuple[Any, ...]]:
-        with self._tx() as conn:
+        with self._tx(write=False) as conn:
             return list(conn.execute(sql, args).fetchall())
 
     @staticmethod
