@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 		|| (apt-get update && apt-get install -y bubblewrap)
 	# PostgreSQL server binaries for the postgres store tests (tests start a throwaway server): Debian's.
 	$(PY) -c "from harnessrl.store.pg_local import find_pg_bin; import sys; sys.exit(find_pg_bin() is None)" \
-		|| (apt-get update && apt-get install -y postgresql)
+		|| (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql)
 	touch $(STAMP)
 
 install: $(STAMP)
