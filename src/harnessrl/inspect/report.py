@@ -129,7 +129,7 @@ def rollout_report(run_dir: Path, key: str, tokenizer: Path | None = None) -> di
     summary.advantage = adv.get(rollout.rollout_id)
     decoder = load_decoder(settings.model, run_dir, tokenizer)
     results = rollout_rows(detail, settings)
-    row_of, cause_of = _row_positions(results)
+    row_of, cause_of = row_positions(results)
     return {
         "run_dir": str(run_dir),
         "rollout": {
@@ -155,7 +155,7 @@ def rollout_report(run_dir: Path, key: str, tokenizer: Path | None = None) -> di
     }
 
 
-def _row_positions(results: list[MergeResult]) -> tuple[dict[str, int], dict[str, str]]:
+def row_positions(results: list[MergeResult]) -> tuple[dict[str, int], dict[str, str]]:
     """Which row each call went into, and the break cause of each call that started a row after the
     first one of its attempt (rows are created in call order, so break i starts row i + 1)."""
     row_of: dict[str, int] = {}
