@@ -74,18 +74,23 @@ class InvalidFile(ValueError):
     """A file that does not match its schema; the message names the line (or record) and the field."""
 
 
-def _validator(name: str) -> Any:
+def _validator(name: str, part: str | None = None) -> Any:
+    """A validator for a committed schema, or for one of its `$defs` (`part`)."""
     try:
         import jsonschema
     except ImportError as e:  # pragma: no cover - jsonschema is in the export extra
         raise InvalidFile("validating needs the jsonschema package: pip install 'harnessrl[export]'") from e
-    return jsonschema.Draft202012Validator(load(name))
+    schema = load(name)
+    if part is not None:
+        schema = {"$schema": schema["$schema"], "$defs": schema["$defs"], "$ref": f"#/$defs/{part}"}
+    return jsonschema.Draft202012Validator(schema)
 
 
 def _check(validator: Any, record: Any, where: str) -> None:
-    errors = sorted(validator.iter_errors(record), key=lambda e: len(list(e.absolute_path)))
-    if errors:
-        err = errors[0]
+    from jsonschema.exceptions import best_match
+
+    err = best_match(validator.iter_errors(record))
+    if err is not None:
         path = "/".join(str(p) for p in err.absolute_path) or "(record)"
         raise InvalidFile(f"{where}: {path}: {err.message[:300]}")
 
@@ -130,12 +135,12 @@ def validate_file(path: Path) -> tuple[str, int]:
     """Check every record of `path` against its schema; returns (kind, records checked)."""
     kind = detect(path)
     if kind == "trace":
-        v = _validator(TRACE_SCHEMA)
+        header, rollout = _validator(TRACE_SCHEMA, "TraceHeader"), _validator(TRACE_SCHEMA, "TraceRollout")
         n = announced = 0
         for line_no, record in _json_lines(path):
             _version_check(record, TRACE_SCHEMA_VERSION, "trace", f"{path}:{line_no}")
-            _check(v, record, f"{path}:{line_no}")
             is_header = record.get("kind") == HEADER_KIND
+            _check(header if is_header else rollout, record, f"{path}:{line_no}")
             if (n == 0) != is_header:
                 raise InvalidFile(f"{path}:{line_no}: the header must be the first line, and only it")
             announced = record["rollouts"] if is_header else announced
