@@ -37,6 +37,7 @@ from harnessrl.store import SQLiteStore
 STORE_FILE = "store.sqlite"
 SCAN_TTL_S = 1.0  # the changing columns are re-read at most this often
 MAX_PAGE = 500
+SUMMARY_CACHE = 50_000  # index lines kept (a few hundred bytes each)
 ZERO_VARIANCE_EPS = 1e-12
 
 
@@ -101,6 +102,7 @@ class RunData:
         self._fixed: list[Entry] = []
         self._by_seq: dict[int, Entry] = {}
         self._scan: Scan | None = None
+        self._summaries: dict[str, tuple[tuple[str, int, int], dict[str, Any]]] = {}
         self._decoder = load_decoder(self.settings.model, self.run_dir)
 
     def close(self) -> None:
@@ -175,10 +177,23 @@ class RunData:
         adv = self._advantages(scan) if self.settings.advantage_level == AdvantageLevel.ROLLOUT else {}
         items = []
         for e in page:
-            s = summarize(self.store.detail(e.rollout_id), self.settings)
-            s.advantage = adv.get(e.rollout_id)
-            items.append({**s.as_dict(), "zero_variance_group": self._zero_variance(scan, e.group_id)})
+            line = self._summary(e)
+            items.append({**line, "state": e.state, "reward": e.reward, "advantage": adv.get(e.rollout_id),
+                          "zero_variance_group": self._zero_variance(scan, e.group_id)})  # fmt: skip
         return {"total": len(kept), "offset": offset, "limit": limit, "items": items}
+
+    def _summary(self, e: Entry) -> dict[str, Any]:
+        """The index line of a rollout (rows and breaks through the adapter), kept while its calls,
+        attempts and state stay the same."""
+        key = (e.state, e.calls, e.attempts)
+        hit = self._summaries.get(e.rollout_id)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        line = summarize(self.store.detail(e.rollout_id), self.settings).as_dict()
+        if len(self._summaries) > SUMMARY_CACHE:
+            self._summaries.clear()
+        self._summaries[e.rollout_id] = (key, line)
+        return line
 
     def _advantages(self, scan: Scan) -> dict[str, float]:
         rewards = {e.rollout_id: e.reward for e in scan.entries
@@ -237,7 +252,26 @@ class RunData:
                 c["rollouts"] += 1
                 c["failed"] += e.state in (RolloutState.FAILED, RolloutState.CANCELLED)
         steps = sorted({*per, *(int(m["step"]) for m in metrics if isinstance(m.get("step"), int))})
-        return {"metrics": metrics, "recorded": per, "steps": steps, "summary": summary}
+        return {"metrics": metrics, "recorded": per, "steps": steps, "summary": summary,
+                "heldout": self._heldout(scan)}  # fmt: skip
+
+    @staticmethod
+    def _heldout(scan: Scan) -> list[dict[str, Any]]:
+        """Each held-out evaluation read from its rollouts: label, step (updates behind it), sampling
+        temperature, mean reward over the graded ones (as the trainer reports it), count, ungraded."""
+        by: dict[str, list[Entry]] = {}
+        for e in scan.entries:
+            if e.place.phase == "eval" and e.place.step is not None:
+                by.setdefault(e.place.label, []).append(e)
+        out = []
+        for label, members in by.items():
+            rewards = [m.reward for m in members if m.reward is not None]
+            out.append({
+                "label": label, "step": members[0].place.step, "temperature": label.rsplit("-", 1)[-1],
+                "mean": sum(rewards) / len(rewards) if rewards else None, "n": len(rewards),
+                "ungraded": len(members) - len(rewards),
+            })  # fmt: skip
+        return sorted(out, key=lambda h: (h["temperature"], h["step"]))
 
     # one rollout ----------------------------------------------------------------------------------
     def rollout(self, key: str) -> dict[str, Any]:

@@ -116,8 +116,9 @@ async function runView() {
   const series = (key) => m.filter((r) => typeof r[key] === "number").map((r) => [r.step, r[key]]);
   const ratio = (a, b) => m.filter((r) => typeof r[a] === "number" && r[b]).map((r) => [r.step, r[a] / r[b]]);
   const s = run.summary || {};
-  const heldout = series("heldout_reward");
-  if (s.heldout_reward_before !== undefined && s.heldout_reward_before !== null) heldout.unshift([0, s.heldout_reward_before]);
+  const temps = [...new Set(steps.heldout.map((h) => h.temperature))];
+  const heldout = temps.map((t) => ({ name: `temperature ${t.replace(/^t/, "")}`,
+    points: steps.heldout.filter((h) => h.temperature === t).map((h) => [h.step, h.mean]) }));
   const counts = Object.entries(run.counts).map(([phase, c]) => `${phase}: ` + Object.entries(c).map(([k, v]) => `${v} ${k}`).join(", "));
   const out = el("div", { id: "view-run" },
     el("h1", {}, run.name ? `run ${run.name}` : "run", el("span", { class: "muted" }, run.run_id ? `  ${run.run_id}` : "")),
@@ -131,7 +132,7 @@ async function runView() {
     el("h2", {}, "per step"),
     el("div", { class: "grid", id: "charts" },
       lineChart("reward (training rollouts)", [{ name: "reward", points: series("reward") }], "chart-reward"),
-      lineChart("held-out reward", [{ name: "held-out", points: heldout }], "chart-heldout"),
+      lineChart("held-out reward", heldout.length ? heldout : [{ name: "held-out", points: [] }], "chart-heldout"),
       lineChart("loss", [{ name: "loss", points: series("loss") }], "chart-loss"),
       lineChart("KL to reference", [{ name: "kl", points: series("kl") }], "chart-kl"),
       lineChart("entropy", [{ name: "entropy", points: series("entropy") }], "chart-entropy"),
