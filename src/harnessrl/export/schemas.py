@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.export.rows import ROWS_SCHEMA_VERSION, TrainingRow
-from harnessrl.export.traces import HEADER_KIND, TraceHeader, TraceRollout
+from harnessrl.export.traces import HEADER_KIND, TraceHeader, TraceRollout, open_text
 from harnessrl.schema import TRACE_SCHEMA_VERSION
 
 SCHEMA_DIR = Path(__file__).with_name("schemas")
@@ -96,7 +96,7 @@ def _check(validator: Any, record: Any, where: str) -> None:
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open() as f:
+    with open_text(path) as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -12,11 +12,12 @@ models (`harnessrl.export.schemas`).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -86,6 +87,13 @@ def trace_lines(store: SQLiteStore, run_dir: Path) -> Iterator[str]:
         yield line.model_dump_json()
 
 
+def open_text(path: Path) -> IO[str]:
+    """A text file for reading, decompressed when it is gzip (a trace may be kept as .jsonl.gz)."""
+    with path.open("rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")
+
+
 class TraceError(ValueError):
     """A trace file that cannot be read or imported; the message names the line and the field."""
 
@@ -124,7 +132,7 @@ def import_trace(path: Path, run_dir: Path) -> int:
     the number of rollouts imported. The run's files are written as the original run left them."""
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise TraceError(f"{run_dir} exists and is not an empty directory; import into a new run directory")
-    with path.open() as f:
+    with open_text(path) as f:
         header, rollouts = read_trace(f, str(path))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(header.config, indent=2))

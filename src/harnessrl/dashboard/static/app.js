@@ -325,6 +325,11 @@ async function rolloutView(id) {
         first && first.break_cause ? el("span", { class: "badge break" }, `starts after break: ${first.break_cause}`) : null));
       rowsBox.appendChild(renderTokens(row, mode, r.advantage));
     });
+    // the sampled tokens come after the prompt: open each row's box at its first trainable token
+    requestAnimationFrame(() => rowsBox.querySelectorAll(".tokens").forEach((box) => {
+      const first = box.querySelector("span.m1");
+      if (first) box.scrollTop = Math.max(0, first.offsetTop - 60);
+    }));
   };
   out.appendChild(el("div", { class: "modes", id: "modes" }, "colour by: ",
     ["mask", "logprob", "advantage"].map((m) => el("label", {}, el("input", { type: "radio", name: "mode", value: m, checked: m === mode ? "checked" : null,
