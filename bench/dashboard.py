@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import uvicorn
@@ -49,7 +48,7 @@ def _calls(rng: random.Random, rid: str, t: float, n: int, prompt_len: int, brok
     for i in range(n):
         completion = [rng.randrange(1000, 40000) for _ in range(rng.randrange(8, 40))] + [2]
         if broken and i == n - 1:
-            tokens = tokens[:10] + [7] + tokens[11:]  # an edited history: a break
+            tokens = [*tokens[:10], 7, *tokens[11:]]  # an edited history: a break
         msgs = [{"role": "user", "content": f"task {rid}"}] + [
             {"role": "tool", "tool_call_id": f"c{k}", "content": str(k)} for k in range(i)
         ]
@@ -171,7 +170,13 @@ def time_pages(url: str, hashes: list[str], repeat: int) -> dict[str, dict[str, 
     from selenium.webdriver.support.ui import WebDriverWait
 
     opts = Options()
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+    ):
         opts.add_argument(a)
     driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
     out = {}
@@ -182,7 +187,9 @@ def time_pages(url: str, hashes: list[str], repeat: int) -> dict[str, dict[str, 
                 driver.get("about:blank")
                 t0 = time.perf_counter()
                 driver.get(f"{url}/{h}")
-                WebDriverWait(driver, 30).until(lambda d: d.find_element("tag name", "body").get_attribute("data-ready"))
+                WebDriverWait(driver, 30).until(
+                    lambda d: d.find_element("tag name", "body").get_attribute("data-ready")
+                )
                 times.append(time.perf_counter() - t0)
             out[h] = {"median_s": statistics.median(times[1:]), "max_s": max(times[1:])}
     finally:
@@ -214,7 +221,9 @@ def main() -> int:
             pages = time_pages(srv.url, ["#/", f"#/rollouts?step={mid}", "#/rollout/ro0005000"], args.repeat)
     result = {"rollouts_total": n, "steps": steps, "build_s": built, "api": api, "pages": pages,
               "python": sys.version.split()[0]}  # fmt: skip
-    print(f"synthetic run: {n} rollouts ({steps} steps x {groups} groups x {size} + evaluations), built in {built:.1f}s")
+    print(
+        f"synthetic run: {n} rollouts ({steps} steps x {groups} groups x {size} + evaluations), built in {built:.1f}s"
+    )
     print(f"{'request':<58}{'median ms':>10}{'max ms':>10}{'kB':>8}")
     for k, v in api.items():
         print(f"{k:<58}{v['median_s'] * 1e3:>10.1f}{v['max_s'] * 1e3:>10.1f}{v['bytes'] / 1e3:>8.1f}")

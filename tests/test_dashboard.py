@@ -12,15 +12,15 @@ from typing import Any
 
 import httpx
 import pytest
-
 from bench.dashboard import synthetic_run
+
 from harnessrl.dashboard import RunData, create_dashboard
 from harnessrl.dashboard.cli import main as dashboard_main
 from harnessrl.inspect import rollout_report
 from harnessrl.schema import RewardIn, RolloutCreate
 from harnessrl.store import SQLiteStore
 from tests.conftest import ThreadServer
-from tests.test_inspect import Fixture, fixture_run  # noqa: F401  (the fixture)
+from tests.run_fixtures import Fixture
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,9 @@ def test_pages_and_filters_match_the_store(api: httpx.Client, synth: Path) -> No
     evals = _all_pages(api, "phase=eval")
     assert len(evals) == 10 and {r["eval_label"] for r in evals} == {"eval-step0-t0", "eval-step10-t0"}
     one = api.get("/api/rollouts?step=1&limit=50").json()["items"][0]
-    assert one["calls"] == 3 and one["rows"] == 2 and one["breaks"] == {"history_edited": 1}  # ro0000000 breaks
+    assert (
+        one["calls"] == 3 and one["rows"] == 2 and one["breaks"] == {"history_edited": 1}
+    )  # ro0000000 breaks
 
 
 def test_steps_groups_and_overview(api: httpx.Client, synth: Path) -> None:
@@ -106,7 +108,9 @@ def test_steps_groups_and_overview(api: httpx.Client, synth: Path) -> None:
         graded = [r for r in g["rewards"] if r is not None]
         assert g["reward_mean"] == pytest.approx(sum(graded) / len(graded))
     run = api.get("/api/run").json()
-    assert run["rollouts"] == len(_truth(synth)) and run["name"] == "synthetic" and run["steps_recorded"] == 12
+    assert (
+        run["rollouts"] == len(_truth(synth)) and run["name"] == "synthetic" and run["steps_recorded"] == 12
+    )
 
 
 def test_bad_parameters_are_400_and_unknown_rollouts_404(api: httpx.Client) -> None:
@@ -132,7 +136,9 @@ def test_one_rollout_is_the_inspect_report_with_conversations(fixture_run: Fixtu
     assert [c["break_cause"] for c in got["calls"]] == [None, None, "history_edited"]
     assert got["calls"][0]["tool_calls"] == [{"name": "calc", "arguments": {"expression": "2+3"}}]
     assert got["calls"][1]["messages"][-1] == {"role": "tool", "content": "5", "tool_calls": []}
-    assert got["calls"][1]["messages"][1]["tool_calls"][0]["name"] == "calc" and got["calls"][0]["tools"] == ["calc"]
+    assert got["calls"][1]["messages"][1]["tool_calls"][0]["name"] == "calc" and got["calls"][0]["tools"] == [
+        "calc"
+    ]
     assert prefix["rollout"]["rollout_id"] == "robbbb3333"
 
 
@@ -140,7 +146,13 @@ def test_the_dashboard_never_writes_to_the_run(fixture_run: Fixture) -> None:
     run = fixture_run.run_dir
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.iterdir() if p.is_file()}
     with _serve(run) as srv, httpx.Client(base_url=srv.url) as c:
-        for path in ("/api/run", "/api/steps", "/api/rollouts?phase=all", "/api/groups", "/api/rollouts/roaaaa1111"):
+        for path in (
+            "/api/run",
+            "/api/steps",
+            "/api/rollouts?phase=all",
+            "/api/groups",
+            "/api/rollouts/roaaaa1111",
+        ):
             assert c.get(path).status_code == 200, path
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.iterdir() if p.is_file()}
     assert {k: after[k] for k in before} == before  # not a byte of the store or the run's files changed
@@ -150,14 +162,20 @@ def test_the_dashboard_never_writes_to_the_run(fixture_run: Fixture) -> None:
 
 
 def test_admin_key(fixture_run: Fixture) -> None:
-    with _serve(fixture_run.run_dir, key="s3cret") as srv, httpx.Client(base_url=srv.url, follow_redirects=True) as c:
+    with (
+        _serve(fixture_run.run_dir, key="s3cret") as srv,
+        httpx.Client(base_url=srv.url, follow_redirects=True) as c,
+    ):
         r = c.get("/api/run")
         assert r.status_code == 401 and "admin key" in r.json()["error"]
         assert c.get("/", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.get("/api/run", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         login = c.get("/?key=s3cret")  # followed: the cookie is set, the key leaves the URL
         assert login.status_code == 200 and login.history[0].status_code == 303
-        assert login.history[0].headers["location"] == "/" and "HttpOnly" in login.history[0].headers["set-cookie"]
+        assert (
+            login.history[0].headers["location"] == "/"
+            and "HttpOnly" in login.history[0].headers["set-cookie"]
+        )
         assert c.get("/api/rollouts").status_code == 200  # by the cookie
 
 

@@ -121,7 +121,9 @@ def _severe(driver: WebDriver) -> list[dict[str, Any]]:
     return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
-def test_run_page_plots_and_steps(browser: WebDriver, server: ThreadServer, run_dir: Path, shots: Path) -> None:
+def test_run_page_plots_and_steps(
+    browser: WebDriver, server: ThreadServer, run_dir: Path, shots: Path
+) -> None:
     _open(browser, f"{server.url}/#/")
     assert browser.find_element(By.CSS_SELECTOR, "#view-run h1").text.startswith("run calc")
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -146,7 +148,10 @@ def test_step_page_groups_filters_and_pager(browser: WebDriver, server: ThreadSe
     _after(browser, lambda: browser.find_element(By.LINK_TEXT, "step 2").click())
     assert browser.find_element(By.CSS_SELECTOR, "#view-rollouts h1").text == "step 2"
     api = httpx.get(f"{server.url}/api/rollouts?step=2&limit=50").json()
-    assert len(_rows(browser, "groups-table")) == 3 and len(_rows(browser, "rollouts-table")) == 12 == api["total"]
+    assert (
+        len(_rows(browser, "groups-table")) == 3
+        and len(_rows(browser, "rollouts-table")) == 12 == api["total"]
+    )
     shown = {r.get_attribute("data-rollout"): r.find_elements(By.TAG_NAME, "td")[5].text
              for r in _rows(browser, "rollouts-table")}  # fmt: skip
     assert shown == {i["rollout_id"]: f"{i['reward']:g}" for i in api["items"]}

@@ -24,7 +24,7 @@ from harnessrl.export.writers import read_parquet_rows
 from harnessrl.inspect import index_report, rollout_report
 from harnessrl.store import SQLiteStore
 from tests.conftest import GatewayHandle, ThreadServer
-from tests.test_inspect import Fixture, fixture_run  # noqa: F401  (the fixture)
+from tests.run_fixtures import Fixture
 
 pytest.importorskip("pyarrow")
 
@@ -48,13 +48,18 @@ def test_rows_are_the_adapters_rows_with_advantages_and_weights(fixture_run: Fix
     ]  # fmt: skip
     for r in rows:
         assert r["advantage"] == pytest.approx(index[r["rollout_id"]]["advantage"])
-        assert r["reward"] == index[r["rollout_id"]]["reward"] and r["group_id"] == index[r["rollout_id"]]["group_id"]
+        assert (
+            r["reward"] == index[r["rollout_id"]]["reward"]
+            and r["group_id"] == index[r["rollout_id"]]["group_id"]
+        )
         assert len(r["input_ids"]) == len(r["loss_mask"]) == len(r["old_logprobs"]) == len(r["token_weights"])
         assert r["n_trainable"] == sum(r["loss_mask"]) > 0
         assert all(w == 0 for w, m in zip(r["token_weights"], r["loss_mask"], strict=True) if m == 0)
     for step in (1, 2):  # rollout-token-mean: each step's weights sum to 1, each rollout's to 1/R
         assert sum(sum(r["token_weights"]) for r in rows if r["step"] == step) == pytest.approx(1.0)
-    assert sum(sum(r["token_weights"]) for r in rows if r["rollout_id"] == "roaaaa1111") == pytest.approx(1 / 3)
+    assert sum(sum(r["token_weights"]) for r in rows if r["rollout_id"] == "roaaaa1111") == pytest.approx(
+        1 / 3
+    )
     shown = rollout_report(fixture_run.run_dir, "roaaaa1111")["rows"]
     mine = [r for r in rows if r["rollout_id"] == "roaaaa1111"]
     assert [(r["input_ids"], r["loss_mask"], r["old_logprobs"]) for r in mine] == [
@@ -62,7 +67,9 @@ def test_rows_are_the_adapters_rows_with_advantages_and_weights(fixture_run: Fix
     ]
     assert [r["attempt"] for r in rows if r["rollout_id"] == "robbbb3333"] == [1, 1]  # the last attempt
     calls = fixture_run.calls["roaaaa1111"]
-    assert mine[0]["call_ids"] == [calls[0].call_id, calls[1].call_id] and mine[1]["call_ids"] == [calls[2].call_id]
+    assert mine[0]["call_ids"] == [calls[0].call_id, calls[1].call_id] and mine[1]["call_ids"] == [
+        calls[2].call_id
+    ]
 
 
 def test_parquet_holds_the_same_records_with_typed_columns(fixture_run: Fixture, tmp_path: Path) -> None:
@@ -188,7 +195,9 @@ def test_otlp_traces_follow_the_genai_conventions_and_parse_with_the_otel_protos
     proto_spans = [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
     spans = _spans(doc)
     assert len(proto_spans) == len(spans)
-    assert {s.trace_id.hex() for s in proto_spans} == {otlp.trace_id(r) for r in fixture_run.calls}  # one per rollout
+    assert {s.trace_id.hex() for s in proto_spans} == {
+        otlp.trace_id(r) for r in fixture_run.calls
+    }  # one per rollout
     calls = [s for s in spans if _attr(s, "gen_ai.operation.name") == "chat"]
     assert len(calls) == sum(len(c) for c in fixture_run.calls.values())
     by_call = {_attr(s, "gen_ai.response.id"): s for s in calls}
@@ -205,14 +214,26 @@ def test_otlp_traces_follow_the_genai_conventions_and_parse_with_the_otel_protos
             assert _attr(by_id[attempt["parentSpanId"]], "gen_ai.operation.name") == "invoke_agent"
     first, _, third = fixture_run.calls["roaaaa1111"]
     out = json.loads(_attr(by_call[first.call_id], "gen_ai.output.messages"))
-    assert out[0]["parts"][0] == {"type": "tool_call", "id": "c1", "name": "calc", "arguments": {"expression": "2+3"}}
+    assert out[0]["parts"][0] == {
+        "type": "tool_call",
+        "id": "c1",
+        "name": "calc",
+        "arguments": {"expression": "2+3"},
+    }
     assert out[0]["finish_reason"] == "stop"
     assert _attr(by_call[third.call_id], "harnessrl.break_cause") == "history_edited"
     inputs = json.loads(_attr(by_call[fixture_run.calls["roaaaa1111"][1].call_id], "gen_ai.input.messages"))
-    assert inputs[-1] == {"role": "tool", "parts": [{"type": "tool_call_response", "id": "c1", "response": "5"}]}
+    assert inputs[-1] == {
+        "role": "tool",
+        "parts": [{"type": "tool_call_response", "id": "c1", "response": "5"}],
+    }
     failed = by_call[fixture_run.calls["rocccc4444"][0].call_id]
-    assert failed["status"] == {"code": 2, "message": "upstream 503"} and _attr(failed, "error.type") == "failed"
-    root = next(s for s in spans if _attr(s, "harnessrl.rollout_id") == "roaaaa1111" and "parentSpanId" not in s)
+    assert (
+        failed["status"] == {"code": 2, "message": "upstream 503"} and _attr(failed, "error.type") == "failed"
+    )
+    root = next(
+        s for s in spans if _attr(s, "harnessrl.rollout_id") == "roaaaa1111" and "parentSpanId" not in s
+    )
     assert _attr(root, "harnessrl.reward") == 1.0 and int(_attr(root, "harnessrl.step")) == 1
     again = tmp_path / "again.jsonl"
     _export(fixture_run.run_dir, "otlp-json", again)
@@ -248,7 +269,10 @@ def test_otlp_http_to_a_collector(
                 "--otlp-header", "authorization=Bearer k1", "--out", str(tmp_path / "copy.jsonl")]  # fmt: skip
         assert harnessrl(argv) == 0
     spans = [s for req in rx.requests for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
-    assert len(spans) == len(_spans(_jsonl(tmp_path / "copy.jsonl")[0])) and rx.headers[0]["authorization"] == "Bearer k1"
+    assert (
+        len(spans) == len(_spans(_jsonl(tmp_path / "copy.jsonl")[0]))
+        and rx.headers[0]["authorization"] == "Bearer k1"
+    )
     assert f"sent {len(spans)} spans to {srv.url}/v1/traces" in capsys.readouterr().out
     for status, answer, message in [
         (400, {"message": "bad"}, "answered 400"),
@@ -267,7 +291,10 @@ def test_cli_errors(fixture_run: Fixture, tmp_path: Path, capsys: pytest.Capture
     cases = [
         (["export", str(tmp_path / "none"), "--format", "jsonl", "--out", "x"], "no run directory at"),
         (["export", str(fixture_run.run_dir), "--format", "jsonl"], "say where to write"),
-        (["export", str(fixture_run.run_dir), "--format", "jsonl", "--otlp-endpoint", "http://x"], "goes with"),
+        (
+            ["export", str(fixture_run.run_dir), "--format", "jsonl", "--otlp-endpoint", "http://x"],
+            "goes with",
+        ),
         (["export", str(fixture_run.run_dir), "--format", "csv", "--out", "x"], "invalid choice"),
         (["import", str(tmp_path / "none"), "--run-dir", str(tmp_path / "r")], "no file at"),
     ]

@@ -122,7 +122,9 @@ class KeyMiddleware(BaseHTTPMiddleware):
     def _ok(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.key.encode())
 
-    async def dispatch(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    async def dispatch(
+        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
         auth = request.headers.get("authorization", "")
         bearer = auth[7:] if auth.lower().startswith("bearer ") else None
         if self._ok(bearer) or self._ok(request.cookies.get(COOKIE)):
@@ -197,6 +199,7 @@ def create_dashboard(data: RunData, admin_key: str | None = None) -> Starlette:
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [Middleware(KeyMiddleware, key=admin_key)] if admin_key else []
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield

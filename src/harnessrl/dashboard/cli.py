@@ -24,8 +24,12 @@ def parser() -> argparse.ArgumentParser:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", type=Path, metavar="RUN_DIR", help="the run's directory (e.g. runs/demo)")
-    src.add_argument("--store", type=Path, metavar="FILE", help="a store.sqlite file (its folder's run files, if any)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    src.add_argument(
+        "--store", type=Path, metavar="FILE", help="a store.sqlite file (its folder's run files, if any)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--admin-key", default=os.environ.get(KEY_ENV),
                    help=f"key every request must carry (default ${KEY_ENV}); required off loopback")  # fmt: skip
@@ -61,7 +65,9 @@ def main(argv: list[str]) -> int:
         if args.run is not None:
             run_dir = args.run.expanduser().resolve()
             if not run_dir.is_dir():
-                raise RunError(f"no run directory at {run_dir}; pass the run_dir of a run (for example runs/demo)")
+                raise RunError(
+                    f"no run directory at {run_dir}; pass the run_dir of a run (for example runs/demo)"
+                )
             data = RunData(run_dir / STORE_FILE, run_dir)
         else:
             data = RunData(args.store.expanduser().resolve())

@@ -93,7 +93,9 @@ class RunData:
         if not store_path.is_file():
             raise RunError(f"no store at {store_path}; pass --run RUN_DIR (a run's run_dir) or --store FILE")
         self.run_dir = run_dir if run_dir is not None else store_path.parent
-        self.settings = read_settings(self.run_dir) if (self.run_dir / "config.json").is_file() else RunSettings()
+        self.settings = (
+            read_settings(self.run_dir) if (self.run_dir / "config.json").is_file() else RunSettings()
+        )
         try:
             self.store = SQLiteStore(store_path, readonly=True)
         except Exception as e:  # sqlite3.DatabaseError and friends: not a harnessrl store
@@ -199,7 +201,9 @@ class RunData:
         rewards = {e.rollout_id: e.reward for e in scan.entries
                    if e.state == RolloutState.SUCCEEDED and e.reward is not None and e.place.phase != "eval"}  # fmt: skip
         groups = {e.rollout_id: e.group_id or e.rollout_id for e in scan.entries if e.rollout_id in rewards}
-        return rollout_advantages({k: v for k, v in rewards.items() if v is not None}, groups, self.settings.estimator)
+        return rollout_advantages(
+            {k: v for k, v in rewards.items() if v is not None}, groups, self.settings.estimator
+        )
 
     def groups(self, step: int | None, phase: str | None = "train") -> list[dict[str, Any]]:
         """The groups of a step (or all): task, rollouts, states, rewards, mean, spread, zero variance."""
@@ -210,9 +214,13 @@ class RunData:
                 by.setdefault(e.group_id or e.rollout_id, []).append(e)
         out = []
         for gid, members in by.items():
-            rewards = [m.reward for m in members if m.reward is not None and m.state == RolloutState.SUCCEEDED]
+            rewards = [
+                m.reward for m in members if m.reward is not None and m.state == RolloutState.SUCCEEDED
+            ]
             mean = sum(rewards) / len(rewards) if rewards else None
-            std = math.sqrt(sum((r - (mean or 0.0)) ** 2 for r in rewards) / len(rewards)) if rewards else None
+            std = (
+                math.sqrt(sum((r - (mean or 0.0)) ** 2 for r in rewards) / len(rewards)) if rewards else None
+            )
             out.append({
                 "group_id": gid, "task_id": members[0].task_id, "step": members[0].place.step,
                 "rollouts": len(members), "succeeded": sum(m.state == RolloutState.SUCCEEDED for m in members),
@@ -298,9 +306,9 @@ class RunData:
 
     def live_token(self) -> dict[str, Any]:
         """What changes while a run goes on: the last event, rewards written, metrics size."""
-        (last_event,), = self.store.query("SELECT COALESCE(MAX(seq), 0) FROM events")
-        (rewards,), = self.store.query("SELECT COUNT(*) FROM rewards")
-        (calls,), = self.store.query("SELECT COALESCE(MAX(seq), 0) FROM calls")
+        ((last_event,),) = self.store.query("SELECT COALESCE(MAX(seq), 0) FROM events")
+        ((rewards,),) = self.store.query("SELECT COUNT(*) FROM rewards")
+        ((calls,),) = self.store.query("SELECT COALESCE(MAX(seq), 0) FROM calls")
         m = self.run_dir / "metrics.jsonl"
         return {"events": last_event, "rewards": rewards, "calls": calls,
                 "metrics_bytes": m.stat().st_size if m.is_file() else 0}  # fmt: skip
@@ -314,5 +322,8 @@ def _message(m: dict[str, Any]) -> dict[str, Any]:
     for tc in m.get("tool_calls") or []:
         fn = tc.get("function", {}) if isinstance(tc, dict) else {}
         tool_calls.append({"name": fn.get("name"), "arguments": fn.get("arguments")})
-    return {"role": m.get("role"), "content": "" if content is None else str(content), "tool_calls": tool_calls}
-
+    return {
+        "role": m.get("role"),
+        "content": "" if content is None else str(content),
+        "tool_calls": tool_calls,
+    }

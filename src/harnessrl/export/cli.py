@@ -53,7 +53,9 @@ def export_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _otlp_documents(store: Any, run_dir: Path, run_id: str | None, agent: str | None) -> Iterator[dict[str, Any]]:
+def _otlp_documents(
+    store: Any, run_dir: Path, run_id: str | None, agent: str | None
+) -> Iterator[dict[str, Any]]:
     settings = read_settings(run_dir)
     everything = all_rollouts(store)
     for chunk in otlp.batched(everything, OTLP_BATCH_ROLLOUTS):

@@ -47,7 +47,7 @@ def span_id(key: str) -> str:
 
 
 def _nanos(t: float) -> str:
-    return str(int(round(t * 1e9)))
+    return str(round(t * 1e9))
 
 
 def _value(v: Any) -> dict[str, Any]:
@@ -148,7 +148,11 @@ def call_span(call: Call, parent: str, row: int | None, cause: str | None) -> di
         "harnessrl.row": row,
         "harnessrl.break_cause": cause,
     }
-    status = {"code": STATUS_ERROR, "message": call.error or str(call.status)} if failed else {"code": STATUS_UNSET}
+    status = (
+        {"code": STATUS_ERROR, "message": call.error or str(call.status)}
+        if failed
+        else {"code": STATUS_UNSET}
+    )
     return {
         "traceId": trace_id(call.rollout_id),
         "spanId": span_id(f"call:{call.call_id}"),
@@ -263,7 +267,11 @@ def post_otlp(documents: Iterable[dict[str, Any]], endpoint: str, timeout_s: flo
         for doc in documents:
             n = sum(len(s["spans"]) for rs in doc["resourceSpans"] for s in rs["scopeSpans"])
             try:
-                resp = client.post(url, content=json.dumps(doc), headers={"Content-Type": "application/json", **(headers or {})})
+                resp = client.post(
+                    url,
+                    content=json.dumps(doc),
+                    headers={"Content-Type": "application/json", **(headers or {})},
+                )
             except httpx.HTTPError as e:
                 raise OTLPError(f"cannot reach the OTLP collector at {url}: {e}") from e
             if resp.status_code // 100 != 2:

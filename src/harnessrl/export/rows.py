@@ -13,7 +13,7 @@ columns onto verl's, TRL's and OpenRLHF's names.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,7 +22,7 @@ from harnessrl.inspect.runview import Place, RunSettings, all_rollouts, rollout_
 from harnessrl.schema import Rollout
 from harnessrl.store import SQLiteStore
 
-ROWS_SCHEMA_VERSION = 1
+ROWS_SCHEMA_VERSION: Final = 1
 """Version of the exported row schema; bump on any incompatible change."""
 
 
@@ -51,9 +51,13 @@ class TrainingRow(BaseModel):
     reward: float = Field(description="the rollout's reward")
     advantage: float = Field(description="the rollout's advantage (every trainable token gets it)")
     input_ids: list[int] = Field(description="the row's token ids")
-    loss_mask: list[int] = Field(description="1 where the token was sampled by the model (trained on), else 0")
+    loss_mask: list[int] = Field(
+        description="1 where the token was sampled by the model (trained on), else 0"
+    )
     old_logprobs: list[float] = Field(description="the engine's logprob per token; 0 where loss_mask is 0")
-    token_weights: list[float] = Field(description="per-token weight in the step's loss; 0 where loss_mask is 0")
+    token_weights: list[float] = Field(
+        description="per-token weight in the step's loss; 0 where loss_mask is 0"
+    )
     n_tokens: int = Field(description="len(input_ids)")
     n_trainable: int = Field(description="sum(loss_mask)")
 

@@ -122,7 +122,9 @@ def detect(path: Path) -> str:
         return "trace"
     if isinstance(record, dict) and "input_ids" in record:
         return "rows-jsonl"
-    raise InvalidFile(f"{path}:{first[0]}: neither a harnessrl trace, training rows nor an OTLP/JSON document")
+    raise InvalidFile(
+        f"{path}:{first[0]}: neither a harnessrl trace, training rows nor an OTLP/JSON document"
+    )
 
 
 def _version_check(record: Any, wanted: int, what: str, where: str) -> None:
@@ -187,7 +189,9 @@ def _validate_otlp(path: Path) -> int:
             for ss in rs.scope_spans:
                 for span in ss.spans:
                     if len(span.trace_id) != 16 or len(span.span_id) != 8:
-                        raise InvalidFile(f"{path}:{line_no}: span {span.name!r} has a malformed trace/span id")
+                        raise InvalidFile(
+                            f"{path}:{line_no}: span {span.name!r} has a malformed trace/span id"
+                        )
                     n += 1
     return n
 

@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,8 +26,8 @@ from harnessrl.schema import TRACE_SCHEMA_VERSION, RolloutDetail
 from harnessrl.store import SQLiteStore
 from harnessrl.store.base import Conflict
 
-HEADER_KIND = "harnessrl.trace.header"
-ROLLOUT_KIND = "harnessrl.trace.rollout"
+HEADER_KIND: Final = "harnessrl.trace.header"
+ROLLOUT_KIND: Final = "harnessrl.trace.rollout"
 
 
 class TraceHeader(BaseModel):
@@ -53,7 +53,9 @@ class TraceRollout(RolloutDetail):
     schema_version: Literal[1] = Field(description="TRACE_SCHEMA_VERSION of the writer")
 
 
-def run_files(run_dir: Path) -> tuple[str | None, dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+def run_files(
+    run_dir: Path,
+) -> tuple[str | None, dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
     """The run's id, config, metrics records and summary from its directory (empty when absent)."""
 
     def load(name: str) -> Any:
@@ -154,7 +156,9 @@ def import_trace(path: Path, run_dir: Path) -> int:
         finally:
             store.close()
     if n != header.rollouts:
-        raise TraceError(f"{path}: the header announces {header.rollouts} rollouts but {n} followed (cut short?)")
+        raise TraceError(
+            f"{path}: the header announces {header.rollouts} rollouts but {n} followed (cut short?)"
+        )
     return n
 
 

@@ -30,7 +30,7 @@ PARQUET_BATCH_ROWS = 512
 def _pyarrow() -> Any:
     try:
         import pyarrow
-        import pyarrow.parquet  # noqa: F401
+        import pyarrow.parquet
     except ImportError as e:
         raise RuntimeError("Parquet needs the pyarrow package: pip install 'harnessrl[export]'") from e
     return pyarrow
