@@ -30,6 +30,9 @@ from harnessrl.schema import AttemptStatus, Call, CallStatus, RolloutDetail, Rol
 SCOPE = "harnessrl.export"
 KIND_INTERNAL, KIND_CLIENT = 1, 3
 STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
+# the conventions' finish reasons of an output message, for the API names that differ
+FINISH_REASONS = {"tool_calls": "tool_call", "function_call": "tool_call", "end_turn": "stop",
+                  "max_tokens": "length", "tool_use": "tool_call", "stop_sequence": "stop"}  # fmt: skip
 
 
 def _id(text: str, nbytes: int) -> str:
@@ -99,7 +102,7 @@ def semconv_message(msg: dict[str, Any], finish_reason: str | None = None) -> di
             parts.append({"type": "tool_call", "id": tc.get("id"), "name": fn.get("name"), "arguments": args})
     out: dict[str, Any] = {"role": role, "parts": parts}
     if finish_reason is not None:
-        out["finish_reason"] = finish_reason
+        out["finish_reason"] = FINISH_REASONS.get(finish_reason, finish_reason)
     return out
 
 
@@ -116,11 +119,12 @@ def call_span(call: Call, parent: str, row: int | None, cause: str | None) -> di
     messages, tools, answer = call.conversation()
     req = call.request
     op = _operation(call.face)
+    model = req.get("model") if isinstance(req.get("model"), str) else call.model
     failed = call.status != CallStatus.OK
     attrs = {
         "gen_ai.operation.name": op,
         "gen_ai.provider.name": _provider(call.face),
-        "gen_ai.request.model": req.get("model") if isinstance(req.get("model"), str) else call.model,
+        "gen_ai.request.model": model,
         "gen_ai.response.model": call.model or None,
         "gen_ai.response.id": call.call_id,
         "gen_ai.conversation.id": call.rollout_id,
@@ -157,7 +161,7 @@ def call_span(call: Call, parent: str, row: int | None, cause: str | None) -> di
         "traceId": trace_id(call.rollout_id),
         "spanId": span_id(f"call:{call.call_id}"),
         "parentSpanId": parent,
-        "name": f"{op} {call.model}".strip(),
+        "name": f"{op} {model}".strip(),
         "kind": KIND_CLIENT,
         "startTimeUnixNano": _nanos(call.created_at),
         "endTimeUnixNano": _nanos(call.created_at + max(call.latency_s, 0.0)),
