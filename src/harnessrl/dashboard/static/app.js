@@ -357,6 +357,7 @@ async function render() {
   } finally {
     rendering = false;
     document.body.setAttribute("data-ready", String(Date.now()));
+    document.body.setAttribute("data-ready-ms", String(Math.round(performance.now())));  // since navigation
   }
 }
 
