@@ -26,8 +26,8 @@ from harnessrl.inspect.runview import (
     RunError,
     RunSettings,
     find_rollout,
+    place_of,
     read_settings,
-    rollout_place,
     summarize,
 )
 from harnessrl.inspect.tokens import load_decoder
@@ -80,12 +80,6 @@ class Scan:
     at: float = 0.0
 
 
-def _entry_place(metadata: str, client_id: str, rollout_id: str, task_id: str) -> Place:
-    r = Rollout(rollout_id=rollout_id, client_id=client_id, task_id=task_id,
-                metadata=json.loads(metadata), created_at=0.0, updated_at=0.0)  # fmt: skip
-    return rollout_place(r)
-
-
 class RunData:
     """A run's recorded data for the dashboard: overview, steps, groups, rollout pages, one rollout."""
 
@@ -119,7 +113,7 @@ class RunData:
             (last,),
         )
         for seq, rid, cid, task, gid, meta in rows:
-            e = Entry(seq, rid, cid, task, gid, _entry_place(meta, cid, rid, task))
+            e = Entry(seq, rid, cid, task, gid, place_of(json.loads(meta), cid))
             self._fixed.append(e)
             self._by_seq[seq] = e
 

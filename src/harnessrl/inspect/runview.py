@@ -49,7 +49,11 @@ _CLIENT_GROUP = re.compile(r"-g(\d+)-")
 def rollout_place(rollout: Rollout) -> Place:
     """The phase and step of a rollout, read from the metadata the trainer gives it (`trainer.loop`:
     {"step": s} 0-based, {"eval": label}; `trainer.async_loop`: {"group": k}), else its client id."""
-    meta = rollout.metadata
+    return place_of(rollout.metadata, rollout.client_id)
+
+
+def place_of(meta: dict[str, Any], cid: str) -> Place:
+    """`rollout_place` from a rollout's metadata and client id alone."""
     if isinstance(meta.get("eval"), str):
         label = meta["eval"]
         m = _EVAL_STEP.match(label)
@@ -59,7 +63,6 @@ def rollout_place(rollout: Rollout) -> Place:
         return Place("train", meta["step"] + 1)
     if isinstance(meta.get("group"), int):
         return Place("train", None, group=meta["group"])
-    cid = rollout.client_id
     if m := _CLIENT_STEP.search(cid):
         return Place("train", int(m.group(1)) + 1)
     if m := _CLIENT_GROUP.search(cid):

@@ -37,7 +37,9 @@ function fmt(v, digits = 3) {
   if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toFixed(digits);
   return String(v);
 }
+let runOnce = null;  // the first /api/run answer, shared by the title and the first view
 async function api(path) {
+  if (path === "/api/run" && runOnce) { const p = runOnce; runOnce = null; return p; }
   const r = await fetch(path, { headers: { Accept: "application/json" } });
   const body = await r.json().catch(() => ({}));
   if (!r.ok) throw new Error(body.error || `${r.status} ${r.statusText}`);
@@ -363,7 +365,8 @@ async function render() {
 
 async function title() {
   try {
-    const run = await api("/api/run");
+    runOnce = api("/api/run");
+    const run = await runOnce;
     document.getElementById("run-title").textContent = `${run.name || ""} ${run.run_id || ""}  ·  ${run.run_dir}`;
   } catch (e) { /* the view shows the error */ }
 }
@@ -383,7 +386,7 @@ function live() {
   src.onerror = () => dot.classList.remove("on");
 }
 
-window.addEventListener("hashchange", () => { window.scrollTo(0, 0); render(); });
+window.addEventListener("hashchange", () => { runOnce = null; window.scrollTo(0, 0); render(); });
 title();
 render();
 live();
