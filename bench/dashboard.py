@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -228,7 +229,7 @@ def main() -> int:
             baseline = {"index_all_s": time.perf_counter() - t0, "rollouts": everything["total"]}
             pages = time_pages(srv.url, ["#/", f"#/rollouts?step={mid}", "#/rollout/ro0005000"], args.repeat)
     result = {"baseline": baseline, "rollouts_total": n, "steps": steps, "build_s": built, "api": api, "pages": pages,
-              "python": sys.version.split()[0]}  # fmt: skip
+              "python": sys.version.split()[0], "loadavg_1m_end": os.getloadavg()[0], "cpus": os.cpu_count()}  # fmt: skip
     print(
         f"synthetic run: {n} rollouts ({steps} steps x {groups} groups x {size} + evaluations), built in {built:.1f}s"
     )

@@ -177,6 +177,9 @@ def test_admin_key(fixture_run: Fixture) -> None:
             and "HttpOnly" in login.history[0].headers["set-cookie"]
         )
         assert c.get("/api/rollouts").status_code == 200  # by the cookie
+    with _serve(fixture_run.run_dir, key="s3cret") as srv, httpx.Client(base_url=srv.url) as c:
+        r = c.get(f"{srv.url}//evil.example/x?key=s3cret&a=1%262")
+        assert r.status_code == 303 and r.headers["location"] == "/evil.example/x?a=1%262"  # stays here
 
 
 def test_live_stream_reports_new_records(fixture_run: Fixture) -> None:

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -131,7 +132,8 @@ class KeyMiddleware(BaseHTTPMiddleware):
             return await call_next(request)
         if self._ok(request.query_params.get("key")):
             rest = [(k, v) for k, v in request.query_params.multi_items() if k != "key"]
-            target = request.url.path + ("?" + "&".join(f"{k}={v}" for k, v in rest) if rest else "")
+            # the same path on this server ("//host" would send the browser elsewhere), the key dropped
+            target = "/" + request.url.path.lstrip("/") + ("?" + urlencode(rest) if rest else "")
             resp = RedirectResponse(target, status_code=303)
             resp.set_cookie(COOKIE, self.key, httponly=True, samesite="strict")
             return resp
