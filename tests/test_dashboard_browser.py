@@ -137,6 +137,8 @@ def test_run_page_plots_and_steps(
     cells = rows[1].find_elements(By.TAG_NAME, "td")
     assert cells[0].text == "step 2" and cells[1].text == f"{metrics[1]['reward']:.3f}"
     assert "retokenized 2" in cells[10].text  # the step's merge breaks, as metrics.jsonl counted them
+    last = rows[2].find_elements(By.TAG_NAME, "td")
+    assert last[2].text == "0.875"  # held-out after step 3, from the evaluation's rollouts
     assert "0.750 before → 0.875 after" in browser.find_element(By.ID, "view-run").text
     assert "53 (" in browser.find_element(By.ID, "rollout-counts").text
     assert not _severe(browser)

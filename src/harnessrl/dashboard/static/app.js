@@ -34,7 +34,10 @@ function svg(tag, attrs, ...children) {
 }
 function fmt(v, digits = 3) {
   if (v === null || v === undefined) return "–";
-  if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toFixed(digits);
+  if (typeof v === "number") {
+    if (Number.isInteger(v)) return String(v);
+    return Math.abs(v) < 10 ** -digits ? v.toExponential(2) : v.toFixed(digits);  // 1.2e-7, not -0.000
+  }
   return String(v);
 }
 let runOnce = null;  // the first /api/run answer, shared by the title and the first view
@@ -153,6 +156,8 @@ async function runView() {
 
 function stepsTable(steps) {
   const byStep = Object.fromEntries(steps.metrics.map((r) => [r.step, r]));
+  const heldout = {};  // the evaluation after a step (its first temperature), from its rollouts
+  for (const h of steps.heldout) if (!(h.step in heldout)) heldout[h.step] = h.mean;
   const cols = ["step", "reward", "held-out", "loss", "kl", "entropy", "rollouts", "failed", "rows", "merge rate", "breaks", "time s"];
   return el("table", { id: "steps-table" },
     el("thead", {}, el("tr", {}, cols.map((c) => el("th", { class: c === "step" || c === "breaks" ? "" : "num" }, c)))),
@@ -162,7 +167,7 @@ function stepsTable(steps) {
       const time = ["time_rollout_s", "time_update_s", "time_weight_sync_s", "time_eval_s"].reduce((a, k) => a + (r[k] || 0), 0);
       return el("tr", {},
         el("td", {}, link(`step ${s}`, `#/rollouts?step=${s}`)),
-        el("td", { class: "num" }, fmt(r.reward)), el("td", { class: "num" }, fmt(r.heldout_reward)),
+        el("td", { class: "num" }, fmt(r.reward)), el("td", { class: "num" }, fmt(r.heldout_reward ?? heldout[s])),
         el("td", { class: "num" }, fmt(r.loss, 4)), el("td", { class: "num" }, fmt(r.kl, 4)), el("td", { class: "num" }, fmt(r.entropy, 3)),
         el("td", { class: "num" }, fmt(rec.rollouts ?? r.rollouts)), el("td", { class: "num" }, fmt(rec.failed ?? r.rollouts_failed)),
         el("td", { class: "num" }, fmt(r.rows)), el("td", { class: "num" }, fmt(r.merge_rate)),
