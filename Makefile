@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses clean
+.PHONY: install demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml Makefile
 		|| (apt-get update && apt-get install -y bubblewrap)
 	# PostgreSQL server binaries for the postgres store tests (tests start a throwaway server): Debian's.
 	$(PY) -c "from harnessrl.store.pg_local import find_pg_bin; import sys; sys.exit(find_pg_bin() is None)" \
-		|| (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql)
+		|| (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql) \
+		|| echo "postgresql not installed: the postgres store tests will skip"
+	# Headless Chromium and its driver for the dashboard's browser test (it skips, saying so, without them).
+	command -v chromedriver >/dev/null || (apt-get update && apt-get install -y chromium chromium-driver) \
+		|| echo "chromium not installed: tests/test_dashboard_browser.py will skip"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,6 +46,10 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The dashboard's browser test, writing its screenshots into docs/img (docs/dashboard.md shows them).
+screenshots: $(STAMP)
+	HARNESSRL_SCREENSHOTS=docs/img $(VENV)/bin/pytest -q tests/test_dashboard_browser.py
+
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
@@ -56,6 +64,10 @@ bench-gateway: $(STAMP)
 	$(PY) bench/gateway_merge.py --rollouts 192
 	$(PY) bench/gateway_overhead.py --agentlightning-python .bench/venv-al/bin/python --litellm-bin .bench/venv-litellm/bin/litellm
 	$(PY) bench/gateway.py
+
+# About 2 minutes: the dashboard's API and pages (headless Chromium) on a synthetic run of 10,000 rollouts.
+bench-dashboard: $(STAMP)
+	$(PY) bench/dashboard.py --rollouts 10000 --out bench/results/dashboard.json
 
 # About a minute: attempts per second at concurrency 64, plain subprocesses against bwrap sandboxes.
 bench-controller: $(STAMP)

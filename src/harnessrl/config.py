@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 import shutil
 import sys
@@ -140,6 +141,9 @@ class ControllerSection(_Section):
         )
 
 
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]
+
+
 class TrainSection(_Section):
     """The RL schedule (sync or collocated async) and the PPO update."""
 
@@ -199,6 +203,15 @@ class TrainSection(_Section):
     # at each update's pause, cut non-streaming generations still running and resend them after the
     # update (under the new weights) instead of waiting for them (async: rollouts keep running)
     preempt_on_pause: bool = True
+    # where step metrics go besides metrics.jsonl, each with a table of sample completions per step:
+    # tensorboard (RUN_DIR/tensorboard), wandb (Weights & Biases), mlflow (docs/trackers.md)
+    log_to: list[TrackerName] = Field(default_factory=lambda: list[TrackerName](["tensorboard"]))
+    sample_rollouts: int = Field(default=4, ge=0)  # rollouts per step in the trackers' sample table (0: none)
+    wandb_project: str = "harnessrl"  # the Weights & Biases project of the run
+    # offline: the run's files in RUN_DIR/wandb, uploaded later with `wandb sync`; online: live (needs a login)
+    wandb_mode: Literal["offline", "online"] = "offline"
+    # an MLflow server or store URI (None: a file store in RUN_DIR/mlruns)
+    mlflow_tracking_uri: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TrainSection:
@@ -219,6 +232,12 @@ class TrainSection(_Section):
         _check_device(self.device, "train.device")
         if self.world_size > 1 and self.device != "cpu":
             raise ValueError("train.world_size > 1 runs CPU ranks (gloo) only so far; set train.device: cpu")
+        for tracker, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
+            if tracker in self.log_to and importlib.util.find_spec(module) is None:
+                raise ValueError(
+                    f"log_to has {tracker}, but the {module} package is not installed: "
+                    "pip install 'harnessrl[trackers]' (or remove it from train.log_to)"
+                )
         return self
 
 

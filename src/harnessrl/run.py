@@ -35,6 +35,7 @@ from harnessrl.trainer.async_loop import run_async
 from harnessrl.trainer.loop import EvalResult, TrainContext, evaluate, run_sync
 from harnessrl.trainer.metrics import MetricsLogger, finite_json
 from harnessrl.trainer.ppo import lr_lambda
+from harnessrl.trainer.trackers import make_trackers
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,9 @@ async def _run_async(
         tc = cfg.train
         optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
         schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
-        metrics = MetricsLogger(run_dir)
+        metrics = MetricsLogger(run_dir, make_trackers(
+            tc.log_to, run_dir, run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project, tc.wandb_mode,
+            tc.mlflow_tracking_uri))  # fmt: skip
         ctx = TrainContext(
             cfg, run_id, run_dir, client, controller, engine, model, optimizer, metrics, progress,
             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),

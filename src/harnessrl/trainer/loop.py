@@ -38,6 +38,7 @@ from harnessrl.trainer.checkpoint import (
 from harnessrl.trainer.distributed import DataParallel
 from harnessrl.trainer.metrics import MetricsLogger, mean_ci95
 from harnessrl.trainer.ppo import PPOConfig, ppo_update
+from harnessrl.trainer.trackers import sample_table
 from harnessrl.trainer.weights import EngineAdmin, publish_weights
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ async def train_step(ctx: TrainContext, train_tasks: list[Task], step: int) -> d
     outcomes = await run_rollouts(ctx, step_requests(ctx, train_tasks, step), f"step {step + 1} rollouts")
     details = await fetch_details(ctx.client, outcomes)
     batch = make_batch(ctx, details, version=step)
+    ctx.metrics.log_samples(step + 1, sample_table(step + 1, details, batch, ctx.cfg.train.sample_rollouts))
     t1 = time.perf_counter()
     update = await apply_update(ctx, batch, step + 1)
     return {
