@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -78,7 +79,10 @@ async def _event_stream(g: Gateway, request: Request, after: int) -> AsyncIterat
             after = ev.seq
             yield f"id: {ev.seq}\nevent: rollout\ndata: {ev.model_dump_json()}\n\n"
         if not batch:
-            await g.wait_events(KEEPALIVE_S)
+            if g.store.pushes_events:  # a shared database: other replicas' writes wake the wait too
+                await asyncio.to_thread(g.store.wait_events, after, KEEPALIVE_S)
+            else:
+                await g.wait_events(KEEPALIVE_S)
             if not g.store.events(after=after, limit=1):
                 yield ": keepalive\n\n"
 

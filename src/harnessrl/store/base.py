@@ -34,6 +34,10 @@ class Conflict(StoreError):
 class Store(ABC):
     """Durable record of rollouts, attempts, calls and rewards. Every write is committed on return."""
 
+    # True when other processes' writes wake `wait_events` (a shared database); False when this
+    # process is the only writer, so its own notifications suffice (SQLite)
+    pushes_events: bool = False
+
     @abstractmethod
     def create_rollout(self, req: RolloutCreate, rollout_id: str) -> tuple[Rollout, bool]:
         """Create a rollout, or return the existing one with the same `client_id` (created=False)."""

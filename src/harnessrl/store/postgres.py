@@ -210,6 +210,8 @@ def migrate(conn: Any) -> list[int]:
 class PostgresStore(Store):
     """`Store` on a PostgreSQL database; safe to share between threads and between processes."""
 
+    pushes_events = True  # LISTEN/NOTIFY: a write by another gateway replica wakes `wait_events`
+
     def __init__(self, url: str, pool_size: int = 4, connect_timeout_s: float = 10.0) -> None:
         psycopg, psycopg_pool = _psycopg()
         self.url = url
