@@ -15,7 +15,7 @@ from harnessrl.chat import render_chat
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult, Maintenance, Scheduler, Sequence, WeightLoad
+from harnessrl.engine.scheduler import EngineSequence, GenerationResult, Maintenance, Scheduler, WeightLoad
 from harnessrl.modeling.loading import (
     check_state_dict,
     load_model,
@@ -166,7 +166,7 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise EngineError(f"prompt token ids must be in [0, {vocab})", "prompt")
         fut, on_done = self._future()
-        seq = Sequence(prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device)
+        seq = EngineSequence(prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device)
         self.scheduler.submit(seq)
         try:
             return await fut
@@ -180,12 +180,14 @@ class Engine:
         params: SamplingParams,
         on_done: Callable[[GenerationResult | BaseException], None],
         on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
-    ) -> Sequence:
+    ) -> EngineSequence:
         """Queue a sequence with callbacks (run on the scheduler thread); for streaming."""
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise EngineError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        seq = Sequence(prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device, on_token)
+        seq = EngineSequence(
+            prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device, on_token
+        )
         self.scheduler.submit(seq)
         return seq
 

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 # Prompt tokens prefilled between two decode steps while other sequences are decoding: a long prompt is
 # prefilled in chunks of this size between decode steps, so it never stalls the running batch for long.
-PREFILL_CHUNK = 256
+# The one default (EngineConfig.prefill_chunk and the engine's --prefill-chunk use it).
+PREFILL_CHUNK = 512
 # Prompt tokens packed into one prefill pass when nobody is decoding (bounds a pass's activations).
 PREFILL_PASS_TOKENS = 4096
 
@@ -50,7 +51,7 @@ class GenerationResult:
     cached_tokens: int
 
 
-class Sequence:
+class EngineSequence:
     """One request being generated; `on_done` is called from the scheduler thread."""
 
     def __init__(
@@ -162,7 +163,7 @@ class Scheduler:
         self.weight_version = weight_version
         self.stats = Stats()
         self.paused = False
-        self._waiting: deque[Sequence] = deque()
+        self._waiting: deque[EngineSequence] = deque()
         self._loads: deque[WeightLoad | Maintenance] = deque()
         self.sleeping = False
         self.sleep_level = 0  # 0 awake; 1 or 2 while asleep (see `sleep`)
@@ -186,7 +187,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, seq: EngineSequence) -> None:
         """Queue a sequence; it joins the batch at the next step boundary."""
         with self._cond:
             self._waiting.append(seq)
@@ -323,7 +324,7 @@ class Scheduler:
         decoding = any(not s.prefilling for s in self.slots.active())
         budget = self.prefill_chunk if decoding else max(PREFILL_PASS_TOKENS, self.prefill_chunk)
         reserved = sum(self._reservation(s) for s in self.slots.active())
-        work: list[tuple[Sequence, int, int]] = []  # (sequence, from, to) prompt positions to run
+        work: list[tuple[EngineSequence, int, int]] = []  # (sequence, from, to) prompt positions to run
         for seq in self.slots.active():
             if seq.prefilling and budget > 0:
                 end = min(len(seq.prompt_ids), seq.kv_len + budget)
@@ -351,11 +352,11 @@ class Scheduler:
             self.slots.trim_cache(self.max_cached_tokens - reserved)  # the budget bounds the cache too
             self._prefill(work)
 
-    def _reservation(self, seq: Sequence) -> int:
+    def _reservation(self, seq: EngineSequence) -> int:
         """KV positions a sequence may occupy: its prompt plus everything it may still generate."""
         return min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
 
-    def _prefill(self, work: list[tuple[Sequence, int, int]]) -> None:
+    def _prefill(self, work: list[tuple[EngineSequence, int, int]]) -> None:
         """Run the given prompt spans in one pass; sample the first token of prompts now complete."""
         slot_of = {id(s): i for i, s in enumerate(self.slots.seqs[: self.slots.n_active])}
         items = [
@@ -402,13 +403,13 @@ class Scheduler:
         self.stats.decode_steps += 1
         self._accept(running, self._sample(logits if len(live) == len(seqs) else logits[live], running))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSample:
+    def _sample(self, logits: torch.Tensor, seqs: list[EngineSequence]) -> StepSample:
         t0 = time.perf_counter()
         out = sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs])
         self.stats.sample_seconds += time.perf_counter() - t0
         return out
 
-    def _accept(self, seqs: list[Sequence], sample: StepSample) -> None:
+    def _accept(self, seqs: list[EngineSequence], sample: StepSample) -> None:
         """Append each sequence's new token, then finish those that hit a stop condition."""
         for i, seq in enumerate(seqs):
             tok = sample.tokens[i]
@@ -428,7 +429,9 @@ class Scheduler:
             elif len(seq.output_ids) >= p.max_tokens:
                 self._finish(seq, "length", None)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, leave: bool = True) -> None:
+    def _finish(
+        self, seq: EngineSequence, reason: str, stop_reason: str | int | None, leave: bool = True
+    ) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if leave:
             self.slots.release(seq)
