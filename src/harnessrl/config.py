@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH
 
 
 class _Section(BaseModel):
@@ -27,7 +28,7 @@ class EngineSection(_Section):
     # "smollm2-32k": the same weights with YaRN-scaled RoPE for long harness prompts)
     model: str = "smollm2"
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
-    max_batch: int = Field(default=32, ge=1)  # sequences the builtin engine decodes together
+    max_batch: int = Field(default=ENGINE_MAX_BATCH, ge=1)  # sequences the builtin engine decodes together
     # context length (prompt + completion) the engine accepts; None: the model's own (8,192 for smollm2,
     # 16,384 for smollm2-16k, 32,768 for smollm2-32k: RoPE-scaled variants, docs/long-context.md)
     max_model_len: int | None = Field(default=None, ge=64)
@@ -58,7 +59,9 @@ class GatewaySection(_Section):
     """The gateway process."""
 
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
-    default_max_tokens: int = Field(default=256, ge=1)  # completion budget of a call whose request sets none
+    default_max_tokens: int = Field(
+        default=DEFAULT_MAX_TOKENS, ge=1
+    )  # completion budget of a call whose request sets none
     mode: Literal["passthrough", "tito"] = "passthrough"  # tito: the gateway builds prompts from token IDs
 
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from harnessrl.defaults import ENGINE_MAX_BATCH
 from harnessrl.engine.scheduler import PREFILL_CHUNK
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,7 +27,7 @@ class EngineConfig:
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 8100
-    max_batch: int = 16
+    max_batch: int = ENGINE_MAX_BATCH
     max_model_len: int | None = None  # prompt + completion tokens; None: the model's max_position_embeddings
     threads: int | None = None  # torch intra-op threads; None = all cores
     served_model_name: str | None = None

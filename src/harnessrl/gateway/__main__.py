@@ -12,6 +12,7 @@ import uvicorn
 from pydantic import ValidationError
 from starlette.types import ASGIApp
 
+from harnessrl.defaults import DEFAULT_MAX_TOKENS
 from harnessrl.gateway import http
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model", default="smollm2", help="model name sent to the engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--default-max-tokens", type=int, default=512)
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--synchronous", choices=["NORMAL", "FULL"], default="NORMAL")
     p.add_argument(
         "--mode",

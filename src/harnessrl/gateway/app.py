@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from harnessrl.defaults import DEFAULT_MAX_TOKENS
 from harnessrl.gateway import control
 from harnessrl.gateway.access import Access
 from harnessrl.gateway.admission import Admission
@@ -50,7 +51,7 @@ class GatewayConfig(BaseModel):
     )  # more replicas of the same model (sticky per rollout)
     served_model: str = "smollm2"
     model_map: dict[str, str] = Field(default_factory=dict)  # harness model name -> served model name
-    default_max_tokens: int = 512
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     pause_wait_s: float = 30.0  # how long a call waits for resume before getting 429
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0  # one try: the whole answer, or between two streamed pieces
