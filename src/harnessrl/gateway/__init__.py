@@ -10,7 +10,7 @@ Modules, outside in:
 - admission and recording: `access` (admin and rollout keys, the bounded rollout cache), `keys` (per-rollout
   keys), `admission` (in flight, pause/preemption, clients that hang up), `recording` (call records and their
   metrics), `writer` (group commit to the store), `metrics` (Prometheus text);
-- the engine client: `inference` (passthrough/tito requests and answer parsing), `upstream` (replicas, retries),
-  `httpclient` (keep-alive HTTP/1.1), `sglang` (SGLang's /generate as an upstream);
+- `engine_client/`: `inference` (passthrough/tito requests), `answers` (pure reading of engine answers),
+  `upstream` (replicas, retries), `httpclient` (keep-alive HTTP/1.1), `sglang` (SGLang's /generate);
 - the control API: `control` (routes), `client` (ControlClient, used by the controller and trainer), `openapi`.
 """

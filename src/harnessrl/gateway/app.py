@@ -21,6 +21,9 @@ from harnessrl.gateway.access import Access
 from harnessrl.gateway.admission import Admission
 from harnessrl.gateway.budget import ContextBudget
 from harnessrl.gateway.calls import ModelCalls
+from harnessrl.gateway.engine_client.inference import TitoTokenizer
+from harnessrl.gateway.engine_client.sglang import SGLangUpstream
+from harnessrl.gateway.engine_client.upstream import Upstream, UpstreamPool
 from harnessrl.gateway.errors import APIError, ErrorLog, validate
 from harnessrl.gateway.faces import Face
 from harnessrl.gateway.faces.anthropic import AnthropicFace
@@ -28,13 +31,10 @@ from harnessrl.gateway.faces.models import model_card, model_list, wants_anthrop
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
 from harnessrl.gateway.faces.responses import ResponsesFace
 from harnessrl.gateway.http import Handler, guarded, read_json
-from harnessrl.gateway.inference import TitoTokenizer
 from harnessrl.gateway.keys import KeyRing, new_secret
 from harnessrl.gateway.metrics import Metrics
 from harnessrl.gateway.openapi import openapi_document
 from harnessrl.gateway.recording import CallRecorder
-from harnessrl.gateway.sglang import SGLangUpstream
-from harnessrl.gateway.upstream import Upstream, UpstreamPool
 from harnessrl.schema import RewardIn, Rollout
 from harnessrl.store import Store
 

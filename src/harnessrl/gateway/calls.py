@@ -15,18 +15,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from harnessrl.chat import ChatFormatError
-from harnessrl.gateway import inference
 from harnessrl.gateway.admission import ClientGone
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, effective_sampling
+from harnessrl.gateway.engine_client import inference
+from harnessrl.gateway.engine_client.inference import BadUpstreamResponse
+from harnessrl.gateway.engine_client.upstream import StickyUpstream, UpstreamClientError, UpstreamFailed
 from harnessrl.gateway.errors import APIError
 from harnessrl.gateway.faces import Face, ResponseIds, Streamer, completions
 from harnessrl.gateway.faces.anthropic import AnthropicFace, CountTokensRequest, parse_request
 from harnessrl.gateway.history import History
 from harnessrl.gateway.http import FastJSONResponse, read_json
-from harnessrl.gateway.inference import BadUpstreamResponse
 from harnessrl.gateway.metrics import count_request_notes
 from harnessrl.gateway.recording import chat_record
-from harnessrl.gateway.upstream import StickyUpstream, UpstreamClientError, UpstreamFailed
 from harnessrl.schema import Call
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from harnessrl.gateway import inference
 from harnessrl.gateway.canonical import ChatCall, Generation, TokenRecord
+from harnessrl.gateway.engine_client import inference
 from harnessrl.gateway.history import RecentCalls
 from harnessrl.gateway.metrics import Metrics
 from harnessrl.gateway.writer import CallWriter
