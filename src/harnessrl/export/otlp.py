@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from harnessrl.chat import tool_call_parts
 from harnessrl.inspect.report import row_positions
 from harnessrl.inspect.runview import RunSettings, rollout_place, rollout_rows
 from harnessrl.schema import AttemptStatus, Call, CallStatus, RolloutDetail, RolloutState
@@ -91,15 +92,8 @@ def semconv_message(msg: dict[str, Any], finish_reason: str | None = None) -> di
         ]
     else:
         parts = _parts(msg.get("content"))
-        for tc in msg.get("tool_calls") or []:
-            fn = tc.get("function", {}) if isinstance(tc, dict) else {}
-            args = fn.get("arguments")
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    pass
-            parts.append({"type": "tool_call", "id": tc.get("id"), "name": fn.get("name"), "arguments": args})
+        for call_id, name, args in tool_call_parts(msg.get("tool_calls")):
+            parts.append({"type": "tool_call", "id": call_id, "name": name, "arguments": args})
     out: dict[str, Any] = {"role": role, "parts": parts}
     if finish_reason is not None:
         out["finish_reason"] = FINISH_REASONS.get(finish_reason, finish_reason)

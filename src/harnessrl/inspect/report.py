@@ -3,12 +3,12 @@ rollout's calls and rows. The terminal rendering (`render`) and `--json` both pr
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from harnessrl.adapter import MergeResult
+from harnessrl.chat import tool_call_parts
 from harnessrl.inspect.runview import (
     RolloutSummary,
     RunError,
@@ -210,17 +210,10 @@ def _content(answer: dict[str, Any]) -> str:
 
 
 def _tool_calls(answer: dict[str, Any] | None) -> list[dict[str, Any]]:
-    out = []
-    for tc in (answer or {}).get("tool_calls") or []:
-        fn = tc.get("function", {}) if isinstance(tc, dict) else {}
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        out.append({"name": fn.get("name"), "arguments": args})
-    return out
+    return [
+        {"name": name, "arguments": args}
+        for _, name, args in tool_call_parts((answer or {}).get("tool_calls"))
+    ]
 
 
 def _row_entries(results: list[MergeResult], decoder: Decoder, calls: list[Call]) -> list[dict[str, Any]]:
