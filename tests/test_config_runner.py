@@ -10,7 +10,8 @@ import pytest
 
 from harnessrl.config import ConfigError, load_config
 from harnessrl.controller import LocalRunner, RayRunner, SandboxRunner
-from harnessrl.controller.sandbox import bwrap_problem, use_sandbox
+from harnessrl.controller.factory import make_runner
+from harnessrl.controller.runners.sandbox import bwrap_problem, use_sandbox
 
 BWRAP_WORKS = bwrap_problem() is None
 
@@ -18,17 +19,17 @@ BWRAP_WORKS = bwrap_problem() is None
 def test_runner_follows_the_config() -> None:
     default = load_config(None, []).controller
     assert default.sandbox == "auto"
-    assert type(default.runner()) is (SandboxRunner if BWRAP_WORKS else LocalRunner)
-    assert type(load_config(None, ["controller.sandbox=false"]).controller.runner()) is LocalRunner
+    assert type(make_runner(default)) is (SandboxRunner if BWRAP_WORKS else LocalRunner)
+    assert type(make_runner(load_config(None, ["controller.sandbox=false"]).controller)) is LocalRunner
     if BWRAP_WORKS:
-        assert type(load_config(None, ["controller.sandbox=true"]).controller.runner()) is SandboxRunner
-    ray = load_config(None, ["controller.ray_address=127.0.0.1:6379", "controller.ray_num_cpus=0.5",
+        assert type(make_runner(load_config(None, ["controller.sandbox=true"]).controller)) is SandboxRunner
+    ray = make_runner(load_config(None, ["controller.ray_address=127.0.0.1:6379", "controller.ray_num_cpus=0.5",
                              "controller.ray_resources={worker: 0.1}", "controller.ray_memory_mb=64",
-                             "controller.sandbox=false"]).controller.runner()  # fmt: skip
+                             "controller.sandbox=false"]).controller)  # fmt: skip
     assert isinstance(ray, RayRunner) and ray.ray_spec.sandbox is None
     assert ray.ray_spec.address == "127.0.0.1:6379" and ray.ray_spec.num_cpus == 0.5
     assert ray.ray_spec.resources == {"worker": 0.1} and ray.ray_spec.memory_bytes == 64 << 20
-    sandboxed = load_config(None, ["controller.ray_address=auto"]).controller.runner()
+    sandboxed = make_runner(load_config(None, ["controller.ray_address=auto"]).controller)
     assert (sandboxed.ray_spec.sandbox is not None) is BWRAP_WORKS
     with pytest.raises(ConfigError, match=r"controller\.sandbox"):
         load_config(None, ["controller.sandbox=sometimes"])
@@ -50,15 +51,15 @@ def test_auto_falls_back_loudly_and_true_refuses(
 ) -> None:
     assert "No permissions to create new namespace" in (bwrap_problem() or "")
     with caplog.at_level(logging.WARNING):
-        runner = load_config(None, []).controller.runner()
+        runner = make_runner(load_config(None, []).controller)
     assert type(runner) is LocalRunner
     assert "event=sandbox_unavailable" in caplog.text
     err = capsys.readouterr().err
     assert "WARNING: harnesses run unsandboxed" in err and "No permissions" in err
-    load_config(None, []).controller.runner()
+    make_runner(load_config(None, []).controller)
     assert "WARNING" not in capsys.readouterr().err  # once per process
     with pytest.raises(ConfigError, match=r"sandbox is true but the sandbox cannot run here.*No permissions"):
-        load_config(None, ["controller.sandbox=true"]).controller.runner()
+        make_runner(load_config(None, ["controller.sandbox=true"]).controller)
     assert use_sandbox(False) is False  # chosen: no probe, no warning
     assert capsys.readouterr().err == ""
 

@@ -26,6 +26,7 @@ from harnessrl.controller import (
     LocalRunner,
     SandboxRunner,
 )
+from harnessrl.controller.factory import make_runner
 from harnessrl.examples import get_example
 from harnessrl.schema import AttemptStatus, RolloutState
 from tests.conftest import GatewayHandle
@@ -240,10 +241,10 @@ async def test_close_stops_the_zygote_and_its_running_harnesses(tmp_path: Path) 
 
 def test_config_builds_the_runner_only_for_local_runs() -> None:
     path = get_example("calc").config_path
-    runner = load_config(path, ["controller.preload=[openai, json]"]).controller.runner()
+    runner = make_runner(load_config(path, ["controller.preload=[openai, json]"]).controller)
     assert isinstance(runner, ForkServerRunner) and runner.preload == ("openai", "json")
-    assert type(load_config(path, ["controller.fork_server=false"]).controller.runner()) is LocalRunner
-    assert type(load_config(path, ["controller.sandbox=true"]).controller.runner()) is SandboxRunner
+    assert type(make_runner(load_config(path, ["controller.fork_server=false"]).controller)) is LocalRunner
+    assert type(make_runner(load_config(path, ["controller.sandbox=true"]).controller)) is SandboxRunner
 
 
 async def test_a_harness_whose_runner_went_away_is_killed(

@@ -28,6 +28,7 @@ import pytest
 
 from harnessrl.config import load_config
 from harnessrl.controller import ForkServerRunner, HarnessSpec, LocalRunner, Runner, SandboxRunner
+from harnessrl.controller.factory import make_runner
 from harnessrl.controller.isolation import (
     REMOVED_NOTE,
     clean_output,
@@ -267,7 +268,7 @@ def _check_contained(run: Run, rid: str, victim: str, result: AttemptResult, pro
 
 @pytest.mark.skipif(PYTHON is None, reason="no Python interpreter that an unprivileged uid can run")
 async def test_the_default_runner_contains_a_hostile_harness(run: Run) -> None:
-    runner = load_config(None, []).controller.runner()
+    runner = make_runner(load_config(None, []).controller)
     if not isinstance(runner, SandboxRunner) and not ROOT:
         pytest.skip("no bubblewrap here and not root: nothing is enforced (docs/security.md)")
     rid, victim, result, probe = await _attack(run, runner, "default")
@@ -284,7 +285,7 @@ async def test_the_plain_runner_as_root_contains_a_hostile_harness(run: Run, kin
     """`controller.sandbox: false` as root: the harness runs under a uid of its own."""
     assert PYTHON is not None
     cfg = load_config(None, ["controller.sandbox=false", f"controller.fork_server={kind == 'fork-server'}"])
-    runner = cfg.controller.runner()
+    runner = make_runner(cfg.controller)
     assert type(runner) is (ForkServerRunner if kind == "fork-server" else LocalRunner)
     if isinstance(runner, ForkServerRunner):
         runner = ForkServerRunner(python=PYTHON)  # the config's, with an interpreter the uid can run

@@ -23,11 +23,16 @@ from typing import Any
 import httpx
 import pytest
 
-from harnessrl.controller.kubernetes import KubernetesRunner, KubernetesSpec, TokenBucket
-from harnessrl.controller.kubernetes_api import ClusterAccess
-from harnessrl.controller.kubernetes_jobs import OUTPUT_MARKER, network_policy, split_log, unpack_output
-from harnessrl.controller.kubernetes_tracker import JobTracker
 from harnessrl.controller.runner import AttemptSpec, HarnessSpec
+from harnessrl.controller.runners.kubernetes import KubernetesRunner, KubernetesSpec, TokenBucket
+from harnessrl.controller.runners.kubernetes_api import ClusterAccess
+from harnessrl.controller.runners.kubernetes_jobs import (
+    OUTPUT_MARKER,
+    network_policy,
+    split_log,
+    unpack_output,
+)
+from harnessrl.controller.runners.kubernetes_tracker import JobTracker
 from tests.conftest import ThreadServer
 from tests.fixtures.kubernetes.fake_api import HERE, FakeKube
 

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from harnessrl.controller import AttemptResult, AttemptSpec, Controller, HarnessSpec, RolloutRequest
-from harnessrl.controller.ray_runner import RayRunner, RaySpec, collect_files, write_files
-from harnessrl.controller.sandbox import SandboxSpec, find_bwrap
+from harnessrl.controller.runners.ray_runner import RayRunner, RaySpec, collect_files, write_files
+from harnessrl.controller.runners.sandbox import SandboxSpec, find_bwrap
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import AttemptStatus, RewardIn, RolloutState, Task

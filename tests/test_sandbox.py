@@ -24,7 +24,7 @@ import pytest
 
 from harnessrl.controller import AttemptResult, Controller, HarnessSpec, RolloutRequest
 from harnessrl.controller.runner import AttemptSpec
-from harnessrl.controller.sandbox import SandboxRunner, SandboxSpec, find_bwrap
+from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec, find_bwrap
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import AttemptStatus, RolloutState, Task
 from tests.conftest import GatewayHandle
@@ -299,7 +299,7 @@ async def test_cgroup_bounds_the_attempt_as_a_whole(
     make_gateway: Callable[..., GatewayHandle], tmp_path: Path
 ) -> None:
     """Four processes of 150 MiB each stay under RLIMIT_AS alone; the attempt's 256 MiB cgroup stops them."""
-    from harnessrl.controller.cgroups import AttemptCgroup
+    from harnessrl.controller.runners.cgroups import AttemptCgroup
 
     probe = AttemptCgroup(1 << 30, 64).create()
     await probe.aclose()

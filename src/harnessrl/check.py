@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.controller import Controller, RolloutRequest
+from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import tail
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RolloutState, SamplingOverrides, Task
@@ -150,20 +151,18 @@ def run_check(cfg: Any, task_index: int = 0) -> CheckReport:
 
     async def go() -> CheckReport:
         client = ControlClient(gateway.url, admin_key)
-        runner = cfg.controller.runner()
+        runner = make_runner(cfg.controller)
         controller = Controller(
             client, gateway.url, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
             scratch, concurrency=1, max_attempts=1, grader_timeout_s=cfg.controller.grader_timeout_s,
             runner=runner,
         )  # fmt: skip
         try:
-            if hasattr(runner, "start"):
-                await runner.start()
+            await runner.start()
             return await preflight(controller, client, task, "check", scratch)
         finally:
             await client.aclose()
-            if hasattr(runner, "close"):
-                runner.close()
+            runner.close()
 
     try:
         return asyncio.run(go())

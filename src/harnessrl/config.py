@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
 from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH
+from harnessrl.errors import ConfigError
 
 
 class _Section(BaseModel):
@@ -105,43 +106,6 @@ class ControllerSection(_Section):
     ray_num_cpus: float = 1.0  # CPUs Ray reserves per attempt
     ray_memory_mb: int | None = None  # memory Ray reserves per attempt
     ray_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources per attempt
-
-    def runner(self) -> Any:
-        """The runner these settings describe: local, sandboxed, on Ray (sandboxed or not)."""
-        from harnessrl.controller import LocalRunner, RayRunner, RaySpec, SandboxRunner
-        from harnessrl.controller.sandbox import SandboxUnavailable, use_sandbox
-
-        try:
-            sandbox = self.sandbox_spec() if use_sandbox(self.sandbox) else None
-        except SandboxUnavailable as e:
-            raise ConfigError(str(e)) from e
-        if self.fork_server and sandbox is None and self.ray_address is None:
-            from harnessrl.controller import ForkServerRunner
-
-            return ForkServerRunner(self.preload)
-        if self.ray_address is not None:
-            memory = None if self.ray_memory_mb is None else self.ray_memory_mb << 20
-            return RayRunner(RaySpec(address=self.ray_address, num_cpus=self.ray_num_cpus,
-                                     memory_bytes=memory, resources=dict(self.ray_resources), sandbox=sandbox))  # fmt: skip
-        return SandboxRunner(sandbox) if sandbox is not None else LocalRunner()
-
-    def sandbox_spec(self) -> Any:
-        """The `SandboxSpec` these settings describe (for `SandboxRunner`)."""
-        from harnessrl.controller.sandbox import SandboxSpec
-
-        mb = lambda v: None if v is None else v << 20  # noqa: E731
-        return SandboxSpec(
-            cpu_seconds=self.sandbox_cpu_seconds,
-            memory_bytes=mb(self.sandbox_memory_mb),
-            max_processes=self.sandbox_max_processes,
-            max_file_bytes=mb(self.sandbox_max_file_mb),
-            cgroup=self.sandbox_cgroup,
-            cgroup_memory_bytes=mb(self.sandbox_cgroup_memory_mb),
-            cgroup_max_pids=self.sandbox_cgroup_max_pids,
-            ro_paths=tuple(self.sandbox_ro_paths),
-            hide_git=self.sandbox_hide_git,
-            disable_git=self.sandbox_disable_git,
-        )
 
 
 TrackerName = Literal["tensorboard", "wandb", "mlflow"]
@@ -374,10 +338,6 @@ class RunConfig(_Section):
         if not (self.grader.python or self.grader.command):
             out.append("grader.python: module:function (or grader.command: argv)")
         return out
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be used; the message says which and why."""
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

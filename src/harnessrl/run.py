@@ -21,6 +21,7 @@ import torch
 from harnessrl.check import CheckReport, preflight
 from harnessrl.config import RunConfig, check_model
 from harnessrl.controller import Controller
+from harnessrl.controller.factory import make_runner
 from harnessrl.controller.isolation import protect_run_dir
 from harnessrl.examples import write_tasks
 from harnessrl.gateway.client import ControlClient
@@ -190,7 +191,7 @@ async def _run_async(
     torch.manual_seed(cfg.train.seed)
     client = ControlClient(services.gateway_url, services.admin_key)
     engine = engine_admin(cfg.engine.kind, services.engine_url)
-    runner = cfg.controller.runner()
+    runner = make_runner(cfg.controller)
     controller = Controller(
         client, services.gateway_url, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
         run_dir,
@@ -202,8 +203,7 @@ async def _run_async(
     )  # fmt: skip
     run_id = run_id_of(run_dir)
     try:
-        if hasattr(runner, "start"):
-            await runner.start()  # a fork server that cannot preload fails the run here, not per attempt
+        await runner.start()  # a fork server that cannot preload fails the run here, not per attempt
         if check:
             report = await preflight(controller, client, train_tasks[0], run_id, run_dir)
             log.info("event=preflight ok=%s report=%r", report.ok, report.render())
@@ -244,8 +244,7 @@ async def _run_async(
     finally:
         await client.aclose()
         await engine.aclose()
-        if hasattr(runner, "close"):
-            runner.close()
+        runner.close()
     summary = summarise(cfg, before, after, steps, metrics.read())
     summary["train_wall_seconds"] = train_wall
     summary["eval_during_train_seconds"] = ctx.eval_seconds

@@ -1,21 +1,23 @@
 """Controller: turns tasks into rollouts, runs harnesses, grades them.
 
-`controller` (rollouts, attempts, retries, grading) runs each attempt through a runner: `runner`
-(local subprocesses), `forkserver` + `fork_zygote` (Python harnesses forked from a preloaded process),
-`sandbox` + `sandbox_init` + `bridge` + `cgroups` (bubblewrap, the default wherever it works),
-`ray_runner`, `kubernetes*`. `isolation` keeps an unsandboxed harness to its own rollout (a uid of its
+`controller` (rollouts, attempts, retries, grading) runs each attempt through a runner: `runner` (the
+contract: specs, results, the `Runner` lifecycle), `runners/` (the backends: `local` subprocesses,
+`forkserver` + `fork_zygote` for Python harnesses forked from a preloaded process, `sandbox` +
+`sandbox_init` + `bridge` + `cgroups` for bubblewrap — the default wherever it works —, `ray_runner`,
+`kubernetes*`), `factory` (the runner a config's `controller` section describes). `isolation` keeps an unsandboxed harness to its own rollout (a uid of its
 own as root) and cleans `output/` after each attempt of the local runners (Ray runs them on its nodes);
 docs/security.md says what each mode guarantees.
 `grader` runs graders outside the harness.
 """
 
 from harnessrl.controller.controller import Controller, RolloutOutcome, RolloutRequest
-from harnessrl.controller.forkserver import ForkServerError, ForkServerRunner
 from harnessrl.controller.grader import CommandGrader, Grader, GraderError
-from harnessrl.controller.kubernetes import KubernetesRunner, KubernetesSpec
-from harnessrl.controller.ray_runner import RayRunner, RaySpec  # ray itself is imported lazily
-from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner, Runner
-from harnessrl.controller.sandbox import SandboxRunner, SandboxSpec
+from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, Runner, RunnerBase
+from harnessrl.controller.runners.forkserver import ForkServerError, ForkServerRunner
+from harnessrl.controller.runners.kubernetes import KubernetesRunner, KubernetesSpec
+from harnessrl.controller.runners.local import LocalRunner
+from harnessrl.controller.runners.ray_runner import RayRunner, RaySpec  # ray itself is imported lazily
+from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec
 
 __all__ = [
     "AttemptResult",
@@ -35,6 +37,7 @@ __all__ = [
     "RolloutOutcome",
     "RolloutRequest",
     "Runner",
+    "RunnerBase",
     "SandboxRunner",
     "SandboxSpec",
 ]

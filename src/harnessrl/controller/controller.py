@@ -20,12 +20,12 @@ from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
     HarnessSpec,
-    LocalRunner,
     Runner,
     copy_files,
     reap_attempt,
     tail,
 )
+from harnessrl.controller.runners.local import LocalRunner
 from harnessrl.gateway.client import ControlClient, ControlError
 from harnessrl.schema import (
     AttemptFinish,
@@ -168,17 +168,15 @@ class Controller:
         for a in detail.attempts:
             if a.status != AttemptStatus.RUNNING:
                 continue
-            resume = getattr(self.runner, "resume", None)
-            if resume is not None:
-                spec = AttemptSpec(rid, a.attempt, api_key, self.gateway_url, req.task.input,
-                                   self._workdir(rid, a.attempt))  # fmt: skip
-                result: AttemptResult | None = await resume(spec, self.harness)
-                if result is not None:
-                    await self.client.finish_attempt(rid, a.attempt, _finish(result))
-                    if result.infra_error is None:
-                        log.info("event=attempt_resumed rollout=%s attempt=%d", rid, a.attempt)
-                        return await self._grade(req, rid, result), 0
-                    continue
+            spec = AttemptSpec(rid, a.attempt, api_key, self.gateway_url, req.task.input,
+                               self._workdir(rid, a.attempt))  # fmt: skip
+            result = await self.runner.resume(spec, self.harness)  # None: this runner cannot reattach
+            if result is not None:
+                await self.client.finish_attempt(rid, a.attempt, _finish(result))
+                if result.infra_error is None:
+                    log.info("event=attempt_resumed rollout=%s attempt=%d", rid, a.attempt)
+                    return await self._grade(req, rid, result), 0
+                continue
             killed = reap_attempt(self._workdir(rid, a.attempt))
             log.warning("event=attempt_abandoned rollout=%s attempt=%d killed=%s", rid, a.attempt, killed)
             error = "abandoned: the controller running it stopped"

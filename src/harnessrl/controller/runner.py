@@ -1,30 +1,20 @@
-"""The local runner: one subprocess per attempt, the harness contract in its environment, a timeout
-that kills the whole process group; as root, the harness runs under a uid of its own (`isolation.py`),
-and after every attempt `output/` is cleaned of links the grader must not follow."""
+"""The runner contract shared by every backend (`runners/`): what an attempt is (`AttemptSpec`), how a
+harness is started (`HarnessSpec`), what an attempt gives back (`AttemptResult`), the `Runner` protocol
+with its lifecycle (`start`, `run`, `resume`, `close`; `RunnerBase` gives the defaults), the harness
+contract's environment, and the process bookkeeping a restarted controller uses to find what is left
+of an attempt."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import shutil
 import signal
-import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
-
-from harnessrl.controller.isolation import (
-    IsolationError,
-    attempt_identity,
-    drop_to,
-    finish_attempt,
-)
-from harnessrl.services import die_with_parent
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +94,41 @@ def contract_env(
 
 
 class Runner(Protocol):
-    """Runs one attempt of a harness; the Controller takes any runner with this method."""
+    """Runs attempts of a harness. The lifecycle the controller, `run` and `check` rely on: `start` once
+    before the first attempt (a runner that cannot work fails there, not per attempt), `run` per attempt,
+    `resume` for an attempt a dead controller left running, `close` once at the end."""
+
+    async def start(self) -> None:
+        """Get ready to run attempts (e.g. start a fork server, connect to a cluster)."""
+        ...
 
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
         """Run one attempt to its end (exit, timeout, or failure to start)."""
         ...
+
+    async def resume(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult | None:
+        """Reattach to an attempt started by a controller that died and wait for its end; None when this
+        runner cannot (the controller then kills what is left of it and records an infrastructure
+        failure)."""
+        ...
+
+    def close(self) -> None:
+        """Release what `start` took; no attempt runs after it."""
+        ...
+
+
+class RunnerBase:
+    """Defaults of the `Runner` lifecycle for a runner that needs no setup and cannot reattach."""
+
+    async def start(self) -> None:
+        """Nothing to get ready."""
+
+    async def resume(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult | None:
+        """A local attempt cannot be reattached: None."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def prepare_workdir(spec: AttemptSpec) -> tuple[Path, Path]:
@@ -119,81 +139,6 @@ def prepare_workdir(spec: AttemptSpec) -> tuple[Path, Path]:
     task_file = spec.workdir / "task.json"
     task_file.write_text(json.dumps(spec.task_input))
     return output_dir, task_file
-
-
-OwnUid = Literal["auto", "required", "never"]
-
-
-class LocalRunner:
-    """Runs each attempt as a local subprocess in its own process group; as root, under a uid of its own
-    (`own_uid`: "auto" where that uid can reach the harness, "required", or "never"; see isolation.py)."""
-
-    own_uid: OwnUid = "auto"  # (also for subclasses that do not call __init__)
-
-    def __init__(self, own_uid: OwnUid = "auto") -> None:
-        self.own_uid = own_uid
-
-    async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
-        """Run one attempt to its end (exit, timeout, or failure to start)."""
-        output_dir, task_file = prepare_workdir(spec)
-        env = contract_env(spec, harness, task_file, output_dir)
-        with contextlib.ExitStack() as stack:
-            try:
-                uid, cwd = attempt_identity(
-                    self.own_uid, spec.workdir, harness.command, env, harness.env, stack
-                )
-            except (IsolationError, OSError) as e:
-                return AttemptResult(None, False, output_dir, "", "", infra_error=str(e))
-            try:
-                result = await self._spawn(spec, harness, env, cwd, preexec(uid))
-            finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
-                note = finish_attempt(spec.workdir, uid, spec.rollout_id, spec.attempt)
-        return dataclasses.replace(result, stderr_tail=result.stderr_tail + note) if note else result
-
-    async def _spawn(self, spec: AttemptSpec, harness: HarnessSpec, env: dict[str, str], cwd: Path,
-                     before_exec: Callable[[], None]) -> AttemptResult:  # fmt: skip
-        output_dir = spec.workdir / "output"
-        out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
-        with out_path.open("wb") as out, err_path.open("wb") as err:
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *harness.command, cwd=cwd, env=env, stdout=out, stderr=err,
-                    start_new_session=True, preexec_fn=before_exec,
-                )  # fmt: skip
-            except (OSError, subprocess.SubprocessError) as e:
-                return AttemptResult(
-                    None, False, output_dir, "", "", infra_error=f"could not start harness: {e}"
-                )
-            record_process(spec.workdir, proc.pid)
-            timed_out = False
-            try:
-                await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
-            except TimeoutError:
-                timed_out = True
-                log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
-            finally:
-                kill_group(proc.pid)  # also reaps anything the harness left running
-                if proc.returncode is None:
-                    await proc.wait()
-        return AttemptResult(
-            exit_code=None if timed_out else proc.returncode,
-            timed_out=timed_out,
-            output_dir=output_dir,
-            stdout_tail=tail(out_path, harness.max_output_bytes),
-            stderr_tail=tail(err_path, harness.max_output_bytes),
-        )
-
-
-def preexec(uid: int | None) -> Callable[[], None]:
-    """What the harness's process does between fork and exec: become `uid` (if any), then arrange to
-    die with the controller (after the uid change, which would clear it)."""
-
-    def before_exec() -> None:
-        if uid is not None:
-            drop_to(uid)
-        die_with_parent()
-
-    return before_exec
 
 
 def _start_time(pid: int) -> int | None:

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
+from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import Runner
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import SamplingOverrides, Task
@@ -73,7 +74,7 @@ def probe_solve_counts(
     run_dir.mkdir(parents=True, exist_ok=True)
     admin_key = secrets.token_hex(16)
     engine, gateway, _ = start_services(cfg, run_dir, resolve_model(cfg.engine.model), admin_key)
-    runner = cfg.controller.runner()
+    runner = make_runner(cfg.controller)
     try:
         return asyncio.run(
             probe_with_gateway(

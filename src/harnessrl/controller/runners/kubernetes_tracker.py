@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from harnessrl.controller.kubernetes_api import KubeApi, KubeApiError
+from harnessrl.controller.runners.kubernetes_api import KubeApi, KubeApiError
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]

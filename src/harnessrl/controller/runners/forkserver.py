@@ -43,14 +43,14 @@ from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
     HarnessSpec,
-    LocalRunner,
-    OwnUid,
+    RunnerBase,
     contract_env,
     kill_group,
     prepare_workdir,
     record_process,
     tail,
 )
+from harnessrl.controller.runners.local import LocalRunner, OwnUid
 from harnessrl.services import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def fork_form(command: Sequence[str], python: str) -> tuple[str, str, list[str]]
     return "path", command[1], list(command[2:])
 
 
-class ForkServerRunner:
+class ForkServerRunner(RunnerBase):
     """`LocalRunner`'s contract; Python harnesses are forked from a zygote that preloaded modules."""
 
     def __init__(self, preload: Sequence[str] = (), python: str = sys.executable, own_uid: OwnUid = "auto") -> None:  # fmt: skip

@@ -33,8 +33,9 @@ from typing import Any
 
 import httpx
 
-from harnessrl.controller.kubernetes_api import ClusterAccess, KubeApi, KubeApiError
-from harnessrl.controller.kubernetes_jobs import (
+from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, RunnerBase, prepare_workdir
+from harnessrl.controller.runners.kubernetes_api import ClusterAccess, KubeApi, KubeApiError
+from harnessrl.controller.runners.kubernetes_jobs import (
     ANN_ATTEMPT,
     ANN_ROLLOUT,
     LABEL_JOB,
@@ -53,8 +54,7 @@ from harnessrl.controller.kubernetes_jobs import (
     terminated_state,
     unpack_output,
 )
-from harnessrl.controller.kubernetes_tracker import JobTracker, TokenBucket
-from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, prepare_workdir
+from harnessrl.controller.runners.kubernetes_tracker import JobTracker, TokenBucket
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -92,7 +92,7 @@ class KubernetesSpec:
     log_tail_lines: int = 5000
 
 
-class KubernetesRunner:
+class KubernetesRunner(RunnerBase):
     """Runs each attempt as a Kubernetes Job; see the module docstring."""
 
     def __init__(

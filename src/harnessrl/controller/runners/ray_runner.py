@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, LocalRunner, prepare_workdir
-from harnessrl.controller.sandbox import SandboxRunner, SandboxSpec
+from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, RunnerBase, prepare_workdir
+from harnessrl.controller.runners.local import LocalRunner
+from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ def _ray_task(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec) -> Nod
     return run_on_node(spec, harness, ray_spec, ray.get_runtime_context().get_node_id())
 
 
-class RayRunner:
+class RayRunner(RunnerBase):
     """Runs each attempt as a Ray task on a Ray cluster; output files come back to the controller."""
 
     def __init__(self, ray_spec: RaySpec | None = None) -> None:

@@ -37,8 +37,6 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 import harnessrl
-from harnessrl.controller.bridge import GatewayBridge
-from harnessrl.controller.cgroups import AttemptCgroup
 from harnessrl.controller.isolation import (
     LOCK_DIR,
     UID_BASE,
@@ -52,11 +50,14 @@ from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
     HarnessSpec,
+    RunnerBase,
     contract_env,
     kill_group,
     prepare_workdir,
     tail,
 )
+from harnessrl.controller.runners.bridge import GatewayBridge
+from harnessrl.controller.runners.cgroups import AttemptCgroup
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class SandboxSpec:
     hide_git: bool = False  # an empty tmpfs over every `.git` in the attempt dir and extra paths
     disable_git: bool = False  # /dev/null over the `git` binary and git-core: running git fails
     # One cgroup per attempt bounds all its processes together: "auto" where the machine allows it,
-    # "required" (no cgroup: infra_error), "never". See controller/cgroups.py.
+    # "required" (no cgroup: infra_error), "never". See controller/runners/cgroups.py.
     cgroup: Literal["auto", "required", "never"] = "auto"
     cgroup_memory_bytes: int | None = 8 << 30
     cgroup_max_pids: int | None = 1024
@@ -210,7 +211,7 @@ def init_args(sandbox: SandboxSpec, status_fd: int, port: int, uid: int | None, 
     return args
 
 
-class SandboxRunner:
+class SandboxRunner(RunnerBase):
     """Runs each attempt in a bubblewrap sandbox that can reach nothing but the gateway."""
 
     def __init__(self, sandbox: SandboxSpec | None = None) -> None:
