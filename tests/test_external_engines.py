@@ -233,18 +233,21 @@ def admin_fake(answers: dict[str, tuple[int, Any]]) -> tuple[Starlette, list[str
     return Starlette(routes=[Route("/{path:path}", any_route, methods=["GET", "POST"])]), hits
 
 
-def test_vllm_admin_pauses_loads_tags_resets_and_resumes(tmp_path: Path) -> None:
+def test_vllm_admin_pauses_reloads_resets_tags_and_resumes(tmp_path: Path) -> None:
+    from harnessrl.modeling.loading import make_tiny_model_dir
     from harnessrl.trainer.weights import engine_admin
 
+    weights = make_tiny_model_dir(tmp_path / "v5")  # tied: the admin adds lm_head.safetensors first
     ok: tuple[int, Any] = (200, {})
     answers = {"/pause": (200, {"status": "paused"}), "/resume": (200, {"status": "resumed"}),
-               "/update_weights": (200, {"message": "Weights updated"}), "/reset_prefix_cache": ok,
+               "/collective_rpc": (200, {"results": [None]}), "/reset_prefix_cache": ok,
+               "/update_weight_version": (200, {"success": True}),
                "/weight_info": (200, {"weight_version": "5"}), "/sleep": ok, "/wake_up": ok}  # fmt: skip
     app, hits = admin_fake(answers)
 
     async def drive(url: str) -> int:
         admin = engine_admin("vllm", url)
-        assert await admin.load_weights(tmp_path / "v5", 5) == 5
+        assert await admin.load_weights(weights, 5) == 5
         await admin.sleep()
         await admin.wake_up()
         version = await admin.weight_version()
@@ -253,29 +256,63 @@ def test_vllm_admin_pauses_loads_tags_resets_and_resumes(tmp_path: Path) -> None
 
     with ThreadServer(app) as srv:
         assert asyncio.run(drive(srv.url)) == 5
-    path = json.dumps({"update_info": {"path": str(tmp_path / "v5")}}).replace(" ", "")
+    rpc = json.dumps({"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}).replace(" ", "")
     assert [h.replace(" ", "") for h in hits] == [
-        "POST/pause?mode=wait", f"POST/update_weights{path}", 'POST/update_weight_version{"new_version":"5"}',
-        "POST/reset_prefix_cache", "POST/resume", "POST/sleep?level=1", "POST/wake_up", "GET/weight_info",
+        "POST/pause?mode=wait", f"POST/collective_rpc{rpc}", "POST/reset_prefix_cache",
+        'POST/update_weight_version{"new_version":"5"}', "POST/resume", "GET/weight_info",
+        "POST/sleep?level=1", "POST/wake_up", "GET/weight_info",
     ]  # fmt: skip
+    from safetensors.torch import load_file
+
+    head = load_file(str(weights / "lm_head.safetensors"))["lm_head.weight"]
+    embed = load_file(str(weights / "model.safetensors"))["model.embed_tokens.weight"]
+    assert head.equal(embed)
 
 
 def test_vllm_admin_resumes_even_when_the_load_fails(tmp_path: Path) -> None:
     from harnessrl.trainer.weights import EngineAdminError, engine_admin
 
     app, hits = admin_fake({"/pause": (200, {}), "/resume": (200, {}),
-                            "/update_weights": (400, {"error": "no such file"})})  # fmt: skip
+                            "/collective_rpc": (500, {"error": "no such file"})})  # fmt: skip
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
 
     async def drive(url: str) -> None:
         admin = engine_admin("vllm", url)
         try:
-            await admin.load_weights(tmp_path / "missing", 1)
+            await admin.load_weights(tmp_path, 1)
         finally:
             await admin.aclose()
 
-    with ThreadServer(app) as srv, pytest.raises(EngineAdminError, match="update_weights answered 400"):
+    with ThreadServer(app) as srv, pytest.raises(EngineAdminError, match="collective_rpc answered 500"):
         asyncio.run(drive(srv.url))
     assert hits[-1].startswith("POST /resume")  # never left paused
+
+
+def test_vllm_admin_falls_back_to_restart_when_the_reload_fails(tmp_path: Path) -> None:
+    from harnessrl.trainer.weights import engine_admin
+
+    app, hits = admin_fake({"/pause": (200, {}), "/resume": (200, {}), "/collective_rpc": (404, {}),
+                            "/update_weight_version": (200, {}), "/weight_info": (200, {"weight_version": "2"})})  # fmt: skip
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
+    restarted: list[Path] = []
+
+    async def restart(path: Path) -> float:
+        restarted.append(path)
+        return 0.0
+
+    async def drive(url: str) -> int:
+        admin = engine_admin("vllm", url, restart=restart)
+        try:
+            v = await admin.load_weights(tmp_path, 2)
+            assert [s["method"] for s in admin.syncs] == ["restart"]  # type: ignore[attr-defined]
+            return v
+        finally:
+            await admin.aclose()
+
+    with ThreadServer(app) as srv:
+        assert asyncio.run(drive(srv.url)) == 2
+    assert restarted == [tmp_path]
+    assert [h.split(" ")[1] for h in hits][-3:] == ["/resume", "/update_weight_version", "/weight_info"]
 
 
 def test_sglang_admin_loads_from_disk_and_reads_the_version(tmp_path: Path) -> None:
@@ -314,6 +351,9 @@ def test_run_config_names_an_external_engine_by_kind_and_url() -> None:
     assert (cfg.engine.kind, cfg.engine.url) == ("vllm", "http://127.0.0.1:8000")
     with pytest.raises(Exception, match=r"needs engine\.url"):
         load_config(None, ["engine.kind=sglang"])
+    assert load_config(None, ["engine.kind=vllm"]).engine.url is None  # managed: the run starts vLLM
+    with pytest.raises(Exception, match=r"needs a managed vLLM"):
+        load_config(None, ["engine.kind=vllm", "engine.url=http://x", "engine.vllm_sync=restart"])
     with pytest.raises(ValueError, match="engine kind"):
         from harnessrl.trainer.weights import engine_admin
 

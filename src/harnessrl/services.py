@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +33,16 @@ class Service:
     url: str
     log_path: Path
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        """Block until `GET /health` answers 200; raise with the log's tail if the process dies."""
-        deadline = time.monotonic() + timeout_s
+    def wait_healthy(self, timeout_s: float = 300.0, progress: Callable[[float], None] | None = None) -> None:
+        """Block until `GET /health` answers 200; raise with the log's tail if the process dies.
+        `progress`, if given, is called with the seconds waited so far about every 10 s."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        told = start
         while time.monotonic() < deadline:
+            if progress is not None and time.monotonic() - told >= 10.0:
+                told = time.monotonic()
+                progress(told - start)
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
@@ -71,16 +78,22 @@ def die_with_parent() -> None:
 
 
 def start_service(
-    name: str, args: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None
+    name: str,
+    args: list[str],
+    port: int,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    python: str | None = None,
 ) -> Service:
-    """Start `python -m <args...>` with its output in `<log_dir>/<name>.log`."""
+    """Start `python -m <args...>` (this interpreter unless `python` names another, e.g. vLLM's venv)
+    with its output in `<log_dir>/<name>.log`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     # a fatal error (segfault, abort) prints the Python stacks into the service's log
     full_env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
+            [python or sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
             preexec_fn=die_with_parent,
         )  # fmt: skip
     return Service(name=name, proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path)
