@@ -32,9 +32,8 @@ class EngineSection(_Section):
     max_model_len: int | None = Field(default=None, ge=64)
     threads: int | None = None  # CPU threads of the engine (None: torch's default; vLLM: OMP_NUM_THREADS)
     device: str = "cpu"  # builtin or managed vLLM engine: "cpu" or "cuda[:N]"
-    dtype: Literal["float32", "bfloat16", "float16"] = (
-        "float32"  # engine weights and KV cache (builtin, managed vLLM)
-    )
+    # engine weights and KV cache (builtin, managed vLLM)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # builtin engine on CPU: oneDNN-packed linear weights, F.linear, or auto (see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
     # "vllm": vLLM's OpenAI server; at `url` if set (already running, serving `model`), else started and
@@ -48,12 +47,8 @@ class EngineSection(_Section):
     # vLLM weight sync after each update: "reload" (in place, through /collective_rpc reload_weights;
     # a managed server is restarted if that fails) or "restart" (managed only: a new server each time)
     vllm_sync: Literal["reload", "restart"] = "reload"
-    vllm_kv_cache_gb: int = Field(
-        default=1, ge=1
-    )  # managed vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
-    vllm_enforce_eager: bool = (
-        False  # managed vLLM: skip torch.compile (starts ~1 min sooner, decodes slower)
-    )
+    vllm_kv_cache_gb: int = Field(default=1, ge=1)  # managed vLLM on CPU: KV cache GB
+    vllm_enforce_eager: bool = False  # managed vLLM: no torch.compile (starts sooner, decodes slower)
     vllm_args: list[str] = Field(default_factory=list)  # managed vLLM: more command-line arguments
     vllm_start_timeout_s: float = Field(default=900.0, gt=0)  # managed vLLM: longest wait for /health
 
