@@ -112,7 +112,9 @@ def managed_vllm(cfg: RunConfig, run_dir: Path, model_dir: Path) -> ManagedVLLM:
         enforce_eager=e.vllm_enforce_eager, seed=cfg.train.seed, extra_args=list(e.vllm_args),
     )  # fmt: skip
     served = untied_model_dir(model_dir, run_dir / "vllm" / "model")
-    return ManagedVLLM(settings, served, e.port or free_port(), run_dir / "logs")
+    vllm = ManagedVLLM(settings, served, e.port or free_port(), run_dir / "logs")
+    vllm.tokenizer_dir = model_dir
+    return vllm
 
 
 def vllm_restarter(vllm: ManagedVLLM, run_dir: Path) -> Callable[[Path], Awaitable[float]]:
@@ -120,7 +122,9 @@ def vllm_restarter(vllm: ManagedVLLM, run_dir: Path) -> Callable[[Path], Awaitab
     given path (`<run_dir>/vllm/model`, replaced each time)."""
 
     async def restart(path: Path) -> float:
-        served = await asyncio.to_thread(untied_model_dir, path, run_dir / "vllm" / "model")
+        served = await asyncio.to_thread(
+            untied_model_dir, path, run_dir / "vllm" / "model", vllm.tokenizer_dir
+        )
         return await asyncio.to_thread(vllm.restart, served)
 
     return restart

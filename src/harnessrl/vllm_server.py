@@ -76,23 +76,34 @@ def add_lm_head(weights_dir: Path) -> bool:
     return True
 
 
-def untied_model_dir(src: Path, out: Path) -> Path:
+def untied_model_dir(src: Path, out: Path, tokenizer_dir: Path | None = None) -> Path:
     """`out`: the model at `src` as vLLM should serve it (see the module doc): symlinks to `src`'s files,
-    a config.json with `tie_word_embeddings: false`, and `lm_head.safetensors`. An untied `src` is
-    returned unchanged."""
+    a config.json with `tie_word_embeddings: false`, and `lm_head.safetensors`. Files `src` lacks (a
+    trainer's weight directory has no tokenizer) are linked from `tokenizer_dir`. An untied `src` with
+    its tokenizer is returned unchanged."""
     src, out = Path(src).resolve(), Path(out)
-    if not _tied(src):
+    if not _tied(src) and (src / "tokenizer.json").exists():
         return src
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     for p in src.iterdir():
-        if p.name not in ("config.json", LM_HEAD_FILE) and p.is_file():
+        if p.name != "config.json" and p.is_file():
+            (out / p.name).symlink_to(p)
+    for p in Path(tokenizer_dir).resolve().iterdir() if tokenizer_dir is not None else []:
+        if (
+            p.is_file()
+            and p.suffix != ".safetensors"
+            and p.name != "config.json"
+            and not (out / p.name).exists()
+        ):
             (out / p.name).symlink_to(p)
     cfg = json.loads((src / "config.json").read_text())
+    tied = bool(cfg.get("tie_word_embeddings", True))
     cfg["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    _write_head(src, out)
+    if tied and not (out / LM_HEAD_FILE).exists():
+        _write_head(src, out)
     return out
 
 
@@ -138,6 +149,7 @@ class ManagedVLLM:
     def __init__(self, settings: VLLMSettings, model_dir: Path, port: int, log_dir: Path) -> None:
         self.settings = settings
         self.model_dir = Path(model_dir)
+        self.tokenizer_dir = self.model_dir  # the tokenizer files a restart on bare weights links in
         self.port = port
         self.log_dir = Path(log_dir)
         self.service: Service | None = None
@@ -183,7 +195,7 @@ class ManagedVLLM:
             "event=vllm_start python=%s model=%s port=%d", self.settings.python, self.model_dir, self.port
         )
         self.service = start_service("vllm", self.args(), self.port, self.log_dir, env=self.env(),
-                                     python=str(self.settings.python))  # fmt: skip
+                                     python=str(self.settings.python), group=True)  # fmt: skip
 
     def wait_healthy(
         self, timeout_s: float = 900.0, progress: Callable[[float], None] | None = None
