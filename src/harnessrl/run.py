@@ -125,7 +125,7 @@ def vllm_restarter(vllm: ManagedVLLM, run_dir: Path) -> Callable[[Path], Awaitab
         served = await asyncio.to_thread(
             untied_model_dir, path, run_dir / "vllm" / "model", vllm.tokenizer_dir
         )
-        return await asyncio.to_thread(vllm.restart, served)
+        return await vllm.arestart(served)
 
     return restart
 

@@ -17,6 +17,7 @@ copy of the embeddings), and every weight directory gets its `lm_head.safetensor
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -219,15 +220,31 @@ class ManagedVLLM:
             log.info("event=vllm_stopped returncode=%s", self.service.proc.returncode)
 
     def restart(self, model_dir: Path, timeout_s: float = 900.0) -> float:
-        """Stop, then serve `model_dir` (already in the untied layout); returns the seconds it took."""
+        """Stop, then serve `model_dir` (already in the untied layout); returns the seconds it took.
+        Call it from the thread that lives as long as the server should (the main thread): the child
+        is killed when the thread that started it ends (PR_SET_PDEATHSIG), so not from a worker
+        thread (`arestart` is the asyncio form)."""
         t0 = time.monotonic()
         self.stop()
         self.model_dir = Path(model_dir)
         self.start()
         self.wait_healthy(timeout_s)
+        return self._restarted(t0)
+
+    async def arestart(self, model_dir: Path, timeout_s: float = 900.0) -> float:
+        """`restart` from a running event loop: stopping and the health wait run in worker threads, the
+        process is started in the loop's own thread (see `restart`)."""
+        t0 = time.monotonic()
+        await asyncio.to_thread(self.stop)
+        self.model_dir = Path(model_dir)
+        self.start()
+        await asyncio.to_thread(self.wait_healthy, timeout_s)
+        return self._restarted(t0)
+
+    def _restarted(self, t0: float) -> float:
         self.restarts += 1
         seconds = time.monotonic() - t0
-        log.info("event=vllm_restarted model=%s seconds=%.1f", model_dir, seconds)
+        log.info("event=vllm_restarted model=%s seconds=%.1f", self.model_dir, seconds)
         return seconds
 
 
