@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-vllm test-vllm bench-vllm demo-vllm demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train test-harnesses clean
+.PHONY: install install-vllm test-vllm bench-vllm demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train test-harnesses clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,14 @@ install-vllm:
 test-vllm: $(STAMP) install-vllm
 	$(VENV)/bin/pytest -m vllm -q tests/test_vllm_real.py
 
-demo: $(STAMP)
-	$(VENV)/bin/harnessrl demo
+# About 8 minutes: vLLM against the trainer, logprob gaps per dtype and the cost of each weight sync.
+bench-vllm: $(STAMP) install-vllm
+	$(PY) bench/vllm_exactness.py --out bench/results/vllm_exactness.json
+
+# ENGINE=vllm: the same demo through a managed vLLM (installed by install-vllm) in runs/demo-vllm.
+ENGINE ?= builtin
+demo: $(STAMP) $(if $(filter vllm,$(ENGINE)),install-vllm)
+	$(VENV)/bin/harnessrl demo $(if $(filter vllm,$(ENGINE)),engine.kind=vllm run_dir=runs/demo-vllm)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
