@@ -358,3 +358,38 @@ def test_run_config_names_an_external_engine_by_kind_and_url() -> None:
         from harnessrl.trainer.weights import engine_admin
 
         engine_admin("tgi", "http://x")
+
+
+def test_managed_vllm_without_its_venv_says_how_to_install(tmp_path: Path) -> None:
+    from harnessrl.vllm_server import VLLMNotInstalled, find_vllm_python
+
+    with pytest.raises(VLLMNotInstalled, match=r"is not an interpreter.*make install-vllm"):
+        find_vllm_python(str(tmp_path / "missing" / "python"))
+
+
+def test_untied_view_links_the_files_and_copies_the_embeddings_as_lm_head(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from harnessrl.modeling.loading import make_tiny_model_dir
+    from harnessrl.vllm_server import LM_HEAD_FILE, ManagedVLLM, VLLMSettings, untied_model_dir
+
+    src = make_tiny_model_dir(tmp_path / "m")
+    out = untied_model_dir(src, tmp_path / "view")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert (out / "model.safetensors").is_symlink() and (out / "tokenizer.json").is_symlink()
+    head = load_file(str(out / LM_HEAD_FILE))["lm_head.weight"]
+    assert head.equal(load_file(str(src / "model.safetensors"))["model.embed_tokens.weight"])
+    weights = tmp_path / "weights"  # a trainer's weight directory: no tokenizer, linked from the model
+    weights.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights / name).write_bytes((src / name).read_bytes())
+    again = untied_model_dir(weights, tmp_path / "view", tokenizer_dir=src)
+    assert (again / "tokenizer.json").resolve() == (src / "tokenizer.json").resolve()
+    server = ManagedVLLM(
+        VLLMSettings(python=Path("/x/python"), dtype="bfloat16", threads=2), out, 8123, tmp_path
+    )
+    args = server.args()
+    assert args[0] == "vllm.entrypoints.openai.api_server" and args[args.index("--dtype") + 1] == "bfloat16"
+    assert args[args.index("--served-model-name") + 1] == "smollm2"
+    env = server.env()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "2"

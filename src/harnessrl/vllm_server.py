@@ -46,15 +46,16 @@ def _repo_root() -> Path:
 
 
 def find_vllm_python(configured: str | None = None) -> Path:
-    """The interpreter of vLLM's venv: `configured`, else `$HARNESSRL_VLLM_PYTHON`, else
-    `.bench/venv-vllm/bin/python` under the working directory or this checkout. Raises
-    `VLLMNotInstalled` (with the install command) when none exists."""
-    candidates = [configured, os.environ.get(ENV_PYTHON)]
-    candidates += [str(base / VLLM_VENV / "bin" / "python") for base in (Path.cwd(), _repo_root())]
+    """The interpreter of vLLM's venv: `configured`, else `$HARNESSRL_VLLM_PYTHON` (either one, when
+    set, is the only candidate), else `.bench/venv-vllm/bin/python` under the working directory or this
+    checkout. Raises `VLLMNotInstalled` (with the install command) when there is none."""
+    named = configured or os.environ.get(ENV_PYTHON)
+    candidates = (
+        [named] if named else [str(b / VLLM_VENV / "bin" / "python") for b in (Path.cwd(), _repo_root())]
+    )
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return Path(c)
-    named = configured or os.environ.get(ENV_PYTHON)
     where = f"{named!r} is not an interpreter" if named else f"no {VLLM_VENV}/bin/python here"
     raise VLLMNotInstalled(
         f"engine.kind=vllm without engine.url needs vLLM's venv ({where}): run `make install-vllm` "
