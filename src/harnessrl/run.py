@@ -76,7 +76,7 @@ def start_services(
         engine_url = engine.url
     else:
         engine_url = str(cfg.engine.url)
-    mode = "tito" if cfg.engine.kind == "sglang" else cfg.gateway.mode  # SGLang returns ids only to tito
+    mode = gateway_mode(cfg)
     gateway_port = cfg.gateway.port or free_port()
     gateway = start_gateway(
         run_dir / "store.sqlite", engine_url, gateway_port, admin_key, run_dir / "logs",
@@ -100,6 +100,18 @@ def start_services(
             engine.stop()
         raise
     return engine, gateway, engine_url
+
+
+def gateway_mode(cfg: RunConfig) -> str:
+    """The gateway's mode for this engine: tito for SGLang (it returns token IDs only to token-ID
+    prompts) and, unless `gateway.mode` is set, for vLLM: vLLM renders chats with the model's own
+    template, which for SmolLM2 has no tools, so tool-calling harnesses need the gateway's rendering
+    (the one the builtin engine uses) and its tool-call parsing."""
+    if cfg.engine.kind == "sglang":
+        return "tito"
+    if cfg.engine.kind == "vllm" and "mode" not in cfg.gateway.model_fields_set:
+        return "tito"
+    return cfg.gateway.mode
 
 
 def managed_vllm(cfg: RunConfig, run_dir: Path, model_dir: Path) -> ManagedVLLM:
