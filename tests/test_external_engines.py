@@ -352,6 +352,12 @@ def test_run_config_names_an_external_engine_by_kind_and_url() -> None:
     with pytest.raises(Exception, match=r"needs engine\.url"):
         load_config(None, ["engine.kind=sglang"])
     assert load_config(None, ["engine.kind=vllm"]).engine.url is None  # managed: the run starts vLLM
+    from harnessrl.run import gateway_mode
+
+    # vLLM's chat template for SmolLM2 has no tools: the gateway renders (tito) unless told otherwise
+    assert gateway_mode(load_config(None, ["engine.kind=vllm"])) == "tito"
+    assert gateway_mode(load_config(None, ["engine.kind=vllm", "gateway.mode=passthrough"])) == "passthrough"
+    assert gateway_mode(load_config(None, [])) == "passthrough"
     with pytest.raises(Exception, match=r"needs a managed vLLM"):
         load_config(None, ["engine.kind=vllm", "engine.url=http://x", "engine.vllm_sync=restart"])
     with pytest.raises(ValueError, match="engine kind"):
