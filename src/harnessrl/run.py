@@ -264,6 +264,8 @@ async def _run_async(
     try:
         if hasattr(runner, "start"):
             await runner.start()  # a fork server that cannot preload fails the run here, not per attempt
+        if isinstance(engine, VLLMAdmin):  # vLLM's answers carry no version: record the one it reports
+            await client.resume(weight_version=await engine.weight_version())
         if check:
             report = await preflight(controller, client, train_tasks[0], run_id, run_dir)
             log.info("event=preflight ok=%s report=%r", report.ok, report.render())
