@@ -399,3 +399,16 @@ def test_untied_view_links_the_files_and_copies_the_embeddings_as_lm_head(tmp_pa
     assert args[args.index("--served-model-name") + 1] == "smollm2"
     env = server.env()
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_reward_curve_survives_an_interval_that_misses_zero_by_rounding(tmp_path: Path) -> None:
+    from harnessrl.plot import reward_curve
+
+    metrics = tmp_path / "metrics.jsonl"  # the vLLM smoke run's numbers: 0/4 rewarded, lo = 1e-17
+    metrics.write_text(
+        json.dumps({"step": 1, "reward": 0.0, "heldout_reward": 0.0, "heldout_ci95": [1e-17, 0.49]})
+    )
+    r = {"mean": 0.0, "ci95": [1e-17, 0.49]}
+    summary = {"train_steps": 1, "heldout_by_temperature": {"0": {"before": r, "after": r}}}
+    assert reward_curve(metrics, summary, tmp_path / "curve.png") is not None
+    assert (tmp_path / "curve.png").stat().st_size > 0
