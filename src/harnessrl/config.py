@@ -29,24 +29,42 @@ class EngineSection(_Section):
     # "smollm2-32k": the same weights with YaRN-scaled RoPE for long harness prompts)
     model: str = "smollm2"
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
-    max_batch: int = Field(default=ENGINE_MAX_BATCH, ge=1)  # sequences the builtin engine decodes together
+    max_batch: int = Field(
+        default=ENGINE_MAX_BATCH, ge=1
+    )  # sequences the engine decodes together (vLLM: --max-num-seqs)
     # context length (prompt + completion) the engine accepts; None: the model's own (8,192 for smollm2,
     # 16,384 for smollm2-16k, 32,768 for smollm2-32k: RoPE-scaled variants, docs/long-context.md)
     max_model_len: int | None = Field(default=None, ge=64)
-    threads: int | None = None  # CPU threads of the engine (None: torch's default)
-    device: str = "cpu"  # builtin engine: "cpu" or "cuda[:N]"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # builtin engine's weights and KV cache
+    threads: int | None = None  # CPU threads of the engine (None: torch's default; vLLM: OMP_NUM_THREADS)
+    device: str = "cpu"  # builtin or managed vLLM engine: "cpu" or "cuda[:N]"
+    # engine weights and KV cache (builtin, managed vLLM)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # builtin engine on CPU: oneDNN-packed linear weights, F.linear, or auto (see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
-    # "vllm" / "sglang": a server already running at `url`, serving `model` (the trainer loads the same
-    # directory); it must be able to read the run directory, where new weights are written
+    # "vllm": vLLM's OpenAI server; at `url` if set (already running, serving `model`), else started and
+    # stopped by the run from vLLM's own venv (docs/vllm.md). "sglang": a server already running at
+    # `url`. An external server must be able to read the run directory, where new weights are written.
     kind: Literal["builtin", "vllm", "sglang"] = "builtin"
     url: str | None = None  # the external server's URL (engine.kind vllm / sglang)
+    # managed vLLM: its venv's interpreter (None: $HARNESSRL_VLLM_PYTHON, else .bench/venv-vllm/bin/python
+    # under the working directory or this checkout, as `make install-vllm` builds it)
+    vllm_python: str | None = None
+    # vLLM weight sync after each update: "reload" (in place, through /collective_rpc reload_weights;
+    # a managed server is restarted if that fails) or "restart" (managed only: a new server each time)
+    vllm_sync: Literal["reload", "restart"] = "reload"
+    vllm_kv_cache_gb: int = Field(default=1, ge=1)  # managed vLLM on CPU: KV cache GB
+    vllm_enforce_eager: bool = False  # managed vLLM: no torch.compile (starts sooner, decodes slower)
+    vllm_args: list[str] = Field(default_factory=list)  # managed vLLM: more command-line arguments
+    vllm_start_timeout_s: float = Field(default=900.0, gt=0)  # managed vLLM: longest wait for /health
 
     @model_validator(mode="after")
     def _external_needs_url(self) -> EngineSection:
-        if self.kind != "builtin" and not self.url:
+        if self.kind == "sglang" and not self.url:
             raise ValueError(f"engine.kind {self.kind!r} needs engine.url (the running server)")
+        if self.vllm_sync == "restart" and (self.kind != "vllm" or self.url):
+            raise ValueError(
+                "engine.vllm_sync=restart needs a managed vLLM (engine.kind=vllm, no engine.url)"
+            )
         _check_device(self.device, "engine.device")
         return self
 

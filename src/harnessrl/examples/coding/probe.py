@@ -90,8 +90,7 @@ def probe_solve_counts(
             )
         )
     finally:
-        if hasattr(runner, "close"):
-            runner.close()
+        runner.close()
         gateway.stop()
         if engine is not None:
             engine.stop()
