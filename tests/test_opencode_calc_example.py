@@ -2,8 +2,8 @@
 
 Fast: the config loads and names importable pieces; the wrapper writes OpenCode's config for the
 gateway from the harness contract (checked against a fake environment), runs the binary it finds (a
-stand-in script here, a real subprocess) with the task on stdin, keeps its stdout for the grader and
-passes its exit code on; the grader reads the last number. Slow (`-m slow`, needs
+stand-in script here, a real subprocess) with the task on stdin, keeps its stdout and the answer file
+for the grader and passes its exit code on; the grader reads the answer file, else the last number. Slow (`-m slow`, needs
 `bash bench/harnesses/setup.sh opencode`): the real OpenCode on the real SmolLM2 through the engine
 and gateway, one training step with a held-out evaluation before and after.
 """
@@ -68,14 +68,15 @@ def test_wrapper_writes_opencode_config_for_the_gateway(tmp_path: Path) -> None:
     cfg = json.loads(text)
     provider = cfg["provider"]["harnessrl"]
     assert provider["npm"] == "@ai-sdk/openai-compatible"
-    assert provider["options"] == {"baseURL": "http://127.0.0.1:9/v1", "apiKey": "{env:OPENAI_API_KEY}"}
+    assert provider["options"] == {"baseURL": "http://127.0.0.1:9/v1", "apiKey": "{env:OPENAI_API_KEY}",
+                                   "headerTimeout": False, "chunkTimeout": False}  # fmt: skip
     assert provider["models"][oc.MODEL]["limit"]["output"] == oc.MAX_OUTPUT_TOKENS
     assert cfg["model"] == cfg["small_model"] == f"harnessrl/{oc.MODEL}"
     agent = cfg["agent"][oc.AGENT]
     assert agent["mode"] == "primary" and agent["prompt"] == oc.PROMPT and agent["steps"] == oc.MAX_STEPS
-    assert agent["tools"] == {"*": False, "bash": True}  # one tool: the prompt fits SmolLM2's context
+    assert agent["tools"] == {"*": False, "write": True}  # one tool: a short prompt
     assert oc_env["OPENCODE_CONFIG"] == str(path) and oc_env["OPENAI_API_KEY"] == env["OPENAI_API_KEY"]
-    assert oc_env["OPENCODE_DISABLE_PROJECT_CONFIG"] == "1"
+    assert oc_env["OPENCODE_DISABLE_PROJECT_CONFIG"] == "1" and oc_env["npm_config_offline"] == "true"
     argv = oc.command("opencode", env["HARNESSRL_ROLLOUT_ID"])
     assert argv == ["opencode", "run", "--pure", "--agent", "calc", "--title", "ro-test-1"]
 
@@ -103,7 +104,9 @@ record = {{"argv": sys.argv[1:], "stdin": sys.stdin.read(), "cwd": os.getcwd(),
           "base_url": cfg["provider"]["harnessrl"]["options"]["baseURL"],
           "key_from_env": os.environ["OPENAI_API_KEY"]}}
 open(os.path.join(os.environ["HARNESSRL_OUTPUT"], "fake.json"), "w").write(json.dumps(record))
-print("I ran echo $((6 * 7)).")
+if sys.argv[-1] == "ro-writes":  # the agent wrote the answer file with its tool (a wrong one here)
+    open("answer.txt", "w").write("41\\n")
+print("6 * 7 is 42.")
 print("The answer is 42.")
 sys.exit(3)
 """
@@ -127,8 +130,16 @@ def test_wrapper_runs_the_binary_and_keeps_its_stdout_for_the_grader(tmp_path: P
     result = AttemptResult(exit_code=3, timed_out=False, output_dir=work / "output", stdout_tail="", stderr_tail="")
     right = grade(Task(task_id="t", input={"question": "q"}, reference={"answer": "42"}), result)
     wrong = grade(Task(task_id="t", input={"question": "q"}, reference={"answer": "41"}), result)
-    assert right.value == 1.0 and right.details["answer"] == "42"
+    assert right.value == 1.0 and right.details["answer"] == "42" and right.details["source"] == "stdout"
     assert wrong.value == 0.0
+    # the answer file, when the agent wrote one, is the answer (its stdout is then not looked at)
+    env["HARNESSRL_ROLLOUT_ID"] = "ro-writes"
+    proc = subprocess.run([sys.executable, str(EXAMPLE / "harness.py")], cwd=work, env=env,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert proc.returncode == 3 and (work / "output" / "answer.txt").read_text() == "41\n"
+    right = grade(Task(task_id="t", input={"question": "q"}, reference={"answer": "41"}), result)
+    assert right.value == 1.0 and right.details["source"] == "answer.txt"
+    assert grade(Task(task_id="t", input={"question": "q"}, reference={"answer": "42"}), result).value == 0.0
 
 
 def test_grader_without_output_is_zero(tmp_path: Path) -> None:

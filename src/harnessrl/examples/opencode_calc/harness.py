@@ -4,14 +4,19 @@ This wrapper is all a user writes to put OpenCode behind harnessrl. From the har
 (`OPENAI_BASE_URL`, `OPENAI_API_KEY`, `HARNESSRL_TASK`, `HARNESSRL_OUTPUT`) it writes OpenCode's own
 config file, `opencode.json`, into the attempt's folder: an OpenAI-compatible provider whose base URL
 is the gateway and whose key is read by OpenCode from `OPENAI_API_KEY` (`{env:...}`; the key is not
-written to the file), and a custom agent with a short prompt and only the `bash` tool, so that a
-prompt fits SmolLM2's 8,192 tokens (about 1.6k tokens instead of OpenCode's default 7.6k). Then it runs
+written to the file), and a custom agent with a short prompt and only the `write` tool, so that a
+call's prompt is about 450 tokens instead of OpenCode's default 7.6k (the `bash` tool alone would be
+1.4k: on 2 busy CPU cores every prefilled token counts). Then it runs
 
     opencode run --pure --agent calc --title <rollout id>      (the question on stdin)
 
-and saves what OpenCode printed (its final answer) to `$HARNESSRL_OUTPUT/opencode_stdout.txt` for the
+and saves what OpenCode printed (its final answer) to `$HARNESSRL_OUTPUT/opencode_stdout.txt`, and
+the `answer.txt` the agent may have written with its tool to `$HARNESSRL_OUTPUT/answer.txt`, for the
 grader. `--title` names the session, so OpenCode makes no title-generation call; `--pure` loads no
-external plugins. The output budget of each model call is OpenCode's model `limit.output`.
+external plugins. The output budget of each model call is OpenCode's model `limit.output`; the
+provider's `headerTimeout`/`chunkTimeout` are off, because OpenCode otherwise gives up on a call after
+300 s and sends it again, which on a busy CPU only queues the same prefill twice (the controller's
+`harness_timeout_s` bounds the attempt).
 
 The binary: `$OPENCODE_BIN`, else the one `bench/harnesses/setup.sh` installs into this checkout's
 `.bench/harnesses/`, else `opencode` on PATH. Standard library only; it does not import harnessrl.
@@ -33,10 +38,10 @@ MODEL = "smollm2"  # any name: the gateway serves every name with the model bein
 MAX_OUTPUT_TOKENS = 128  # OpenCode's max_tokens per call (it asks for 32,000 by default)
 MAX_STEPS = 3  # agent loop iterations (model calls) per run
 PROMPT = (
-    "You answer arithmetic questions. You can run a shell command with the bash tool, "
-    'for example {"command": "echo $((12 + 7 * 3))"}. '
-    "End your reply with: The answer is N."
+    "You answer arithmetic questions. Write the number to the file answer.txt with the write tool, "
+    "then reply: The answer is N."
 )
+ANSWER_FILE = "answer.txt"
 REPO_BIN = Path(__file__).resolve().parents[4] / ".bench" / "harnesses" / "npm" / "node_modules" / ".bin" / "opencode"
 
 
@@ -48,7 +53,12 @@ def opencode_config(base_url: str, model: str = MODEL) -> dict[str, Any]:
             "harnessrl": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "harnessrl gateway",
-                "options": {"baseURL": base_url, "apiKey": "{env:OPENAI_API_KEY}"},
+                "options": {
+                    "baseURL": base_url,
+                    "apiKey": "{env:OPENAI_API_KEY}",
+                    "headerTimeout": False,  # OpenCode's default: give up (and resend) after 300 s
+                    "chunkTimeout": False,
+                },
                 "models": {model: {"name": model, "limit": {"context": 8192, "output": MAX_OUTPUT_TOKENS}}},
             }
         },
@@ -60,10 +70,10 @@ def opencode_config(base_url: str, model: str = MODEL) -> dict[str, Any]:
         "agent": {
             AGENT: {
                 "mode": "primary",
-                "description": "Answers arithmetic questions, with a shell to compute.",
+                "description": "Answers arithmetic questions and writes the answer to a file.",
                 "prompt": PROMPT,
                 "steps": MAX_STEPS,
-                "tools": {"*": False, "bash": True},
+                "tools": {"*": False, "write": True},
             }
         },
     }
@@ -76,6 +86,11 @@ def opencode_env(env: dict[str, str], config_path: Path) -> dict[str, str]:
         "OPENCODE_DISABLE_PROJECT_CONFIG": "1",  # no opencode.json / AGENTS.md from folders above
         "OPENCODE_DISABLE_MODELS_FETCH": "1",  # no models.dev catalogue download
         "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        # OpenCode installs its plugin SDK (@opencode-ai/plugin, ~95 MB) from npm into ~/.config/opencode
+        # in the background on every start, even with --pure; HOME is a fresh folder per attempt, so
+        # that would be a download per attempt. Offline, the install fails at once (a logged warning)
+        # and the run is unaffected.
+        "npm_config_offline": "true",
     }
 
 
@@ -128,7 +143,11 @@ def main() -> int:
         text=True,
         check=False,
     )
-    Path(env["HARNESSRL_OUTPUT"], "opencode_stdout.txt").write_text(proc.stdout)
+    out = Path(env["HARNESSRL_OUTPUT"])
+    (out / "opencode_stdout.txt").write_text(proc.stdout)
+    written = Path.cwd() / ANSWER_FILE
+    if written.is_file():
+        shutil.copyfile(written, out / ANSWER_FILE)
     sys.stdout.write(proc.stdout)
     return proc.returncode
 
