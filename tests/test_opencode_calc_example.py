@@ -81,7 +81,9 @@ def test_wrapper_writes_opencode_config_for_the_gateway(tmp_path: Path) -> None:
     assert argv == ["opencode", "run", "--pure", "--agent", "calc", "--title", "ro-test-1"]
 
 
-@pytest.mark.parametrize("missing", ["OPENAI_BASE_URL", "OPENAI_API_KEY", "HARNESSRL_TASK", "HARNESSRL_OUTPUT"])
+@pytest.mark.parametrize(
+    "missing", ["OPENAI_BASE_URL", "OPENAI_API_KEY", "HARNESSRL_TASK", "HARNESSRL_OUTPUT"]
+)
 def test_wrapper_without_the_contract_exits_2_naming_the_variable(tmp_path: Path, missing: str) -> None:
     env = _contract_env(tmp_path)
     del env[missing]
@@ -91,7 +93,9 @@ def test_wrapper_without_the_contract_exits_2_naming_the_variable(tmp_path: Path
     assert not (tmp_path / "opencode.json").exists()
 
 
-def test_wrapper_without_a_binary_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wrapper_without_a_binary_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(oc, "REPO_BIN", tmp_path / "absent")
     assert oc.find_opencode({"PATH": str(tmp_path)}) is None
     assert oc.find_opencode({"PATH": str(tmp_path), "OPENCODE_BIN": "/x/opencode"}) == "/x/opencode"
@@ -127,7 +131,9 @@ def test_wrapper_runs_the_binary_and_keeps_its_stdout_for_the_grader(tmp_path: P
     assert record["argv"] == ["run", "--pure", "--agent", "calc", "--title", "ro-test-1"]
     assert record["stdin"] == "What is 6 * 7?" and record["cwd"] == str(work)
     assert record["base_url"] == env["OPENAI_BASE_URL"] and record["key_from_env"] == env["OPENAI_API_KEY"]
-    result = AttemptResult(exit_code=3, timed_out=False, output_dir=work / "output", stdout_tail="", stderr_tail="")
+    result = AttemptResult(
+        exit_code=3, timed_out=False, output_dir=work / "output", stdout_tail="", stderr_tail=""
+    )
     right = grade(Task(task_id="t", input={"question": "q"}, reference={"answer": "42"}), result)
     wrong = grade(Task(task_id="t", input={"question": "q"}, reference={"answer": "41"}), result)
     assert right.value == 1.0 and right.details["answer"] == "42" and right.details["source"] == "stdout"

@@ -27,7 +27,10 @@ def grade(task: Task, result: AttemptResult) -> RewardIn:
     expected = float(task.reference["answer"])
     stdout = result.output_dir / "opencode_stdout.txt"
     if not stdout.exists():
-        return RewardIn(value=0.0, details={"reason": "no opencode_stdout.txt (OpenCode did not run)", "expected": expected})
+        return RewardIn(
+            value=0.0,
+            details={"reason": "no opencode_stdout.txt (OpenCode did not run)", "expected": expected},
+        )
     text = stdout.read_text(errors="replace")
     written = result.output_dir / "answer.txt"
     source = "answer.txt" if written.is_file() else "stdout"
