@@ -6,7 +6,8 @@ config file, `opencode.json`, into the attempt's folder: an OpenAI-compatible pr
 is the gateway and whose key is read by OpenCode from `OPENAI_API_KEY` (`{env:...}`; the key is not
 written to the file), and a custom agent with a short prompt and only the `write` tool, so that a
 call's prompt is about 975 tokens instead of OpenCode's default 7.6k (OpenCode enables `edit` with
-`write`; the `bash` tool alone would be 1.4k: on 2 busy CPU cores every prefilled token counts). Then it runs
+`write`; the `bash` tool alone would be 1.4k: on 2 busy CPU cores every prefilled token counts).
+Then it runs
 
     opencode run --pure --agent calc --title <rollout id>      (the question on stdin)
 
@@ -42,15 +43,7 @@ PROMPT = (
     "then reply: The answer is N."
 )
 ANSWER_FILE = "answer.txt"
-REPO_BIN = (
-    Path(__file__).resolve().parents[4]
-    / ".bench"
-    / "harnesses"
-    / "npm"
-    / "node_modules"
-    / ".bin"
-    / "opencode"
-)
+REPO_BIN = Path(__file__).resolve().parents[4] / ".bench/harnesses/npm/node_modules/.bin/opencode"
 
 
 def opencode_config(base_url: str, model: str = MODEL) -> dict[str, Any]:
