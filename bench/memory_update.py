@@ -9,7 +9,8 @@ can be compared update for update (`--tree`: another checkout's `src/`, e.g. the
 
     python bench/memory_update.py --updates 2 [--checkpoint-layers auto|on|off] [--out FILE --label NAME]
 
-`--checkpoint-layers` passes `checkpoint_layers` to `ppo_update` (on/off; auto: its default).
+`--checkpoint-layers` passes `checkpoint_layers` to `ppo_update` (on/off; auto: its default); `--matmul` is
+`train.matmul` (aten: no packed weight copies, slower products).
 """
 
 from __future__ import annotations
@@ -22,13 +23,69 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+MB = 1024 * 1024
 
 
 def _kb(key: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def _tensor_mb(tensors: Iterator[Any]) -> float:
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        if t.is_mkldnn:
+            total += t.numel() * t.element_size()
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return round(total / MB, 1)
+
+
+def torch_view(model: Any, optimizer: Any) -> dict[str, float]:
+    """MB of parameters, gradients, optimizer state and packed oneDNN copies the trainer holds now."""
+    params = list(model.parameters())
+    packed = (v for m in model.modules() for fwd in [m.__dict__.get("forward")] if fwd is not None
+              for v in vars(fwd).values())  # fmt: skip
+    return {
+        "params_mb": _tensor_mb(iter(params)),
+        "grads_mb": _tensor_mb(p.grad for p in params if p.grad is not None),
+        "optimizer_state_mb": _tensor_mb(v for s in optimizer.state.values() for v in s.values()),
+        "packed_copies_mb": _tensor_mb(packed),
+    }
+
+
+@contextlib.contextmanager
+def saved_activations(record: list[float], exclude: set[int]) -> Iterator[None]:
+    """Count the bytes autograd saves for backward inside the block (unique storages, parameters
+    excluded); appends the MB to `record`."""
+    import torch
+
+    seen: set[int] = set(exclude)
+    total = [0]
+
+    def pack(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not t.is_mkldnn and t.numel():
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total[0] += s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+    record.append(round(total[0] / MB, 1))
 
 
 def demo_like_batch(seed: int = 0) -> Any:
@@ -51,7 +108,7 @@ def demo_like_batch(seed: int = 0) -> Any:
     return Batch(rows, advantages, loss_weights(rows, LossMode.ROLLOUT_TOKEN_MEAN), {})
 
 
-def profile(updates: int, checkpoint_layers: str = "auto") -> dict[str, Any]:
+def profile(updates: int, checkpoint_layers: str = "auto", matmul: str = "auto") -> dict[str, Any]:
     """Load SmolLM2 as the demo's trainer does and run `updates` PPO updates on the batch."""
     import torch
 
@@ -63,14 +120,14 @@ def profile(updates: int, checkpoint_layers: str = "auto") -> dict[str, Any]:
     batch = demo_like_batch()
     rss0 = _kb("VmRSS")
     model = load_model(resolve_model("smollm2"))
-    matmul = use_onednn_for_training(model, "auto", torch.device("cpu"))
+    path = use_onednn_for_training(model, matmul, torch.device("cpu"))  # type: ignore[arg-type]
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
     kwargs: dict[str, Any] = {}
     if checkpoint_layers != "auto":
         if "checkpoint_layers" not in inspect.signature(ppo_update).parameters:
             raise SystemExit("this tree's ppo_update has no checkpoint_layers")
         kwargs["checkpoint_layers"] = checkpoint_layers == "on"
-    out: dict[str, Any] = {"matmul": matmul, "checkpoint_layers": checkpoint_layers,
+    out: dict[str, Any] = {"matmul": path, "checkpoint_layers": checkpoint_layers,
                            "rss_torch_imported_mb": round(rss0 / 1024, 1),
                            "rss_model_loaded_mb": round(_kb("VmRSS") / 1024, 1), "updates": []}  # fmt: skip
     for _ in range(updates):
@@ -81,7 +138,7 @@ def profile(updates: int, checkpoint_layers: str = "auto") -> dict[str, Any]:
         out["updates"].append({
             "seconds": round(time.perf_counter() - t0, 1), "rss_before_mb": round(before / 1024, 1),
             "rss_peak_mb": round(_kb("VmHWM") / 1024, 1), "rss_after_mb": round(_kb("VmRSS") / 1024, 1),
-            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "torch_after": torch_view(model, opt),
         })  # fmt: skip
     out["rows"], out["tokens"] = len(batch.rows), sum(len(r.tokens) for r in batch.rows)
     out["trainable_tokens"] = batch.n_trainable_tokens
@@ -93,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--updates", type=int, default=2)
     p.add_argument("--checkpoint-layers", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--matmul", choices=["auto", "onednn", "aten"], default="auto", help="as train.matmul")
     p.add_argument("--out", type=Path, help="merge the result into this JSON file (key update_profile)")
     p.add_argument("--label", default="after")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = profile(args.updates, args.checkpoint_layers)
+    result = profile(args.updates, args.checkpoint_layers, args.matmul)
     if args.out:
         data = json.loads(args.out.read_text()) if args.out.is_file() else {}
         data.setdefault("update_profile", {})[args.label] = result

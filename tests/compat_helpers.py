@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harnessrl.chat import render_tool_call
-from harnessrl.gateway.inference import TitoTokenizer
+from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from harnessrl.schema import Call, CallStatus
 
 

@@ -20,7 +20,11 @@ import uvicorn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-pytest_plugins = ["tests.engine_fixtures"]  # the engine and modeling fixtures (engine_*)
+pytest_plugins = [
+    "tests.engine_fixtures",
+    "tests.store_fixtures",
+    "tests.run_fixtures",
+]  # engine_*, store_*/pg_*, fixture_run
 
 from harnessrl.gateway.app import GatewayConfig, create_app  # noqa: E402
 from harnessrl.services import Service, free_port, start_engine  # noqa: E402

@@ -25,6 +25,7 @@ from harnessrl.chat import render_chat
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.budget import clamp
 from harnessrl.gateway.canonical import Generation, Sampling, TokenRecord
+from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from harnessrl.gateway.errors import APIError, ErrorLog
 from harnessrl.gateway.faces import ResponseIds
 from harnessrl.gateway.faces import anthropic as anthropic_face
@@ -32,7 +33,6 @@ from harnessrl.gateway.faces import responses as responses_face
 from harnessrl.gateway.faces.fields import ignored_fields
 from harnessrl.gateway.faces.models import model_list, wants_anthropic
 from harnessrl.gateway.faces.tools import anthropic_tools, custom_input, responses_tools
-from harnessrl.gateway.inference import TitoTokenizer
 from harnessrl.gateway.metrics import Metrics
 from harnessrl.modeling.loading import make_tiny_model_dir
 from harnessrl.services import Service, free_port, start_engine

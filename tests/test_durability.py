@@ -13,12 +13,15 @@ import httpx
 
 from harnessrl.schema import CallStatus
 from harnessrl.services import Service, free_port, start_gateway
-from harnessrl.store import SQLiteStore
+from tests.store_fixtures import StoreFactory
 
 
-def test_store_survives_kill_9_of_the_gateway(engine: Service, tmp_path: Path) -> None:
+def test_store_survives_kill_9_of_the_gateway(
+    engine: Service, tmp_path: Path, store_factory: StoreFactory
+) -> None:
+    """On SQLite and on PostgreSQL: the gateway answers a call only once it is committed."""
     admin = "admin-" + secrets.token_hex(8)
-    store_path = tmp_path / "store.sqlite"
+    store_path = store_factory.spec
     gw = start_gateway(store_path, engine.url, free_port(), admin, tmp_path, default_max_tokens=4)
     gw.wait_healthy(60)
     keys = []
@@ -58,7 +61,7 @@ def test_store_survives_kill_9_of_the_gateway(engine: Service, tmp_path: Path) -
     for t in threads:
         t.join()
     assert len(delivered) >= 40
-    store = SQLiteStore(store_path)
+    store = store_factory.open()
     stored = {}
     for page_rollouts in [store.list_rollouts(limit=100)[0]]:
         for ro in page_rollouts:

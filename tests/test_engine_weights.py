@@ -14,7 +14,7 @@ import torch
 
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult, Scheduler, Sequence
+from harnessrl.engine.scheduler import EngineSequence, GenerationResult, Scheduler
 from harnessrl.engine.server import ServerThread
 from harnessrl.modeling.loading import load_model, load_tokenizer
 from tests.conftest_engine import full_forward_logprobs, start_server, tiny_dir
@@ -120,7 +120,7 @@ def _run_scheduler(
     sched = Scheduler(model, text, max_batch=2, max_model_len=64, eos_ids=eos)
     box: list[GenerationResult | BaseException] = []
     done = threading.Event()
-    seq = Sequence(prompt, seq_params, lambda r: (box.append(r), done.set()), text, torch.device("cpu"))
+    seq = EngineSequence(prompt, seq_params, lambda r: (box.append(r), done.set()), text, torch.device("cpu"))
     sched.start()
     sched.submit(seq)
     done.wait(60)

@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from harnessrl.gateway import sglang
-from harnessrl.gateway.upstream import UpstreamClientError, UpstreamFailed
+from harnessrl.gateway.engine_client import sglang
+from harnessrl.gateway.engine_client.upstream import UpstreamClientError, UpstreamFailed
 from harnessrl.modeling.loading import load_tokenizer
 from harnessrl.services import Service
 from tests.conftest import GatewayHandle, ThreadServer

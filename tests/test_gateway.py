@@ -373,3 +373,33 @@ def test_usage_reports_the_prompt_tokens_the_engine_had_cached(
     (usage,) = [chunk.usage for chunk in stream if chunk.usage is not None]  # streamed: the closing chunk
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
     assert 100 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_non_streamed_call_whose_client_hangs_up_is_cut_and_recorded_cancelled(
+    make_gateway: Callable[..., GatewayHandle], path: str
+) -> None:
+    """The engine stops generating for nobody: the call is cut when the client goes, not run to its end."""
+    gw = make_gateway()
+    rid, key = gw.new_rollout(sampling={"temperature": 1.0})
+    body: dict[str, object] = {"model": "m", "max_tokens": 1800, "seed": 1}
+    if path == "/v1/completions":
+        body["prompt"] = "Count: 1 2 3"
+    else:
+        body["messages"] = [{"role": "user", "content": "Count to a thousand."}]
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.5 s and closes its connection
+        httpx.post(f"{gw.url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=0.5)
+    deadline = time.monotonic() + 15
+    while not gw.store.calls(rid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (call,) = gw.store.calls(rid)
+    assert call.status == CallStatus.CANCELLED and call.finish_reason == "cancelled"
+    assert call.error == "cancelled: the client disconnected before the answer"
+    assert call.latency_s < 5, call.latency_s
+    # the engine aborted the sequence: nothing of it runs any more
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{gw.engine_url}/admin/stats").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{gw.engine_url}/admin/stats").json()["running"] == 0
+    assert time.monotonic() - t0 < 15  # 1,800 tokens of the tiny model take longer than that on 2 cores

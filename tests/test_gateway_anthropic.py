@@ -12,7 +12,7 @@ import pytest
 
 from harnessrl.adapter import merge_calls
 from harnessrl.chat import render_chat
-from harnessrl.gateway.inference import TitoTokenizer
+from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from tests.conftest import GatewayHandle
 
 TOOLS = [{"name": "calculator", "description": "Evaluate arithmetic.",

@@ -67,3 +67,37 @@ def test_metrics_count_calls_tokens_and_errors(make_gateway: Callable[..., Gatew
     assert 'harnessrl_gateway_errors_total{status="400"} 1' in text
     assert 'harnessrl_gateway_call_latency_seconds_count{face="openai.chat"} 1' in text
     assert "harnessrl_gateway_paused 0" in text and "harnessrl_gateway_in_flight 0" in text
+
+
+async def test_replicas_on_one_postgres_store_push_each_others_state_changes(engine, pg_url: str) -> None:  # type: ignore[no-untyped-def]
+    """Two gateways on one PostgreSQL database: a reader of A's event stream sees what B stored at
+    once (LISTEN/NOTIFY), not at A's next keep-alive."""
+    import secrets
+
+    from harnessrl.gateway.app import GatewayConfig, create_app
+    from harnessrl.store import open_store
+    from tests.conftest import ThreadServer
+
+    admin = "admin-" + secrets.token_hex(8)
+    stores = [open_store(pg_url), open_store(pg_url)]
+    cfg = GatewayConfig(admin_key=admin, upstream_url=engine.url)
+    with ThreadServer(create_app(cfg, stores[0])) as a, ThreadServer(create_app(cfg, stores[1])) as b:
+        reader, writer = ControlClient(a.url, admin), ControlClient(b.url, admin)
+        seen: list[tuple[str, float]] = []
+
+        async def listen() -> None:
+            async for ev in reader.events(after=0):
+                seen.append((ev.rollout_id, asyncio.get_running_loop().time()))
+                return
+
+        listener = asyncio.create_task(listen())
+        await asyncio.sleep(0.5)  # the stream is open and waiting before B writes
+        t0 = asyncio.get_running_loop().time()
+        created = await writer.create_rollout(RolloutCreate(client_id="x", task_id="t"))
+        await asyncio.wait_for(listener, timeout=10)
+        assert seen[0][0] == created.rollout.rollout_id
+        assert seen[0][1] - t0 < 5  # well before the 15 s keep-alive of a stream that only polls on wake
+        await reader.aclose()
+        await writer.aclose()
+    for s in stores:
+        s.close()

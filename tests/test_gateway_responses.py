@@ -11,7 +11,7 @@ from openai import OpenAI
 
 from harnessrl.adapter import merge_calls
 from harnessrl.chat import render_chat
-from harnessrl.gateway.inference import TitoTokenizer
+from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from tests.conftest import GatewayHandle
 
 TOOLS = [{"type": "function", "name": "calculator", "description": "Evaluate arithmetic.",

@@ -21,7 +21,7 @@ import uvicorn
 from bench.reliability.fault_engine import FaultEngineThread
 
 from harnessrl.gateway.app import GatewayConfig, create_app
-from harnessrl.gateway.upstream import Upstream, UpstreamPool
+from harnessrl.gateway.engine_client.upstream import Upstream, UpstreamPool
 from harnessrl.schema import Call, CallStatus
 from harnessrl.services import free_port
 from harnessrl.store import SQLiteStore

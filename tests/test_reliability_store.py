@@ -8,19 +8,18 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from bench.reliability.fault_engine import FaultEngineThread
 
 from harnessrl.gateway.errors import APIError
 from harnessrl.gateway.writer import CallWriter
 from harnessrl.schema import Call, CallStatus, RolloutCreate
 from harnessrl.services import free_port, start_gateway
-from harnessrl.store import SQLiteStore
+from harnessrl.store import SQLiteStore, Store
+from tests.store_fixtures import StoreFactory
 
 
 def nested(depth: int) -> Any:
@@ -37,14 +36,7 @@ def make_call(rollout_id: str, n: int, request: dict[str, Any] | None = None) ->
                 request=request or {"messages": [{"role": "user", "content": f"hi {n}"}]})  # fmt: skip
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[SQLiteStore]:
-    s = SQLiteStore(tmp_path / "store.sqlite")
-    yield s
-    s.close()
-
-
-async def test_a_call_that_cannot_be_stored_fails_alone(store: SQLiteStore) -> None:
+async def test_a_call_that_cannot_be_stored_fails_alone(store: Store) -> None:
     writer = CallWriter(store)
     rollouts = [
         store.create_rollout(RolloutCreate(client_id=f"c{i}", task_id="t"), f"r{i}")[0] for i in range(3)
@@ -65,14 +57,20 @@ async def test_a_call_that_cannot_be_stored_fails_alone(store: SQLiteStore) -> N
     assert [c.index for c in store.calls(rollouts[0].rollout_id)] == list(range(10))
 
 
-def test_a_stored_row_never_makes_its_rollout_unreadable(store: SQLiteStore, tmp_path: Path) -> None:
+def test_a_stored_row_never_makes_its_rollout_unreadable(store_factory: StoreFactory) -> None:
     """Rows stored before the door policy may nest past pydantic's JSON reader (~200 levels)."""
+    store = store_factory.open()
     rollout, _ = store.create_rollout(RolloutCreate(client_id="c", task_id="t"), "r-deep")
     store.add_calls([make_call("r-deep", 0), make_call("r-deep", 1, {"metadata": nested(230)})])
-    with store._lock:  # a row no reader can parse at all
-        store._db.execute(
-            "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES ('broken', 'r-deep', 0, 2, '{oops')"
-        )
+    broken = "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES ('broken', 'r-deep', 0, 2, '{oops')"
+    if isinstance(store, SQLiteStore):  # a row no reader can parse at all
+        with store._lock:
+            store._db.execute(broken)
+    else:
+        import psycopg
+
+        with psycopg.connect(str(store_factory.spec), autocommit=True) as conn:
+            conn.execute(broken)
     calls = store.calls(rollout.rollout_id)
     assert [c.call_id for c in calls] == ["call-r-deep-0", "call-r-deep-1", "broken"]
     assert calls[0].status == CallStatus.OK

@@ -25,7 +25,7 @@ from openai import OpenAI
 from harnessrl.adapter.merge import merge_calls
 from harnessrl.chat import render_chat, render_tool_call
 from harnessrl.gateway.app import GatewayConfig, create_app
-from harnessrl.gateway.inference import TitoTokenizer
+from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from harnessrl.modeling.loading import smollm2_tokenizer_dir
 from harnessrl.services import Service, free_port, start_service
 from harnessrl.store import SQLiteStore

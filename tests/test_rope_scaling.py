@@ -303,8 +303,7 @@ def test_long_names_resolve_and_bad_ones_are_refused() -> None:
         resolve_model("smollm2-16q")
 
 
-@pytest.mark.skipif(not _SMOLLM2.is_file(), reason="SmolLM2 not converted yet (run the engine once)")
-def test_smollm2_16k_directory() -> None:
+def test_smollm2_16k_directory(smollm2_model_dir: Path) -> None:
     d = resolve_model("smollm2-16k")
     cfg = load_config(d)
     assert d.name == "SmolLM2-135M-Instruct-yarn-16k" and cfg.max_position_embeddings == 16384
@@ -314,8 +313,7 @@ def test_smollm2_16k_directory() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _SMOLLM2.is_file(), reason="SmolLM2 not converted yet (run the engine once)")
-def test_smollm2_16k_engine_equals_trainer_past_8k_positions() -> None:
+def test_smollm2_16k_engine_equals_trainer_past_8k_positions(smollm2_model_dir: Path) -> None:
     """The real SmolLM2 (whose logits, unlike the tiny model's, show a slightly inexact kernel) scaled to
     16k: the engine's logprobs for tokens at positions past its original 8,192 equal the trainer's."""
     from pydoc_data.topics import topics

@@ -1,4 +1,4 @@
-"""The rollout state machine and the SQLite store."""
+"""The rollout state machine and the store, on both backends (SQLite, and a real PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from harnessrl.schema import (
     now,
 )
 from harnessrl.store import Conflict, NotFound, SQLiteStore
+from tests.store_fixtures import StoreFactory
 
 
 def test_transition_table_is_the_documented_machine() -> None:
@@ -47,8 +48,8 @@ def _call(rid: str, cid: str, attempt: int = 0) -> Call:
     )  # fmt: skip
 
 
-def test_store_lifecycle(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path / "s.sqlite")
+def test_store_lifecycle(store_factory: StoreFactory) -> None:
+    store = store_factory.open()
     ro, created = store.create_rollout(RolloutCreate(client_id="c1", task_id="t1", input={"q": 1}), "ra")
     assert created and ro.state == RolloutState.QUEUED
     again, created2 = store.create_rollout(RolloutCreate(client_id="c1", task_id="t1"), "rb")
@@ -75,14 +76,19 @@ def test_store_lifecycle(tmp_path: Path) -> None:
     detail = store.detail("ra")
     assert detail.attempts[0].exit_code == 3 and len(detail.calls) == 2 and detail.reward is not None
     store.close()
-    reopened = SQLiteStore(tmp_path / "s.sqlite")
+    reopened = store_factory.open()
     assert reopened.detail("ra") == detail
 
 
-def test_store_is_wal_and_pages_by_cursor(tmp_path: Path) -> None:
+def test_sqlite_store_is_wal(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "s.sqlite")
     mode = sqlite3.connect(tmp_path / "s.sqlite").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
+    store.close()
+
+
+def test_store_pages_by_cursor(store_factory: StoreFactory) -> None:
+    store = store_factory.open()
     for i in range(7):
         store.create_rollout(RolloutCreate(client_id=f"c{i}", task_id="t"), f"r{i}")
     store.start_attempt("r3")
@@ -98,11 +104,62 @@ def test_store_is_wal_and_pages_by_cursor(tmp_path: Path) -> None:
     assert [r.rollout_id for r in running] == ["r3"]
 
 
-def test_retry_path_requeues_then_runs_a_second_attempt(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path / "s.sqlite")
+def test_retry_path_requeues_then_runs_a_second_attempt(store_factory: StoreFactory) -> None:
+    store = store_factory.open()
     store.create_rollout(RolloutCreate(client_id="c", task_id="t"), "r")
     store.start_attempt("r")
     store.finish_attempt("r", 0, AttemptFinish(status=AttemptStatus.INFRA_ERROR, error="boom"))
     store.set_state("r", RolloutState.QUEUED)
     assert store.start_attempt("r").attempt == 1
     assert [a.status for a in store.attempts("r")] == [AttemptStatus.INFRA_ERROR, AttemptStatus.RUNNING]
+
+
+def test_events_are_numbered_in_order_and_wake_a_waiter(store_factory: StoreFactory) -> None:
+    store = store_factory.open()
+    store.create_rollout(RolloutCreate(client_id="c", task_id="t", group_id="g"), "r")
+    store.start_attempt("r")
+    store.set_state("r", RolloutState.SUCCEEDED)
+    store.set_state("r", RolloutState.SUCCEEDED)  # a repeat is no new event
+    events = store.events()
+    assert [e.state for e in events] == [RolloutState.QUEUED, RolloutState.RUNNING, RolloutState.SUCCEEDED]
+    assert [e.seq for e in events] == sorted({e.seq for e in events}) and events[0].group_id == "g"
+    assert [e.seq for e in store.events(after=events[0].seq)] == [e.seq for e in events[1:]]
+    assert store.wait_events(after=events[1].seq, timeout_s=5)  # already there: at once
+    assert not store.wait_events(after=events[-1].seq, timeout_s=0.2)
+
+
+def test_store_errors_name_the_problem(store_factory: StoreFactory) -> None:
+    store = store_factory.open()
+    with pytest.raises(NotFound, match="rollout 'missing' not found"):
+        store.set_reward("missing", RewardIn(value=1.0))
+    with pytest.raises(NotFound):
+        store.start_attempt("missing")
+    store.create_rollout(RolloutCreate(client_id="c", task_id="t"), "r")
+    with pytest.raises(NotFound, match="attempt 0"):
+        store.finish_attempt("r", 0, AttemptFinish(status=AttemptStatus.EXITED))
+    store.start_attempt("r")
+    store.finish_attempt("r", 0, AttemptFinish(status=AttemptStatus.EXITED, exit_code=0))
+    store.finish_attempt("r", 0, AttemptFinish(status=AttemptStatus.EXITED, exit_code=0))  # repeat: no-op
+    with pytest.raises(Conflict, match="already ended as exited"):
+        store.finish_attempt("r", 0, AttemptFinish(status=AttemptStatus.TIMEOUT))
+    with pytest.raises(Conflict, match="running"):
+        store.finish_attempt("r", 0, AttemptFinish(status=AttemptStatus.RUNNING))
+    assert store.get_reward("r") is None and store.get_rollout("missing") is None
+
+
+def test_meta_keeps_the_first_value_and_calls_page_from_the_end(store_factory: StoreFactory) -> None:
+    store = store_factory.open()
+    assert store.get_meta("secret") is None
+    assert store.set_meta_if_absent("secret", "a") == "a"
+    assert store.set_meta_if_absent("secret", "b") == "a"
+    assert store_factory.open().get_meta("secret") == "a"
+    store.create_rollout(RolloutCreate(client_id="c", task_id="t"), "r")
+    stored = store.add_calls([_call("r", f"c-{i}") for i in range(5)])
+    assert [c.index for c in stored] == list(range(5))
+    assert store.count_calls("r") == 5 and store.count_calls("other") == 0
+    assert [c.call_id for c in store.recent_calls("r", 2)] == ["c-3", "c-4"]
+    assert store.calls("r")[4].completion_logprobs == [-0.5] and store.calls("r")[4].weight_version == 7
+    with pytest.raises(Exception):  # noqa: B017 - the same call id twice is refused, whatever the backend
+        store.add_call(_call("r", "c-0"))
+    assert store.count_calls("r") == 5
+    assert store.add_call(_call("r", "c-5")).index == 5  # numbering goes on after a failed write

@@ -10,7 +10,7 @@ from openai import OpenAI
 
 from harnessrl.adapter import merge_calls
 from harnessrl.chat import render_chat
-from harnessrl.gateway.inference import TitoTokenizer
+from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from harnessrl.gateway.tito import build_prompt
 from harnessrl.schema import Call, CallStatus
 from tests.conftest import GatewayHandle

@@ -49,7 +49,7 @@ from bench.reliability.slow import slow_and_disconnect_cases
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "reliability.json"
 # Errors that escaped the handlers (uvicorn logs them; the client got no proper answer). A handler's
-# own unhandled error (`unhandled_error` in the log) is answered 500 and counted among the answers.
+# own unhandled error (`event=unhandled_error` in the log) is answered 500 and counted among the answers.
 LOG_ERRORS = re.compile(r"Exception in ASGI application")
 
 

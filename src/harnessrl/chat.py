@@ -174,8 +174,17 @@ def normalize_message(m: Any) -> tuple[Any, ...]:
         text = content_text(m.get("content"))
     except ChatFormatError:
         text = repr(m.get("content"))
-    calls = []
-    for c in m.get("tool_calls") or []:
+    calls = [
+        (name, json.dumps(args, sort_keys=True)) for _, name, args in tool_call_parts(m.get("tool_calls"))
+    ]
+    return (role, text, tuple(calls))
+
+
+def tool_call_parts(tool_calls: Any) -> list[tuple[Any, Any, Any]]:
+    """(id, name, arguments) of each OpenAI-style tool call, the arguments parsed from their JSON
+    string when they are valid JSON (kept as given otherwise); malformed entries give Nones."""
+    out = []
+    for c in tool_calls or []:
         fn = c.get("function", {}) if isinstance(c, dict) else {}
         args = fn.get("arguments")
         if isinstance(args, str):
@@ -183,8 +192,8 @@ def normalize_message(m: Any) -> tuple[Any, ...]:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 pass
-        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
-    return (role, text, tuple(calls))
+        out.append((c.get("id") if isinstance(c, dict) else None, fn.get("name"), args))
+    return out
 
 
 @dataclass

@@ -14,6 +14,10 @@ EPILOG = """commands:
   check     one graded attempt of a config's harness before training: harnessrl check --config C
   train     train a config: harnessrl train --config my_agent/config.yaml [--resume | --fresh]
   inspect   what a run recorded: harnessrl inspect runs/demo [--rollout ID] [--step N]
+  export    rows or traces for other tools: harnessrl export runs/demo --format parquet --out rows.parquet
+  validate  check an exported file against its schema: harnessrl validate rows.parquet
+  import    a trace file into a new run directory: harnessrl import trace.jsonl --run-dir runs/copy
+  dashboard browse a run in the browser: harnessrl dashboard --run runs/demo
   demo      train SmolLM2-135M through the calc harness on this CPU and report before/after
   engine    run the builtin engine server (see: harnessrl engine --help)
   gateway   run the gateway (see: harnessrl gateway --help)
@@ -23,6 +27,10 @@ PASSTHROUGH = {
     "engine": ("harnessrl.engine.server", "main"),
     "gateway": ("harnessrl.gateway.__main__", "main"),
     "inspect": ("harnessrl.inspect", "main"),
+    "export": ("harnessrl.export.cli", "export_main"),
+    "validate": ("harnessrl.export.cli", "validate_main"),
+    "import": ("harnessrl.export.cli", "import_main"),
+    "dashboard": ("harnessrl.dashboard.cli", "main"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 import shutil
 import sys
@@ -13,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH
 
 
 class _Section(BaseModel):
@@ -26,7 +28,7 @@ class EngineSection(_Section):
     # "smollm2-32k": the same weights with YaRN-scaled RoPE for long harness prompts)
     model: str = "smollm2"
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
-    max_batch: int = Field(default=32, ge=1)  # sequences the builtin engine decodes together
+    max_batch: int = Field(default=ENGINE_MAX_BATCH, ge=1)  # sequences the builtin engine decodes together
     # context length (prompt + completion) the engine accepts; None: the model's own (8,192 for smollm2,
     # 16,384 for smollm2-16k, 32,768 for smollm2-32k: RoPE-scaled variants, docs/long-context.md)
     max_model_len: int | None = Field(default=None, ge=64)
@@ -57,7 +59,9 @@ class GatewaySection(_Section):
     """The gateway process."""
 
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
-    default_max_tokens: int = Field(default=256, ge=1)  # completion budget of a call whose request sets none
+    default_max_tokens: int = Field(
+        default=DEFAULT_MAX_TOKENS, ge=1
+    )  # completion budget of a call whose request sets none
     mode: Literal["passthrough", "tito"] = "passthrough"  # tito: the gateway builds prompts from token IDs
 
 
@@ -140,6 +144,9 @@ class ControllerSection(_Section):
         )
 
 
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]
+
+
 class TrainSection(_Section):
     """The RL schedule (sync or collocated async) and the PPO update."""
 
@@ -187,6 +194,9 @@ class TrainSection(_Section):
     train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
     time_budget_s: float | None = None  # stop after the step during which this much training time ran out
     device: str = "cpu"  # where the policy (and reference) model trains: "cpu" or "cuda[:N]"
+    # data-parallel trainer ranks: k > 1 starts k - 1 worker processes that each take a share of every
+    # update's rows (DDP over gloo, CPU only so far); the update equals the 1-rank one (docs/scale.md)
+    world_size: int = Field(default=1, ge=1)
     # linear layers of the policy on CPU: oneDNN-packed (forward and input gradient), F.linear, or auto
     # (oneDNN when its probe logprobs are within 1e-4 of F.linear's; see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
@@ -196,6 +206,15 @@ class TrainSection(_Section):
     # at each update's pause, cut non-streaming generations still running and resend them after the
     # update (under the new weights) instead of waiting for them (async: rollouts keep running)
     preempt_on_pause: bool = True
+    # where step metrics go besides metrics.jsonl, each with a table of sample completions per step:
+    # tensorboard (RUN_DIR/tensorboard), wandb (Weights & Biases), mlflow (docs/trackers.md)
+    log_to: list[TrackerName] = Field(default_factory=lambda: list[TrackerName](["tensorboard"]))
+    sample_rollouts: int = Field(default=4, ge=0)  # rollouts per step in the trackers' sample table (0: none)
+    wandb_project: str = "harnessrl"  # the Weights & Biases project of the run
+    # offline: the run's files in RUN_DIR/wandb, uploaded later with `wandb sync`; online: live (needs a login)
+    wandb_mode: Literal["offline", "online"] = "offline"
+    # an MLflow server or store URI (None: a file store in RUN_DIR/mlruns)
+    mlflow_tracking_uri: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TrainSection:
@@ -214,6 +233,14 @@ class TrainSection(_Section):
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
         _check_device(self.device, "train.device")
+        if self.world_size > 1 and self.device != "cpu":
+            raise ValueError("train.world_size > 1 runs CPU ranks (gloo) only so far; set train.device: cpu")
+        for tracker, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
+            if tracker in self.log_to and importlib.util.find_spec(module) is None:
+                raise ValueError(
+                    f"log_to has {tracker}, but the {module} package is not installed: "
+                    "pip install 'harnessrl[trackers]' (or remove it from train.log_to)"
+                )
         return self
 
 
@@ -323,6 +350,10 @@ class RunConfig(_Section):
     # the config file's folder
     config_dir: str = ""
     run_dir: str = "runs/demo"  # where the run keeps its store, logs, checkpoints and summary (relative to the current folder)
+    # Where the gateway records rollouts and calls: "" is `<run_dir>/store.sqlite`; another path is a
+    # SQLite file; a postgresql://user@host:port/db URL is a PostgreSQL database (the `postgres` extra;
+    # migrations are applied at start; docs/operations.md). `harnessrl inspect` reads SQLite stores only.
+    store: str = ""
     harness: HarnessSection = Field(default_factory=HarnessSection)
     tasks: TasksSection = Field(default_factory=TasksSection)
     grader: GraderSection = Field(default_factory=GraderSection)

@@ -35,6 +35,7 @@ from harnessrl.trainer.async_loop import run_async
 from harnessrl.trainer.loop import EvalResult, TrainContext, evaluate, run_sync
 from harnessrl.trainer.metrics import MetricsLogger, finite_json
 from harnessrl.trainer.ppo import lr_lambda
+from harnessrl.trainer.trackers import make_trackers
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def start_services(
     mode = "tito" if cfg.engine.kind == "sglang" else cfg.gateway.mode  # SGLang returns ids only to tito
     gateway_port = cfg.gateway.port or free_port()
     gateway = start_gateway(
-        run_dir / "store.sqlite", engine_url, gateway_port, admin_key, run_dir / "logs",
+        cfg.store or run_dir / "store.sqlite", engine_url, gateway_port, admin_key, run_dir / "logs",
         cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
         upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
     )  # fmt: skip
@@ -209,20 +210,25 @@ async def _run_async(
             if not report.ok:
                 raise CheckFailed(report)
         model = load_model(model_dir, device=cfg.train.device)
-        log.info(
-            "event=trainer_matmul path=%r",
-            use_onednn_for_training(model, cfg.train.matmul, model.lm_head.weight.device),
-        )
+        matmul = use_onednn_for_training(model, cfg.train.matmul, model.lm_head.weight.device)
+        log.info("event=trainer_matmul path=%r", matmul)
         tc = cfg.train
         optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
         schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
-        metrics = MetricsLogger(run_dir)
+        metrics = MetricsLogger(run_dir, make_trackers(
+            tc.log_to, run_dir, run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project, tc.wandb_mode,
+            tc.mlflow_tracking_uri))  # fmt: skip
         ctx = TrainContext(
             cfg, run_id, run_dir, client, controller, engine, model, optimizer, metrics, progress,
             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
             ref_model=load_model(model_dir, device=tc.device).requires_grad_(False) if tc.kl_coef > 0 else None,
             heldout=heldout, notify=notify,
         )  # fmt: skip
+        if tc.world_size > 1:  # ranks 1..k-1 hold replicas; rank 0 (this process) publishes and checkpoints
+            from harnessrl.trainer.distributed import DataParallel
+
+            ctx.data_parallel = DataParallel(model, optimizer, model_dir, tc.world_size, threads=tc.threads,
+                                             matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs")  # fmt: skip
         train = run_async if tc.schedule == "async" else run_sync
         try:
             temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
@@ -233,6 +239,8 @@ async def _run_async(
             after = [await evaluate(ctx, heldout, f"eval-after-{steps}-t{t:g}", t) for t in temps]
         finally:
             metrics.close()
+            if ctx.data_parallel is not None:
+                ctx.data_parallel.close()
     finally:
         await client.aclose()
         await engine.aclose()

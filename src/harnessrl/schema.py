@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TRACE_SCHEMA_VERSION = 1
+TRACE_SCHEMA_VERSION: Final = 1
 """Version of the stored/exported trace schema; bump on any incompatible change."""
 
 

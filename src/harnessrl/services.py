@@ -108,7 +108,7 @@ def start_engine(
 
 
 def start_gateway(
-    store_path: Path,
+    store_path: Path | str,
     upstream_url: str,
     port: int,
     admin_key: str,
@@ -118,7 +118,7 @@ def start_gateway(
     tokenizer: Path | None = None,
     upstream_kind: str = "openai",
 ) -> Service:
-    """The gateway over the SQLite store at `store_path`."""
+    """The gateway over the store `store_path`: a SQLite file, or a postgresql:// URL."""
     args = ["harnessrl.gateway", "--store", str(store_path), "--upstream", upstream_url, "--port", str(port)]
     args += [
         "--default-max-tokens",

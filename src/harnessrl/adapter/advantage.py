@@ -52,15 +52,20 @@ def group_advantages(
     raise ValueError(f"unknown estimator {estimator!r}")
 
 
+def _members(rewards: Mapping[str, float], groups: Mapping[str, str]) -> list[list[str]]:
+    """The rollout ids of each group (in the order of `rewards`)."""
+    members: dict[str, list[str]] = defaultdict(list)
+    for rid in rewards:
+        members[groups[rid]].append(rid)
+    return list(members.values())
+
+
 def rollout_advantages(
     rewards: Mapping[str, float], groups: Mapping[str, str], estimator: Estimator = Estimator.GRPO
 ) -> dict[str, float]:
     """Rollout-level advantages: statistics over the rollouts of each group, one value per rollout."""
-    members: dict[str, list[str]] = defaultdict(list)
-    for rid in rewards:
-        members[groups[rid]].append(rid)
     out: dict[str, float] = {}
-    for rids in members.values():
+    for rids in _members(rewards, groups):
         for rid, adv in zip(rids, group_advantages([rewards[r] for r in rids], estimator), strict=True):
             out[rid] = adv
     return out
@@ -73,11 +78,8 @@ def sample_level_advantages(
     eps: float = EPS,
 ) -> dict[str, float]:
     """Ablation: GRPO statistics over rows (each rollout weighted by its row count), per rollout."""
-    members: dict[str, list[str]] = defaultdict(list)
-    for rid in rewards:
-        members[groups[rid]].append(rid)
     out: dict[str, float] = {}
-    for rids in members.values():
+    for rids in _members(rewards, groups):
         k = [rows_per_rollout.get(r, 0) for r in rids]
         total = sum(k)
         if total == 0 or len({rewards[r] for r in rids}) == 1:

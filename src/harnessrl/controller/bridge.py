@@ -37,7 +37,7 @@ class GatewayBridge:
         try:
             up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
         except OSError as e:
-            log.warning("sandbox_bridge_connect_failed gateway=%s:%d error=%s", self.host, self.port, e)
+            log.warning("event=sandbox_bridge_connect_failed gateway=%s:%d error=%s", self.host, self.port, e)
             writer.close()
             return
         self._writers.update((writer, up_writer))

@@ -75,7 +75,7 @@ class AttemptCgroup:
                     self.dirs.append(d)
                 self._limit(controller, d)
         except OSError as e:
-            log.warning("cgroup_unavailable error=%s", e)
+            log.warning("event=cgroup_unavailable error=%s", e)
             self._remove()
             return self
         self.available = True
@@ -127,7 +127,7 @@ class AttemptCgroup:
             await asyncio.sleep(delay)
             waited += delay
             delay = min(delay * 2, 0.1)
-        log.warning("cgroup_not_removed dirs=%s", [str(d) for d in self.dirs])
+        log.warning("event=cgroup_not_removed dirs=%s", [str(d) for d in self.dirs])
 
     def _remove(self) -> bool:
         for d in list(self.dirs):

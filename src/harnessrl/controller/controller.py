@@ -127,7 +127,7 @@ class Controller:
             await self._final(rid, RolloutState.CANCELLED)
             raise
         except (ControlError, OSError) as e:
-            log.error("rollout_error rollout=%s error=%s", rid, e)
+            log.error("event=rollout_error rollout=%s error=%s", rid, e)
             await self._final(rid, RolloutState.FAILED)
             return RolloutOutcome(
                 rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, str(e), "infra"
@@ -176,11 +176,11 @@ class Controller:
                 if result is not None:
                     await self.client.finish_attempt(rid, a.attempt, _finish(result))
                     if result.infra_error is None:
-                        log.info("attempt_resumed rollout=%s attempt=%d", rid, a.attempt)
+                        log.info("event=attempt_resumed rollout=%s attempt=%d", rid, a.attempt)
                         return await self._grade(req, rid, result), 0
                     continue
             killed = reap_attempt(self._workdir(rid, a.attempt))
-            log.warning("attempt_abandoned rollout=%s attempt=%d killed=%s", rid, a.attempt, killed)
+            log.warning("event=attempt_abandoned rollout=%s attempt=%d killed=%s", rid, a.attempt, killed)
             error = "abandoned: the controller running it stopped"
             await self.client.finish_attempt(
                 rid, a.attempt, AttemptFinish(status=AttemptStatus.INFRA_ERROR, error=error)
@@ -197,7 +197,7 @@ class Controller:
                 stdout_tail=_read_tail(workdir / "stdout.txt", self.harness.max_output_bytes),
                 stderr_tail=_read_tail(workdir / "stderr.txt", self.harness.max_output_bytes),
             )
-            log.info("attempt_regraded rollout=%s attempt=%d", rid, last.attempt)
+            log.info("event=attempt_regraded rollout=%s attempt=%d", rid, last.attempt)
             return await self._grade(req, rid, result), used
         if detail.rollout.state == RolloutState.RUNNING:
             await self.client.set_state(rid, RolloutState.QUEUED)
@@ -221,7 +221,9 @@ class Controller:
             if result.infra_error is not None:
                 error = result.infra_error
                 await self.client.finish_attempt(rid, attempt.attempt, _finish(result))
-                log.warning("attempt_infra_error rollout=%s attempt=%d error=%s", rid, attempt.attempt, error)
+                log.warning(
+                    "event=attempt_infra_error rollout=%s attempt=%d error=%s", rid, attempt.attempt, error
+                )
                 await self.client.set_state(rid, RolloutState.QUEUED)
                 continue
             await self.client.finish_attempt(rid, attempt.attempt, _finish(result))
@@ -241,7 +243,7 @@ class Controller:
                 reward = await grade(self.grader, req.task, result, self.grader_timeout_s)
                 break
             except GraderError as e:
-                log.error("grader_error rollout=%s try=%d error=%s", rid, tries, e)
+                log.error("event=grader_error rollout=%s try=%d error=%s", rid, tries, e)
                 error = str(e)
         if reward is None:  # the grader crashed every time: the rollout fails, reported as such
             _write_grader_error(result.output_dir.parent, error)
@@ -257,7 +259,7 @@ class Controller:
         try:
             await self.client.set_state(rid, state)
         except (ControlError, OSError) as e:
-            log.error("state_update_failed rollout=%s state=%s error=%s", rid, state, e)
+            log.error("event=state_update_failed rollout=%s state=%s error=%s", rid, state, e)
 
 
 def _write_grader_error(workdir: Path, error: str) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harnessrl.controller.isolation import IsolationError, attempt_uid, finish_attempt, give_attempt_dirs
+from harnessrl.controller.isolation import IsolationError, attempt_identity, finish_attempt
 from harnessrl.controller.runner import (
     DEFAULT_PASSTHROUGH,
     AttemptResult,
@@ -140,15 +140,11 @@ class ForkServerRunner:
         if _interpreter_env(env) != _interpreter_env(self._zygote_env()):
             return await self._local.run(spec, harness)  # e.g. PYTHONHASHSEED: read only at start-up
         with contextlib.ExitStack() as stack:
+            program = [self.python, *([target] if kind == "path" else [])]
             try:  # the uid must reach the interpreter and, for a script, the script
-                uid = attempt_uid(self.own_uid, spec.workdir, [self.python, *([target] if kind == "path" else [])], env, stack)  # fmt: skip
+                uid, cwd = attempt_identity(self.own_uid, spec.workdir, program, env, harness.env, stack)
             except (IsolationError, OSError) as e:
                 return AttemptResult(None, False, output_dir, "", "", infra_error=str(e))
-            cwd = spec.workdir
-            if uid is not None:
-                cwd = give_attempt_dirs(spec.workdir, uid)
-                if "HOME" not in harness.env:
-                    env["HOME"] = str(cwd)
             request = {"kind": kind, "target": target, "args": args, "cwd": str(cwd), "env": env, "uid": uid}
             try:
                 result = await self._forked(spec, harness, request)
@@ -190,7 +186,7 @@ class ForkServerRunner:
                 line = await asyncio.wait_for(reader.readline(), timeout=harness.timeout_s)
             except TimeoutError:
                 timed_out = True
-                log.info("attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
+                log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
                 kill_group(pid)
                 with contextlib.suppress(TimeoutError):
                     line = await asyncio.wait_for(reader.readline(), timeout=EXIT_REPORT_TIMEOUT_S)

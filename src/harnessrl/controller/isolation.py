@@ -287,6 +287,20 @@ class IsolationError(RuntimeError):
     """A harness was required to run under a uid of its own (`own_uid="required"`) and cannot."""
 
 
+def attempt_identity(setting: str, workdir: Path, command: list[str], env: dict[str, str], own_env: dict[str, str],
+                     stack: contextlib.ExitStack) -> tuple[int | None, Path]:  # fmt: skip
+    """The uid an attempt runs as (`attempt_uid`) and its working folder: with a uid of its own, the
+    attempt's `home/` handed to that uid (and `HOME` pointed there unless the harness sets its own in
+    `own_env`); otherwise `workdir`. Raises `IsolationError`/`OSError` as `attempt_uid` does."""
+    uid = attempt_uid(setting, workdir, command, env, stack)
+    if uid is None:
+        return None, workdir
+    cwd = give_attempt_dirs(workdir, uid)
+    if "HOME" not in own_env:
+        env["HOME"] = str(cwd)
+    return uid, cwd
+
+
 def attempt_uid(setting: str, workdir: Path, command: list[str], env: dict[str, str],
                 stack: contextlib.ExitStack) -> int | None:  # fmt: skip
     """The uid an attempt's harness runs as, held in `stack` until the attempt ends, or None to run it

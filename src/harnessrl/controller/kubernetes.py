@@ -133,7 +133,7 @@ class KubernetesRunner:
                 return _infra(output_dir, f"could not create Job {name}: {e}")
             return await self._follow(job, output_dir, harness.max_output_bytes)
         except asyncio.CancelledError:
-            log.info("k8s_attempt_cancelled job=%s deleting", name)
+            log.info("event=k8s_attempt_cancelled job=%s deleting", name)
             await asyncio.shield(self._cleanup(name))
             raise
 
@@ -195,16 +195,18 @@ class KubernetesRunner:
                 raise
         try:
             job = await self.api.create_job(self.namespace, job_body)
-            log.info("k8s_job_created job=%s rollout=%s attempt=%d", name, spec.rollout_id, spec.attempt)
+            log.info(
+                "event=k8s_job_created job=%s rollout=%s attempt=%d", name, spec.rollout_id, spec.attempt
+            )
         except KubeApiError as e:
             if e.status != 409:
                 raise
             job = await self.api.get_job(self.namespace, name)
-            log.info("k8s_job_adopted job=%s (already existed)", name)
+            log.info("event=k8s_job_adopted job=%s (already existed)", name)
         try:
             await self.api.patch_secret(self.namespace, name, owner_patch(job))
         except API_ERRORS as e:  # the Secret is still deleted when the attempt ends
-            log.warning("k8s_secret_owner_failed job=%s error=%s", name, e)
+            log.warning("event=k8s_secret_owner_failed job=%s error=%s", name, e)
         return job
 
     async def _follow(self, job: JSON, output_dir: Path, max_output_bytes: int) -> AttemptResult:
@@ -243,7 +245,7 @@ class KubernetesRunner:
         try:
             pods = await self.api.list_pods(self.namespace, f"{LABEL_JOB}={name}")
         except API_ERRORS as e:
-            log.warning("k8s_pod_check_failed job=%s error=%s", name, e)
+            log.warning("event=k8s_pod_check_failed job=%s error=%s", name, e)
             pods = []
         late = elapsed_s > self.spec.start_timeout_s
         for pod in pods:
@@ -284,12 +286,12 @@ class KubernetesRunner:
             )
         stdout, archive = split_log(log_text)
         if archive is None and not timed_out:
-            log.warning("k8s_no_output_marker job=%s (output files lost)", name)
+            log.warning("event=k8s_no_output_marker job=%s (output files lost)", name)
         try:
             unpack_output(archive or b"", output_dir, max_output_bytes)
         except (ValueError, OSError, EOFError) as e:
-            log.warning("k8s_output_unpack_failed job=%s error=%s", name, e)
-        log.info("k8s_attempt_done job=%s exit=%s timed_out=%s", name, exit_code, timed_out)
+            log.warning("event=k8s_output_unpack_failed job=%s error=%s", name, e)
+        log.info("event=k8s_attempt_done job=%s exit=%s timed_out=%s", name, exit_code, timed_out)
         return AttemptResult(exit_code, timed_out, output_dir, stdout[-max_output_bytes:], "")
 
     async def _cleanup(self, name: str) -> None:
@@ -297,9 +299,9 @@ class KubernetesRunner:
             try:
                 await delete(self.namespace, name)
             except API_ERRORS as e:
-                log.warning("k8s_cleanup_failed name=%s error=%s", name, e)
+                log.warning("event=k8s_cleanup_failed name=%s error=%s", name, e)
 
 
 def _infra(output_dir: Path, message: str) -> AttemptResult:
-    log.warning("k8s_attempt_infra_error error=%s", message)
+    log.warning("event=k8s_attempt_infra_error error=%s", message)
     return AttemptResult(None, False, output_dir, "", "", infra_error=message)

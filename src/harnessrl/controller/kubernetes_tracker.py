@@ -143,13 +143,13 @@ class JobTracker:
             try:
                 await self._watch(await self.relist())
             except TimeoutError:
-                log.info("k8s_watch_silent relisting namespace=%s", self.namespace)
+                log.info("event=k8s_watch_silent relisting namespace=%s", self.namespace)
             except KubeApiError as e:
-                log.info("k8s_watch_ended status=%d reason=%s relisting", e.status, e.reason)
+                log.info("event=k8s_watch_ended status=%d reason=%s relisting", e.status, e.reason)
                 if e.status == 410:  # expired resourceVersion: relist at once
                     continue
             except (httpx.HTTPError, ValueError) as e:
-                log.warning("k8s_watch_error error=%r relisting", e)
+                log.warning("event=k8s_watch_error error=%r relisting", e)
             # a stream that ends at once must not turn into a busy relist loop
             await asyncio.sleep(max(0.0, min(1.0, self.reconcile_interval_s) - (time.monotonic() - started)))
 

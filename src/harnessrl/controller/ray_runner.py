@@ -159,7 +159,7 @@ def write_files(output_dir: Path, files: dict[str, bytes]) -> None:
     for rel, data in files.items():
         parts = PurePosixPath(rel).parts
         if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
-            log.warning("ray_output_path_refused path=%r", rel)
+            log.warning("event=ray_output_path_refused path=%r", rel)
             continue
         target = output_dir.joinpath(*parts)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -249,7 +249,7 @@ class RayRunner:
                     log_to_driver=False,
                 )
                 self._connected_here = True
-                log.info("ray_connected address=%s", self.ray_spec.address)
+                log.info("event=ray_connected address=%s", self.ray_spec.address)
             if self._remote is None:
                 self._remote = ray.remote(_ray_task)
 
@@ -285,7 +285,7 @@ class RayRunner:
             node: NodeResult = await asyncio.wait_for(ref, timeout=deadline)
         except asyncio.CancelledError:
             ray.cancel(ref, force=True)
-            log.info("ray_attempt_cancelled rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
+            log.info("event=ray_attempt_cancelled rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
             raise
         except TimeoutError:
             ray.cancel(ref, force=True)
@@ -297,12 +297,12 @@ class RayRunner:
         (spec.workdir / "stderr.txt").write_text(node.stderr_tail)
         if node.skipped:
             log.warning(
-                "ray_output_skipped rollout=%s attempt=%d files=%s",
+                "event=ray_output_skipped rollout=%s attempt=%d files=%s",
                 spec.rollout_id,
                 spec.attempt,
                 node.skipped,
             )
-        log.info("ray_attempt_done rollout=%s attempt=%d node=%s host=%s exit=%s timed_out=%s",
+        log.info("event=ray_attempt_done rollout=%s attempt=%d node=%s host=%s exit=%s timed_out=%s",
                  spec.rollout_id, spec.attempt, node.node_id, node.hostname, node.exit_code, node.timed_out)  # fmt: skip
         return AttemptResult(
             exit_code=node.exit_code,
@@ -316,6 +316,9 @@ class RayRunner:
     @staticmethod
     def _infra(spec: AttemptSpec, output_dir: Path, error: str) -> AttemptResult:
         log.warning(
-            "ray_attempt_infra_error rollout=%s attempt=%d error=%s", spec.rollout_id, spec.attempt, error
+            "event=ray_attempt_infra_error rollout=%s attempt=%d error=%s",
+            spec.rollout_id,
+            spec.attempt,
+            error,
         )
         return AttemptResult(None, False, output_dir, "", "", infra_error=error)

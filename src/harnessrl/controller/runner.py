@@ -20,10 +20,9 @@ from typing import Any, Literal, Protocol
 
 from harnessrl.controller.isolation import (
     IsolationError,
-    attempt_uid,
+    attempt_identity,
     drop_to,
     finish_attempt,
-    give_attempt_dirs,
 )
 from harnessrl.services import die_with_parent
 
@@ -140,14 +139,11 @@ class LocalRunner:
         env = contract_env(spec, harness, task_file, output_dir)
         with contextlib.ExitStack() as stack:
             try:
-                uid = attempt_uid(self.own_uid, spec.workdir, harness.command, env, stack)
+                uid, cwd = attempt_identity(
+                    self.own_uid, spec.workdir, harness.command, env, harness.env, stack
+                )
             except (IsolationError, OSError) as e:
                 return AttemptResult(None, False, output_dir, "", "", infra_error=str(e))
-            cwd = spec.workdir
-            if uid is not None:
-                cwd = give_attempt_dirs(spec.workdir, uid)
-                if "HOME" not in harness.env:
-                    env["HOME"] = str(cwd)
             try:
                 result = await self._spawn(spec, harness, env, cwd, preexec(uid))
             finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
@@ -174,7 +170,7 @@ class LocalRunner:
                 await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
             except TimeoutError:
                 timed_out = True
-                log.info("attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
+                log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
             finally:
                 kill_group(proc.pid)  # also reaps anything the harness left running
                 if proc.returncode is None:

@@ -222,7 +222,10 @@ class SandboxRunner:
 
         def failed(why: str) -> AttemptResult:
             log.warning(
-                "sandbox_setup_failed rollout=%s attempt=%d error=%s", spec.rollout_id, spec.attempt, why
+                "event=sandbox_setup_failed rollout=%s attempt=%d error=%s",
+                spec.rollout_id,
+                spec.attempt,
+                why,
             )
             return AttemptResult(None, False, output_dir, "", "", infra_error=f"sandbox setup failed: {why}")  # fmt: skip
 
@@ -284,7 +287,7 @@ class SandboxRunner:
                     await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
                 except TimeoutError:
                     timed_out = True
-                    log.info("attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
+                    log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
                 finally:
                     kill_group(proc.pid)  # bwrap; --die-with-parent and the pid namespace do the rest
                     if proc.returncode is None:
@@ -296,7 +299,9 @@ class SandboxRunner:
                 os.close(status_w)
         stderr_tail = tail(err_path, harness.max_output_bytes)
         if cgroup.available and (kills := cgroup.oom_kills()):
-            log.info("attempt_oom rollout=%s attempt=%d killed=%d", spec.rollout_id, spec.attempt, kills)
+            log.info(
+                "event=attempt_oom rollout=%s attempt=%d killed=%d", spec.rollout_id, spec.attempt, kills
+            )
             stderr_tail += f"\n[sandbox] the attempt's memory limit killed {kills} process(es)\n"
         # the pid namespace is gone with bwrap: nothing of the attempt is left to race the cleaning
         stderr_tail += finish_attempt(spec.workdir, None, spec.rollout_id, spec.attempt)

@@ -8,6 +8,9 @@ from typing import Literal
 
 import torch
 
+from harnessrl.defaults import ENGINE_MAX_BATCH
+from harnessrl.engine.scheduler import PREFILL_CHUNK
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Default KV budget in tokens when max_batch * max_model_len is larger: 16 sequences of 8,192 tokens
 # (SmolLM2-135M: 46 KB a token in fp32, 6 GB). A long-context model (16k, 32k) then serves fewer of its
@@ -24,13 +27,13 @@ class EngineConfig:
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 8100
-    max_batch: int = 16
+    max_batch: int = ENGINE_MAX_BATCH
     max_model_len: int | None = None  # prompt + completion tokens; None: the model's max_position_embeddings
     threads: int | None = None  # torch intra-op threads; None = all cores
     served_model_name: str | None = None
     prefix_cache: bool = True
     weight_version: int = 0
-    prefill_chunk: int = 512  # prompt tokens per step while others decode (long prompts are chunked)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per step while others decode (long prompts chunked)
     # KV memory budget in tokens: a sequence is admitted only while the running sequences' prompt +
     # max_tokens fit, and the prefix cache keeps what the running ones leave (least recently used goes
     # first). None: max_batch * max_model_len, at most DEFAULT_KV_TOKENS (but one whole sequence).

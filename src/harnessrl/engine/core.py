@@ -15,7 +15,8 @@ from harnessrl.chat import render_chat
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult, Maintenance, Scheduler, Sequence, WeightLoad
+from harnessrl.engine.scheduler import EngineSequence, GenerationResult, Maintenance, Scheduler, WeightLoad
+from harnessrl.engine.state import EngineOp, EngineState
 from harnessrl.modeling.loading import (
     check_state_dict,
     load_model,
@@ -166,7 +167,7 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise EngineError(f"prompt token ids must be in [0, {vocab})", "prompt")
         fut, on_done = self._future()
-        seq = Sequence(prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device)
+        seq = EngineSequence(prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device)
         self.scheduler.submit(seq)
         try:
             return await fut
@@ -180,12 +181,14 @@ class Engine:
         params: SamplingParams,
         on_done: Callable[[GenerationResult | BaseException], None],
         on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
-    ) -> Sequence:
+    ) -> EngineSequence:
         """Queue a sequence with callbacks (run on the scheduler thread); for streaming."""
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise EngineError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        seq = Sequence(prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device, on_token)
+        seq = EngineSequence(
+            prompt_ids, params, on_done, self.text, self.model.lm_head.weight.device, on_token
+        )
         self.scheduler.submit(seq)
         return seq
 
@@ -210,24 +213,27 @@ class Engine:
         except (FileNotFoundError, ValueError) as exc:
             raise EngineError(f"cannot load weights from {path}: {exc}", "path") from exc
 
-    async def sleep(self, level: int = 1) -> None:
+    async def sleep(self, level: int = 1) -> EngineState:
         """Give memory to a collocated trainer once running sequences finish (see `Scheduler.sleep` for
-        the levels). Requests that arrive meanwhile wait until `wake_up` (level 2: and a weight load)."""
+        the levels). Requests that arrive meanwhile wait until `wake_up` (level 2: and a weight load).
+        Returns the engine's state then."""
         if level not in (1, 2):
             raise EngineError(f"sleep level must be 1 or 2, not {level}", "level")
         fut, on_done = self._future()
-        op = Maintenance(f"engine_sleep_level_{level}", lambda: self.scheduler.sleep(level), on_done)
+        op = Maintenance(EngineOp.sleep(level).value, lambda: self.scheduler.sleep(level), on_done)
         self.scheduler.queue_maintenance(op)
-        await fut
+        return EngineState(await fut)
 
-    async def wake_up(self) -> None:
-        """Take the memory back (KV cache; weights unless they were discarded) and admit requests."""
+    async def wake_up(self) -> EngineState:
+        """Take the memory back (KV cache; weights unless they were discarded) and admit requests (after
+        a weight load if they were). Returns the engine's state then."""
         fut, on_done = self._future()
-        self.scheduler.queue_maintenance(Maintenance("engine_wake", self.scheduler.wake, on_done))
-        await fut
+        self.scheduler.queue_maintenance(Maintenance(EngineOp.WAKE.value, self.scheduler.wake, on_done))
+        return EngineState(await fut)
 
     def pause(self) -> None:
-        """Stop admitting new sequences; running ones finish."""
+        """Stop admitting new sequences; running ones finish. Independent of sleep: a paused engine can
+        sleep, wake up and load weights, and stays paused until `resume`."""
         self.scheduler.set_paused(True)
 
     def resume(self) -> None:

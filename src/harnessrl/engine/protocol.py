@@ -130,20 +130,20 @@ def completion_response(
         "finish_reason": result.finish_reason,
         "stop_reason": result.stop_reason,
     }
-    body: dict[str, Any] = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage(result),
-        "weight_version": result.weight_version,
-    }
+    body = _envelope(f"cmpl-{uuid.uuid4().hex}", "text_completion", model, choice, result)
     if req.return_token_ids is not False:
         choice["token_ids"] = result.token_ids
         choice["prompt_token_ids"] = result.prompt_ids
         body["prompt_token_ids"] = result.prompt_ids
     return body
+
+
+def _envelope(
+    rid: str, obj: str, model: str, choice: dict[str, Any], result: GenerationResult
+) -> dict[str, Any]:
+    """The body around one choice: ids, usage and the weight version that generated it."""
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage(result), "weight_version": result.weight_version}  # fmt: skip
 
 
 def _lp_entry(text: TokenText, token_id: int, logprob: float) -> dict[str, Any]:
@@ -178,15 +178,7 @@ def chat_response(
         "finish_reason": finish,
         "stop_reason": result.stop_reason,
     }
-    body: dict[str, Any] = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage(result),
-        "weight_version": result.weight_version,
-    }
+    body = _envelope(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", model, choice, result)
     if req.return_token_ids is not False:
         choice["token_ids"] = result.token_ids
         body["prompt_token_ids"] = result.prompt_ids

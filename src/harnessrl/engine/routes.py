@@ -32,7 +32,8 @@ from harnessrl.engine.protocol import (
     error_body,
 )
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import EngineAsleep, GenerationResult
+from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.state import InvalidEngineTransition
 from harnessrl.engine.streaming import chat_events, completion_events
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,8 @@ def _guard(fn: Handler) -> Handler:
             return await fn(request)
         except EngineError as exc:
             return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=400)
-        except EngineAsleep as exc:
-            return JSONResponse(error_body(str(exc), code="engine_asleep"), status_code=409)
+        except InvalidEngineTransition as exc:  # e.g. EngineAsleep: a weight load while asleep at level 2
+            return JSONResponse(error_body(str(exc), code=exc.code), status_code=409)
         except ChatFormatError as exc:
             return JSONResponse(error_body(str(exc), "messages"), status_code=400)
         except Exception as exc:
@@ -227,16 +228,18 @@ class EngineRoutes:
         raw = request.query_params.get("level", "1")
         if raw not in ("1", "2"):
             raise EngineError(f"level must be 1 or 2, not {raw!r}", "level")
-        await self.engine.sleep(int(raw))
-        return JSONResponse({"sleeping": True, "level": int(raw)})
+        state = await self.engine.sleep(int(raw))  # asleep at level 2 already: a level-1 request keeps it
+        return JSONResponse({"sleeping": state.sleeping, "level": state.sleep_level})
 
     async def wake_up(self, request: Request) -> Response:
         """POST /admin/wake_up: weights back on the device (or allocated, level 2) and the KV cache."""
-        await self.engine.wake_up()
-        return JSONResponse({"sleeping": False})
+        state = await self.engine.wake_up()
+        return JSONResponse({"sleeping": state.sleeping})
 
     async def stats(self, request: Request) -> Response:
-        """GET /admin/stats: scheduler counters (max batch seen, tokens, queue sizes)."""
+        """GET /admin/stats: scheduler counters (max batch seen, tokens, queue sizes), `paused`, the
+        memory state (`engine_state`) and the flags derived from it (`sleeping`, `sleep_level`,
+        `needs_weights`)."""
         return JSONResponse(self.engine.stats())
 
     def routes(self) -> list[Route]:

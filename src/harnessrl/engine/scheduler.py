@@ -5,6 +5,10 @@ Between two decode steps the scheduler (1) applies a queued weight load once no 
 decode step over every running sequence. Running sequences occupy KV slots 0..B-1 (kept packed, so the
 step works on a view); finished sequences leave their KV behind as a prefix cache that a later prompt
 starting with the same tokens reuses (multi-turn agent calls extend the previous call's tokens).
+
+Admission also waits while the engine is paused (`paused`, set by the HTTP side) and while its memory
+`state` (an `EngineState`: asleep, or awake without weights) does not admit; sleep, wake-up and weight
+loads change that state only along `ENGINE_TRANSITIONS`, checked before they touch anything.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from harnessrl.engine.detok import StopChecker, TokenText
 from harnessrl.engine.sampling import SamplingParams, StepSample, make_generator, sample_step
 from harnessrl.engine.slots import SlotTable
+from harnessrl.engine.state import EngineOp, EngineState, InvalidEngineTransition, engine_transition
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_weights_into
 from harnessrl.modeling.memory import release_freed_memory
@@ -30,7 +35,8 @@ log = logging.getLogger(__name__)
 
 # Prompt tokens prefilled between two decode steps while other sequences are decoding: a long prompt is
 # prefilled in chunks of this size between decode steps, so it never stalls the running batch for long.
-PREFILL_CHUNK = 256
+# The one default (EngineConfig.prefill_chunk and the engine's --prefill-chunk use it).
+PREFILL_CHUNK = 512
 # Prompt tokens packed into one prefill pass when nobody is decoding (bounds a pass's activations).
 PREFILL_PASS_TOKENS = 4096
 
@@ -50,7 +56,7 @@ class GenerationResult:
     cached_tokens: int
 
 
-class Sequence:
+class EngineSequence:
     """One request being generated; `on_done` is called from the scheduler thread."""
 
     def __init__(
@@ -85,10 +91,6 @@ class Sequence:
     def kv_tokens(self) -> list[int]:
         """Tokens whose K/V are in the cache (the last sampled token is not fed yet)."""
         return (self.prompt_ids + self.output_ids)[: self.kv_len]
-
-
-class EngineAsleep(RuntimeError):
-    """A weight load reached an engine whose weights are discarded (sleep level 2) before `wake`."""
 
 
 def _release_device_memory(device: torch.device) -> None:
@@ -161,12 +163,11 @@ class Scheduler:
         self.slots = SlotTable(self.cache, prefix_cache)
         self.weight_version = weight_version
         self.stats = Stats()
+        # admission stopped (running sequences finish); orthogonal to `state` (see harnessrl.engine.state)
         self.paused = False
-        self._waiting: deque[Sequence] = deque()
+        self._state = EngineState.AWAKE  # what the memory holds; changed only by `_enter`
+        self._waiting: deque[EngineSequence] = deque()
         self._loads: deque[WeightLoad | Maintenance] = deque()
-        self.sleeping = False
-        self.sleep_level = 0  # 0 awake; 1 or 2 while asleep (see `sleep`)
-        self.needs_weights = False  # weights were discarded (sleep level 2) and no load came since
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -186,7 +187,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, seq: EngineSequence) -> None:
         """Queue a sequence; it joins the batch at the next step boundary."""
         with self._cond:
             self._waiting.append(seq)
@@ -204,11 +205,25 @@ class Scheduler:
             self._loads.append(op)
             self._cond.notify_all()
 
-    def sleep(self, level: int = 1) -> None:
+    @property
+    def state(self) -> EngineState:
+        """The memory state (awake, asleep, waiting for weights); see `harnessrl.engine.state`."""
+        return self._state
+
+    def _enter(self, target: EngineState) -> None:
+        """Move to `target`, which `engine_transition` returned for the current state."""
+        with self._cond:
+            self._state = target
+            self._cond.notify_all()
+
+    def sleep(self, level: int = 1) -> EngineState:
         """(scheduler thread, nothing running) Give memory to a collocated trainer; admission waits until
         `wake`. Level 1: free the KV cache and, on an accelerator, move the weights to CPU memory. Level 2:
         also discard the weights (their storage is freed; shapes kept) — after `wake` a weight load must
-        come before anything is admitted (the trainer is about to publish new weights anyway)."""
+        come before anything is admitted (the trainer is about to publish new weights anyway). Asleep at
+        level 2 already, a level-1 request keeps the deeper sleep. Returns the new state."""
+        target = engine_transition(self._state, EngineOp.sleep(level))
+        level = target.sleep_level
         self.slots.clear_cache()
         self.cache.free()
         # on CPU the packed copies are the weights (nothing to offload them to): level 1 keeps them
@@ -219,26 +234,29 @@ class Scheduler:
                 p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             elif self.device.type != "cpu":
                 p.data = p.data.to("cpu")
-        if level == 2:
-            self.needs_weights = True
         _release_device_memory(self.device)
-        self.sleeping, self.sleep_level = True, level
+        self._enter(target)
+        return target
 
-    def wake(self) -> None:
+    def wake(self) -> EngineState:
         """(scheduler thread) Take the memory back: weights to the device (level 1) or allocated empty
-        (level 2: admission waits for a weight load), then the KV cache."""
-        if self.sleep_level == 2:
+        (level 2: admission waits for a weight load), then the KV cache. Returns the new state."""
+        current = self._state
+        target = engine_transition(current, EngineOp.WAKE)
+        if current is EngineState.ASLEEP_2:
             kept = self._kept_parameters()
             for p in self.model.parameters():
                 if id(p) in kept:
                     p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-        elif self.sleep_level == 1 and self.device.type != "cpu":
+        elif current.sleep_level == 1 and self.device.type != "cpu":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
-        if self.packed is not None and self.sleep_level == 1 and not self.packed.active:
-            self.packed.refresh()  # level 2: at the weight load that must come next
+        # without weights (level 2, or slept while waiting for them) the load that must come next packs
+        if self.packed is not None and current is EngineState.ASLEEP_1 and not self.packed.active:
+            self.packed.refresh()
         self.cache.allocate()
-        self.sleeping, self.sleep_level = False, 0
+        self._enter(target)
+        return target
 
     def _kept_parameters(self) -> set[int]:
         """ids of the parameters that hold their weights (not released to packed copies)."""
@@ -267,9 +285,11 @@ class Scheduler:
                 "waiting": len(self._waiting),
                 "pending_weight_loads": len(self._loads),
                 "paused": self.paused,
-                "sleeping": self.sleeping,
-                "sleep_level": self.sleep_level,
-                "needs_weights": self.needs_weights,
+                "engine_state": str(self._state),
+                # the flags clients read, derived from the state
+                "sleeping": self._state.sleeping,
+                "sleep_level": self._state.sleep_level,
+                "needs_weights": self._state.needs_weights,
                 "weight_bytes": self.weight_bytes(),
                 "kv_cache_bytes": self.cache.kv.numel() * self.cache.kv.element_size(),
                 "weight_version": self.weight_version,
@@ -298,7 +318,7 @@ class Scheduler:
         return bool(self.slots.n_active or self._loads or (self._waiting and self._may_admit()))
 
     def _may_admit(self) -> bool:
-        return not self.paused and not self._loads and not self.sleeping and not self.needs_weights
+        return not self.paused and not self._loads and self._state.admits
 
     def _step(self) -> None:
         self._drop_cancelled()
@@ -323,7 +343,7 @@ class Scheduler:
         decoding = any(not s.prefilling for s in self.slots.active())
         budget = self.prefill_chunk if decoding else max(PREFILL_PASS_TOKENS, self.prefill_chunk)
         reserved = sum(self._reservation(s) for s in self.slots.active())
-        work: list[tuple[Sequence, int, int]] = []  # (sequence, from, to) prompt positions to run
+        work: list[tuple[EngineSequence, int, int]] = []  # (sequence, from, to) prompt positions to run
         for seq in self.slots.active():
             if seq.prefilling and budget > 0:
                 end = min(len(seq.prompt_ids), seq.kv_len + budget)
@@ -351,11 +371,11 @@ class Scheduler:
             self.slots.trim_cache(self.max_cached_tokens - reserved)  # the budget bounds the cache too
             self._prefill(work)
 
-    def _reservation(self, seq: Sequence) -> int:
+    def _reservation(self, seq: EngineSequence) -> int:
         """KV positions a sequence may occupy: its prompt plus everything it may still generate."""
         return min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
 
-    def _prefill(self, work: list[tuple[Sequence, int, int]]) -> None:
+    def _prefill(self, work: list[tuple[EngineSequence, int, int]]) -> None:
         """Run the given prompt spans in one pass; sample the first token of prompts now complete."""
         slot_of = {id(s): i for i, s in enumerate(self.slots.seqs[: self.slots.n_active])}
         items = [
@@ -402,13 +422,13 @@ class Scheduler:
         self.stats.decode_steps += 1
         self._accept(running, self._sample(logits if len(live) == len(seqs) else logits[live], running))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSample:
+    def _sample(self, logits: torch.Tensor, seqs: list[EngineSequence]) -> StepSample:
         t0 = time.perf_counter()
         out = sample_step(logits, [s.params for s in seqs], [s.generator for s in seqs])
         self.stats.sample_seconds += time.perf_counter() - t0
         return out
 
-    def _accept(self, seqs: list[Sequence], sample: StepSample) -> None:
+    def _accept(self, seqs: list[EngineSequence], sample: StepSample) -> None:
         """Append each sequence's new token, then finish those that hit a stop condition."""
         for i, seq in enumerate(seqs):
             tok = sample.tokens[i]
@@ -428,7 +448,9 @@ class Scheduler:
             elif len(seq.output_ids) >= p.max_tokens:
                 self._finish(seq, "length", None)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, leave: bool = True) -> None:
+    def _finish(
+        self, seq: EngineSequence, reason: str, stop_reason: str | int | None, leave: bool = True
+    ) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if leave:
             self.slots.release(seq)
@@ -462,8 +484,10 @@ class Scheduler:
 
     def _apply_weight_load(self, load: WeightLoad) -> None:
         t0 = time.monotonic()
-        if self.sleep_level == 2:
-            load.on_done(EngineAsleep("the engine sleeps at level 2 (weights discarded): wake it up first"))
+        try:  # refused before anything is touched (asleep at level 2: EngineAsleep)
+            target = engine_transition(self._state, EngineOp.LOAD_WEIGHTS)
+        except InvalidEngineTransition as exc:
+            load.on_done(exc)
             return
         self.slots.clear_cache()  # first: the cached K/V are stale either way, and their memory is freed
         try:
@@ -472,8 +496,8 @@ class Scheduler:
             log.exception("event=weight_load_failed version=%d", load.version)
             load.on_done(exc)
             return
-        self.needs_weights = False
         self.weight_version = load.version
+        self._enter(target)
         self.stats.weight_loads += 1
         log.info("event=weights_swapped version=%d seconds=%.2f", load.version, time.monotonic() - t0)
         load.on_done(load.version)

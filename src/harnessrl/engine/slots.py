@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from harnessrl.modeling.cache import KVCache
 
 if TYPE_CHECKING:
-    from harnessrl.engine.scheduler import Sequence
+    from harnessrl.engine.scheduler import EngineSequence
 
 # Reusing a prefix of n tokens costs a slot swap (copying K/V, cheap) instead of prefilling n tokens
 # (a forward pass, expensive): worth it when n * REUSE_RATIO >= tokens moved.
@@ -50,13 +50,13 @@ class SlotTable:
     def __init__(self, cache: KVCache, prefix_cache: bool = True) -> None:
         self.cache, self.prefix_cache = cache, prefix_cache
         n = cache.max_batch
-        self.seqs: list[Sequence | None] = [None] * n
+        self.seqs: list[EngineSequence | None] = [None] * n
         self.tokens: list[list[int]] = [[] for _ in range(n)]  # tokens whose K/V a free slot holds
         self.last_used = [0.0] * n
         self.touched = [0] * n  # positions of each slot that may hold resident pages
         self.n_active = 0
 
-    def active(self) -> list[Sequence]:
+    def active(self) -> list[EngineSequence]:
         """Running sequences in slot order (slot i holds element i)."""
         return [s for s in self.seqs[: self.n_active] if s is not None]
 
@@ -91,7 +91,7 @@ class SlotTable:
                 best, best_len = j, n
         return best, best_len
 
-    def admit(self, seq: Sequence, prompt: list[int]) -> tuple[int, int]:
+    def admit(self, seq: EngineSequence, prompt: list[int]) -> tuple[int, int]:
         """Give `seq` slot n_active; return (slot, number of prompt tokens whose K/V are already there)."""
         target = self.n_active
         if target >= self.cache.max_batch:
@@ -115,7 +115,7 @@ class SlotTable:
         self.n_active += 1
         return target, start
 
-    def release(self, seq: Sequence, keep: bool = True, written: int = 0) -> None:
+    def release(self, seq: EngineSequence, keep: bool = True, written: int = 0) -> None:
         """Remove a running sequence; its K/V stay behind as prefix cache (if enabled and `keep`).
 
         `written`: positions it may have written past its K/V (a prefill that failed midway)."""

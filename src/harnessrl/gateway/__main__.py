@@ -1,4 +1,4 @@
-"""`python -m harnessrl.gateway`: run the gateway over a SQLite store."""
+"""`python -m harnessrl.gateway`: run the gateway over a SQLite file or a PostgreSQL database."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import socket
 import sys
 
 import uvicorn
+from pydantic import ValidationError
 from starlette.types import ASGIApp
 
+from harnessrl.defaults import DEFAULT_MAX_TOKENS
 from harnessrl.gateway import http
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
-from harnessrl.store import SQLiteStore
+from harnessrl.store import Store, StoreError, open_store
 
 # Idle connections are closed after this; our clients expire them sooner (ControlClient after 2 s).
 KEEP_ALIVE_S = 30
@@ -35,12 +37,12 @@ class GatewayServer(uvicorn.Server):
     """uvicorn's server, closing the store once the app has shut down: uvicorn re-raises SIGTERM after
     its graceful shutdown, so code after `run()` never runs on a signal."""
 
-    def __init__(self, config: uvicorn.Config, store: SQLiteStore) -> None:
+    def __init__(self, config: uvicorn.Config, store: Store) -> None:
         super().__init__(config)
         self.store = store
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Shut down as uvicorn does, then fold the WAL into the database file and close it."""
+        """Shut down as uvicorn does, then close the store (SQLite: the WAL is folded into the file)."""
         try:
             await super().shutdown(sockets)
         finally:
@@ -50,12 +52,13 @@ class GatewayServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY."""
     p = argparse.ArgumentParser(prog="harnessrl gateway", description=__doc__)
-    p.add_argument("--store", required=True, help="SQLite file of the store (created if missing)")
+    p.add_argument("--store", required=True,
+                   help="SQLite file of the store (created if missing), or a postgresql:// URL")  # fmt: skip
     p.add_argument("--upstream", default="http://127.0.0.1:8100", help="engine base URL")
     p.add_argument("--served-model", default="smollm2", help="model name sent to the engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--default-max-tokens", type=int, default=512)
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--synchronous", choices=["NORMAL", "FULL"], default="NORMAL")
     p.add_argument(
         "--mode",
@@ -97,29 +100,32 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: --model-map takes NAME=SERVED, got {bad[0]!r}", file=sys.stderr)
         return 2
-    if args.mode == "tito" and not args.tokenizer:
-        print("error: --mode tito needs --tokenizer MODEL_DIR", file=sys.stderr)
+    try:  # the settings' rules (tito needs a tokenizer, SGLang needs tito) live in GatewayConfig
+        config = GatewayConfig(
+            admin_key=admin_key,
+            upstream_url=args.upstream,
+            replica_urls=args.replica,
+            served_model=args.served_model,
+            model_map=dict(m.split("=", 1) for m in args.model_map),
+            default_max_tokens=args.default_max_tokens,
+            mode=args.mode,
+            tokenizer_path=args.tokenizer,
+            upstream_kind=args.upstream_kind,
+            sglang_incremental_streaming=args.sglang_incremental_streaming,
+            upstream_timeout_s=args.upstream_timeout,
+            stream_open_timeout_s=args.stream_open_timeout,
+            call_timeout_s=args.call_timeout,
+        )
+    except ValidationError as e:
+        problems = (err["msg"].removeprefix("Value error, ") for err in e.errors())
+        print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    if args.upstream_kind == "sglang" and args.mode != "tito":
-        print("error: --upstream-kind sglang needs --mode tito", file=sys.stderr)
-        return 2
-    config = GatewayConfig(
-        admin_key=admin_key,
-        upstream_url=args.upstream,
-        replica_urls=args.replica,
-        served_model=args.served_model,
-        model_map=dict(m.split("=", 1) for m in args.model_map),
-        default_max_tokens=args.default_max_tokens,
-        mode=args.mode,
-        tokenizer_path=args.tokenizer,
-        upstream_kind=args.upstream_kind,
-        sglang_incremental_streaming=args.sglang_incremental_streaming,
-        upstream_timeout_s=args.upstream_timeout,
-        stream_open_timeout_s=args.stream_open_timeout,
-        call_timeout_s=args.call_timeout,
-    )
     http.BODY_TIMEOUT_S = args.body_timeout  # read_json's default, for every route
-    store = SQLiteStore(args.store, synchronous=args.synchronous, wal_limit_mb=args.wal_limit_mb)
+    try:
+        store = open_store(args.store, synchronous=args.synchronous, wal_limit_mb=args.wal_limit_mb)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     app = create_app(config, store)
     try:  # GatewayServer closes the store on SIGTERM/SIGINT; this covers any other way out
         GatewayServer(server_config(app, args.host, args.port, args.header_timeout), store).run()

@@ -5,48 +5,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator
+from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from harnessrl.chat import ChatFormatError
-from harnessrl.gateway import control, inference
+from harnessrl.defaults import DEFAULT_MAX_TOKENS
+from harnessrl.gateway import control
+from harnessrl.gateway.access import Access
+from harnessrl.gateway.admission import Admission
 from harnessrl.gateway.budget import ContextBudget
-from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord, effective_sampling
+from harnessrl.gateway.calls import ModelCalls
+from harnessrl.gateway.engine_client.inference import TitoTokenizer
+from harnessrl.gateway.engine_client.sglang import SGLangUpstream
+from harnessrl.gateway.engine_client.upstream import Upstream, UpstreamPool
 from harnessrl.gateway.errors import APIError, ErrorLog, validate
-from harnessrl.gateway.faces import Face, ResponseIds, Streamer, completions
-from harnessrl.gateway.faces.anthropic import AnthropicFace, CountTokensRequest, parse_request
+from harnessrl.gateway.faces import Face
+from harnessrl.gateway.faces.anthropic import AnthropicFace
 from harnessrl.gateway.faces.models import model_card, model_list, wants_anthropic
 from harnessrl.gateway.faces.openai_chat import OpenAIChatFace
 from harnessrl.gateway.faces.responses import ResponsesFace
-from harnessrl.gateway.history import History, RecentCalls
-from harnessrl.gateway.http import FastJSONResponse, Handler, bearer, guarded, read_json
-from harnessrl.gateway.inference import BadUpstreamResponse, TitoTokenizer
+from harnessrl.gateway.http import Handler, guarded, read_json
 from harnessrl.gateway.keys import KeyRing, new_secret
-from harnessrl.gateway.metrics import Metrics, count_request_notes
+from harnessrl.gateway.metrics import Metrics
 from harnessrl.gateway.openapi import openapi_document
-from harnessrl.gateway.sglang import SGLangUpstream
-from harnessrl.gateway.upstream import (
-    StickyUpstream,
-    Upstream,
-    UpstreamClientError,
-    UpstreamFailed,
-    UpstreamPool,
-)
-from harnessrl.gateway.writer import CallWriter
-from harnessrl.schema import Call, CallStatus, RewardIn, Rollout, now
+from harnessrl.gateway.recording import CallRecorder
+from harnessrl.schema import RewardIn, Rollout
 from harnessrl.store import Store
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class GatewayConfig(BaseModel):
@@ -59,13 +51,14 @@ class GatewayConfig(BaseModel):
     )  # more replicas of the same model (sticky per rollout)
     served_model: str = "smollm2"
     model_map: dict[str, str] = Field(default_factory=dict)  # harness model name -> served model name
-    default_max_tokens: int = 512
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     pause_wait_s: float = 30.0  # how long a call waits for resume before getting 429
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0  # one try: the whole answer, or between two streamed pieces
     upstream_retries: int = 3
     stream_open_timeout_s: float = 30.0  # one streamed try: until the engine's headers (sent at once)
     call_timeout_s: float = 600.0  # every try of one call together, on all replicas (a pause can drain)
+    rollout_cache_size: int = Field(default=50_000, ge=1)  # rollouts kept in memory (least recently used out)
     mode: Literal["passthrough", "tito"] = "passthrough"
     tokenizer_path: str | None = None  # model directory with tokenizer.json; required for tito
     # wire of the upstream: "openai" = the engine protocol (builtin engine, vLLM's OpenAI server);
@@ -74,7 +67,10 @@ class GatewayConfig(BaseModel):
     sglang_incremental_streaming: bool = False  # the SGLang server runs --incremental-streaming-output
 
     @model_validator(mode="after")
-    def _sglang_needs_tito(self) -> GatewayConfig:
+    def _mode_rules(self) -> GatewayConfig:
+        """The one place these rules are checked (the gateway's command line builds this model too)."""
+        if self.mode == "tito" and not self.tokenizer_path:
+            raise ValueError("tito mode needs tokenizer_path (a model directory with tokenizer.json)")
         if self.upstream_kind == "sglang" and self.mode != "tito":
             raise ValueError(
                 "upstream_kind 'sglang' needs mode 'tito' (SGLang returns token IDs only from /generate)"
@@ -83,12 +79,15 @@ class GatewayConfig(BaseModel):
 
 
 class Gateway:
-    """State shared by the handlers: store, keys, upstream, pause state and in-flight calls."""
+    """The state the handlers share: store, access (keys, rollout cache), admission (in flight, pause),
+    the call recorder, the engine replicas and metrics. The model API's handlers are `calls.ModelCalls`,
+    the control API's `control.routes`."""
 
     def __init__(self, config: GatewayConfig, store: Store, upstreams: list[Upstream] | None = None) -> None:
         self.config = config
         self.store = store
         self.keys = KeyRing(store.set_meta_if_absent("key_secret", new_secret()))
+        self.access = Access(config.admin_key, self.keys, store, config.rollout_cache_size)
         urls = [config.upstream_url, *config.replica_urls]
         kind = SGLangUpstream if config.upstream_kind == "sglang" else Upstream
         built = [kind(f"engine{i}", url, timeout_s=config.upstream_timeout_s, max_retries=config.upstream_retries,
@@ -99,23 +98,13 @@ class Gateway:
         self.upstreams = UpstreamPool(upstreams or list(built), call_timeout_s=config.call_timeout_s)
         self.weight_version: int | None = None
         self.tito: TitoTokenizer | None = None
-        if config.mode == "tito":
-            if not config.tokenizer_path:
-                raise ValueError("tito mode needs tokenizer_path (a model directory with tokenizer.json)")
+        if config.mode == "tito" and config.tokenizer_path:  # GatewayConfig requires the path for tito
             self.tito = TitoTokenizer.from_dir(config.tokenizer_path)
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.in_flight = 0
-        self._preemptible: set[asyncio.Task[Any]] = set()  # non-streaming engine calls a pause may cut
-        self._preempted: set[asyncio.Task[Any]] = set()
-        self.preempted_calls = 0
-        self.recent = RecentCalls(store)
-        self.writer = CallWriter(store)
-        self._rollouts: dict[str, Rollout] = {}  # read-through cache; control writes call `forget`
+        self.admission = Admission(config.pause_wait_s)
         self.metrics = Metrics()
+        self.recorder = CallRecorder(store, self.metrics, lambda: self.weight_version)
         self.budget = ContextBudget(self.tito)  # max_tokens vs the served model's context
+        self.calls = ModelCalls(self)
         self.metrics.gauge(
             "harnessrl_gateway_paused", "1 while the gateway holds new calls.", lambda: float(self.paused)
         )
@@ -124,390 +113,49 @@ class Gateway:
         )
         self._event_seq = asyncio.Condition()
 
-    # auth -----------------------------------------------------------------------------------------
     def require_admin(self, request: Request) -> None:
         """Raise 401/403 unless the request carries the admin key."""
-        key = bearer(request)
-        if key is None:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <admin key>'")
-        if key == self.config.admin_key:
-            return
-        if self.keys.verify(key) is not None:
-            raise APIError(403, "a rollout key cannot use the control API")
-        raise APIError(401, "invalid API key")
+        self.access.require_admin(request)
 
     def rollout_for(self, request: Request, path_rollout: str | None) -> Rollout:
-        """The rollout a model-API request acts for, checking its key (401) and scope (403)."""
-        key = bearer(request)
-        if key is None:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <rollout key>'")
-        rollout_id = self.keys.verify(key)
-        if rollout_id is None:
-            raise APIError(401, "invalid API key: use the key issued for this rollout")
-        if path_rollout is not None and path_rollout != rollout_id:
-            raise APIError(403, f"this key does not belong to rollout '{path_rollout}'")
-        rollout = self._rollouts.get(rollout_id)
-        if rollout is None:
-            rollout = self.store.get_rollout(rollout_id)
-            if rollout is not None:
-                if len(self._rollouts) > 50_000:
-                    self._rollouts.clear()
-                self._rollouts[rollout_id] = rollout
-        if rollout is None:
-            raise APIError(401, "the rollout of this key does not exist in this gateway's store")
-        if rollout.state.finished:
-            raise APIError(409, f"rollout '{rollout_id}' is {rollout.state}; it accepts no more calls")
-        return rollout
+        """The rollout a model-API request acts for (see `Access.rollout_for`)."""
+        return self.access.rollout_for(request, path_rollout)
+
+    def forget(self, rollout_id: str) -> None:
+        """Drop a rollout from the cache after the control API changed it."""
+        self.access.rollouts.forget(rollout_id)
+
+    def served_model(self, requested: str) -> str:
+        """The model that serves a request naming `requested` (any name is served)."""
+        return self.config.model_map.get(requested, self.config.served_model)
 
     # pause ----------------------------------------------------------------------------------------
     async def pause(self, drain_timeout_s: float, preempt: bool = False) -> bool:
-        """Stop admitting calls and wait for in-flight ones; True if drained in time.
-
-        With `preempt`, non-streaming calls still generating are cut instead of waited for: the engine
-        aborts their sequences, and each is sent again, whole, once the gateway resumes (under the new
-        weights, which its record then names). The harness sees one slower answer. Streaming calls, whose
-        first bytes may be out already, are always waited for."""
-        self._resumed.clear()
-        if preempt:
-            for task in list(self._preemptible):
-                self._preempted.add(task)
-                task.cancel()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout=drain_timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        """Stop admitting calls and wait for in-flight ones; True if drained (see `Admission.pause`)."""
+        return await self.admission.pause(drain_timeout_s, preempt)
 
     def resume(self, weight_version: int | None) -> None:
         """Admit calls again, optionally recording the engine's new weight version."""
         if weight_version is not None:
             self.weight_version = weight_version
-        self._resumed.set()
+        self.admission.resume()
 
     @property
     def paused(self) -> bool:
         """True while new calls are held back."""
-        return not self._resumed.is_set()
+        return self.admission.paused
 
-    async def _admit(self) -> None:
-        if not self._resumed.is_set():
-            try:
-                await asyncio.wait_for(self._resumed.wait(), timeout=self.config.pause_wait_s)
-            except TimeoutError:
-                raise APIError(
-                    429,
-                    "the gateway is paused for a weight update; retry shortly",
-                    code="paused",
-                    headers={"Retry-After": "5"},
-                ) from None
-        self.in_flight += 1
-        self._idle.clear()
+    @property
+    def in_flight(self) -> int:
+        """Model calls being served."""
+        return self.admission.in_flight
 
-    def _release(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+    @property
+    def preempted_calls(self) -> int:
+        """Non-streamed calls cut by preempting pauses (and sent again) so far."""
+        return self.admission.preempted_calls
 
-    # model calls ----------------------------------------------------------------------------------
-    async def model_call(self, request: Request, face: Face) -> Response:
-        """One call on any chat face: validate, reach the engine, record the call, answer (or stream)."""
-        rollout = self.rollout_for(request, request.path_params.get("rollout_id"))
-        body = await read_json(request, self.config.max_body_bytes)
-        req = face.parse(body)
-        attempt = max(rollout.n_attempts - 1, 0)
-        history = History(self.recent, rollout.rollout_id, attempt)
-        chat = face.to_chat_call(req, history)
-        notes = face.describe(req)  # ignored fields, dropped tools: recorded with the call and counted
-        count_request_notes(self.metrics, face.name, notes)
-        sampling = effective_sampling(chat, rollout.sampling, self.config.default_max_tokens)
-        served = self.config.model_map.get(chat.model, self.config.served_model)
-        ids = ResponseIds(uuid.uuid4().hex, int(time.time()))
-        streamer = face.streamer(req, ids)
-        await self._admit()
-        handed_over = False
-        try:
-            call = self._new_call(rollout, attempt, served, body, sampling.temperature, face.name)
-            t0 = time.perf_counter()
-            up = StickyUpstream(self.upstreams, rollout.rollout_id)
-            call.upstream = up.served_by
-            param = "input" if face.name == "openai.responses" else "messages"
-            fit = await self.budget.fit(up, served, chat, sampling, history.recent(), face.error_style, param)
-            sampling = fit.sampling
-            if fit.clamped is not None:
-                notes["max_tokens_clamped"] = fit.clamped
-                count_request_notes(self.metrics, face.name, {"max_tokens_clamped": fit.clamped})
-            call.chat = {"messages": chat.messages, "tools": chat.tools, "answer": None, **notes}
-            if streamer is None:
-                gen = await self._preemptible_call(
-                    lambda: self._engine(call, up, served, chat, sampling, history, t0)
-                )
-                out = face.render(gen, req, ids)
-                await self._record_ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
-                                      _chat_record(chat, gen))  # fmt: skip
-                return FastJSONResponse(out)
-            if self.tito is None:
-                opening = inference.passthrough_stream(up, served, chat, sampling)
-            else:
-                opening = inference.tito_stream(up, served, chat, sampling, self.tito, history.recent())
-            stream = await self._guard(call, t0, opening)  # failures before the first byte: a clear status
-            handed_over = True
-            relay = self._relay(stream, streamer, face, req, ids, call, up, chat, t0)
-            return StreamingResponse(relay, media_type="text/event-stream", headers=SSE_HEADERS)
-        finally:
-            if not handed_over:
-                self._release()
-
-    async def _relay(
-        self,
-        stream: inference.Streamed,
-        streamer: Streamer,
-        face: Face,
-        req: Any,
-        ids: ResponseIds,
-        call: Call,
-        up: StickyUpstream,
-        chat: ChatCall,
-        t0: float,
-    ) -> AsyncIterator[str]:
-        """Relay content as it comes; record the call, then send the closing events (so an answer a
-        harness has seen complete is always in the store)."""
-        recorded = False  # once a record is on its way to the store, a disconnect adds none
-        try:
-            for frame in streamer.start():
-                yield frame
-            gen: Generation | None = None
-            async for item in stream:
-                if isinstance(item, inference.ContentDelta):
-                    for frame in streamer.delta(item.text):
-                        yield frame
-                else:
-                    gen = item
-            if gen is None:
-                raise BadUpstreamResponse("the engine's stream ended without a result")
-            out = face.render(gen, req, ids)
-            recorded = True
-            await self._record_ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
-                                  _chat_record(chat, gen))  # fmt: skip
-            for frame in streamer.end(gen, out):
-                yield frame
-        except (UpstreamFailed, BadUpstreamResponse) as e:
-            recorded = True
-            await self._record_failed(call, str(e), t0)
-            self.count_error(502)
-            for frame in streamer.error(f"the model failed to answer: {e}"):
-                yield frame
-        except APIError as e:  # the store refused the call (see CallWriter): the stream ends with why
-            self.count_error(e.status)
-            for frame in streamer.error(e.message):
-                yield frame
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away: keep what was generated
-            if not recorded:
-                latency = time.perf_counter() - t0
-                self.writer.submit(inference.cut_short(call, stream.partial(), latency, stream.text, chat))
-            raise
-        finally:
-            self._release()
-
-    async def _preemptible_call(self, make: Callable[[], Awaitable[T]]) -> T:
-        """Await `make()`; if a preempting pause cuts it, wait for resume (not counted in flight, so the
-        pause drains) and run it again."""
-        while True:
-            task = asyncio.ensure_future(make())
-            self._preemptible.add(task)
-            try:
-                return await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if task not in self._preempted or (current is not None and current.cancelling()):
-                    raise  # the handler itself was cancelled (client gone, shutdown)
-            finally:
-                self._preemptible.discard(task)
-                self._preempted.discard(task)
-            self.preempted_calls += 1
-            self._release()
-            await self._resumed.wait()
-            self.in_flight += 1
-            self._idle.clear()
-
-    async def _engine(
-        self,
-        call: Call,
-        up: StickyUpstream,
-        served: str,
-        chat: ChatCall,
-        sampling: Sampling,
-        history: History,
-        t0: float,
-    ) -> Generation:
-        if self.tito is None:
-            return await self._guard(call, t0, inference.passthrough(up, served, chat, sampling))
-        return await self._guard(
-            call, t0, inference.tito(up, served, chat, sampling, self.tito, history.recent())
-        )
-
-    async def _guard(self, call: Call, t0: float, work: Awaitable[T]) -> T:
-        """Await the engine; client errors become 400s, failures a recorded failed call and a 502."""
-        try:
-            return await work
-        except ChatFormatError as e:
-            raise APIError(400, str(e)) from None
-        except UpstreamClientError as e:
-            raise APIError(400, f"the model rejected the request: {e.message}") from None
-        except (UpstreamFailed, BadUpstreamResponse) as e:
-            await self._record_failed(call, str(e), t0)
-            raise APIError(502, f"the model failed to answer: {e}", code="upstream_failed") from None
-
-    async def completion(self, request: Request) -> Response:
-        """`POST /v1/completions`: a text or token-ID prompt, sent to the engine as is."""
-        rollout = self.rollout_for(request, request.path_params.get("rollout_id"))
-        body = await read_json(request, self.config.max_body_bytes)
-        req = completions.parse(body)
-        stop = [req.stop] if isinstance(req.stop, str) else req.stop
-        shape = ChatCall(req.model, [], max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                         seed=req.seed, stop=stop)  # fmt: skip
-        sampling = effective_sampling(shape, rollout.sampling, self.config.default_max_tokens)
-        served = self.config.model_map.get(req.model, self.config.served_model)
-        attempt = max(rollout.n_attempts - 1, 0)
-        await self._admit()
-        handed_over = False
-        try:
-            call = self._new_call(rollout, attempt, served, body, sampling.temperature, "openai.completions")
-            t0 = time.perf_counter()
-            up = StickyUpstream(self.upstreams, rollout.rollout_id)
-            call.upstream = up.served_by
-            if req.stream:
-                engine_body = inference.raw_completion_body(served, req.prompt, sampling, req.logprobs or 0)
-                events = await self._guard(call, t0, up.open_stream("/v1/completions", engine_body))
-                handed_over = True
-                relay = self._relay_completion(events, req, call, up, t0)
-                return StreamingResponse(relay, media_type="text/event-stream", headers=SSE_HEADERS)
-            resp, record = await self._preemptible_call(
-                lambda: self._guard(
-                    call, t0, inference.raw_completion(up, served, req.prompt, sampling, req.logprobs or 0)
-                )
-            )
-            out = completions.client_response(resp, req)
-            await self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
-            return JSONResponse(out)
-        finally:
-            if not handed_over:
-                self._release()
-
-    async def _relay_completion(
-        self,
-        events: AsyncIterator[dict[str, Any]],
-        req: completions.CompletionRequest,
-        call: Call,
-        up: StickyUpstream,
-        t0: float,
-    ) -> AsyncIterator[str]:
-        """Relay a streamed completion chunk by chunk; the chunk with the finish reason waits for the commit."""
-        acc = inference.RawCompletionStream()
-        held: list[dict[str, Any]] = []
-        recorded = False  # once a record is on its way to the store, a disconnect adds none
-        try:
-            async for event in events:
-                choice = acc.take(event)
-                chunk = completions.client_chunk(event, req)
-                if choice.get("finish_reason"):
-                    held.append(chunk)
-                else:
-                    yield completions.sse(chunk)
-            resp, record = acc.finish()
-            out = completions.client_response(resp, req)
-            recorded = True
-            await self._record_ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
-            usage = completions.usage_chunk(resp, req)
-            for chunk in held + ([usage] if usage else []):
-                yield completions.sse(chunk)
-            yield "data: [DONE]\n\n"
-        except (UpstreamFailed, BadUpstreamResponse) as e:
-            recorded = True
-            await self._record_failed(call, str(e), t0)
-            self.count_error(502)
-            error = {"error": {"message": f"the model failed to answer: {e}", "type": "server_error",
-                               "param": None, "code": "upstream_failed"}}  # fmt: skip
-            yield completions.sse(error)
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away: keep what was generated
-            if not recorded:
-                latency = time.perf_counter() - t0
-                self.writer.submit(inference.cut_short(call, acc.partial(), latency, acc.text, None))
-            raise
-        finally:
-            self._release()
-
-    def _new_call(
-        self, rollout: Rollout, attempt: int, served: str, body: Any, temperature: float, face: str
-    ) -> Call:
-        return Call(
-            call_id="call" + uuid.uuid4().hex,
-            rollout_id=rollout.rollout_id,
-            attempt=attempt,
-            created_at=now(),
-            latency_s=0.0,
-            status=CallStatus.FAILED,
-            model=served,
-            upstream="",
-            request=body if isinstance(body, dict) else {"body": body},
-            temperature=temperature,
-            face=face,
-        )
-
-    async def _record_failed(self, call: Call, error: str, t0: float) -> None:
-        await self.writer.write(
-            call.model_copy(update={"latency_s": time.perf_counter() - t0, "error": error})
-        )
-        self.metrics.inc(
-            "harnessrl_gateway_calls_total", "Model calls recorded.", face=call.face, status="failed"
-        )
-        log.error("call_failed rollout=%s error=%s", call.rollout_id, error)
-
-    async def _record_ok(
-        self, call: Call, record: TokenRecord, out: dict[str, Any], t0: float, chat: dict[str, Any] | None
-    ) -> None:
-        version = record.weight_version if record.weight_version is not None else self.weight_version
-        done = call.model_copy(
-            update={
-                "latency_s": time.perf_counter() - t0,
-                "status": CallStatus.OK,
-                "response": out,
-                "prompt_ids": record.prompt_ids,
-                "completion_ids": record.completion_ids,
-                "completion_logprobs": record.completion_logprobs,
-                "weight_version": version,
-                "finish_reason": record.finish_reason,
-                "chat": call.chat if chat is None else {**(call.chat or {}), **chat},
-            }
-        )
-        self.recent.add(await self.writer.write(done))  # committed before the harness sees the answer
-        m = self.metrics
-        m.inc("harnessrl_gateway_calls_total", "Model calls recorded.", face=call.face, status="ok")
-        m.inc(
-            "harnessrl_gateway_prompt_tokens_total",
-            "Prompt tokens of recorded calls.",
-            len(record.prompt_ids),
-        )
-        m.inc("harnessrl_gateway_completion_tokens_total", "Completion tokens of recorded calls.",
-              len(record.completion_ids))  # fmt: skip
-        m.observe_latency(done.latency_s, face=call.face)
-
-    async def count_tokens(self, request: Request) -> Response:
-        """`POST /v1/messages/count_tokens`: the prompt's tokens as the served model sees them."""
-        rollout = self.rollout_for(request, request.path_params.get("rollout_id"))
-        req = parse_request(await read_json(request, self.config.max_body_bytes), CountTokensRequest)
-        history = History(self.recent, rollout.rollout_id, max(rollout.n_attempts - 1, 0))
-        chat = AnthropicFace().to_chat_call(req, history)
-        served = self.config.model_map.get(chat.model, self.config.served_model)
-        up = StickyUpstream(self.upstreams, rollout.rollout_id)
-        n = await self.budget.count(up, served, chat, history.recent())
-        if n is None:
-            raise APIError(502, "the engine could not count the prompt's tokens", code="upstream_failed")
-        return JSONResponse({"input_tokens": n})
-
-    def forget(self, rollout_id: str) -> None:
-        """Drop a rollout from the cache after the control API changed it."""
-        self._rollouts.pop(rollout_id, None)
-
+    # errors and events ----------------------------------------------------------------------------
     def count_error(self, status: int) -> None:
         """Count a request answered with an error status."""
         self.metrics.inc(
@@ -526,17 +174,6 @@ class Gateway:
                 await asyncio.wait_for(self._event_seq.wait(), timeout=timeout_s)
             except TimeoutError:
                 pass
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _chat_record(chat: ChatCall, gen: Generation) -> dict[str, Any]:
-    """The conversation of a call in canonical form, as stored in `Call.chat`."""
-    record: dict[str, Any] = {"messages": chat.messages, "tools": chat.tools, "answer": gen.answer_message()}
-    if gen.stopped_by is not None:
-        record["stopped_by"] = gen.stopped_by  # the tokens hold text the harness never got
-    return record
 
 
 def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | None = None) -> Starlette:
@@ -569,12 +206,12 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
 
     def face_handler(face: Face) -> Handler:
         async def handle(request: Request) -> Response:
-            return await gw().model_call(request, face)
+            return await gw().calls.chat(request, face)
 
         return counted(handle, face.error_style)
 
     async def completion(request: Request) -> Response:
-        return await gw().completion(request)
+        return await gw().calls.completion(request)
 
     def served_by(name: str) -> str:
         return config.model_map.get(name, config.served_model)
@@ -591,7 +228,7 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         return JSONResponse(model_card(name, wants_anthropic(request.headers), served_by(name)))
 
     async def count_tokens(request: Request) -> Response:
-        return await gw().count_tokens(request)
+        return await gw().calls.count_tokens(request)
 
     async def self_reward(request: Request) -> Response:
         g = gw()
@@ -643,7 +280,7 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
             yield
         finally:
             await holder["gw"].upstreams.aclose()
-            holder["gw"].writer.close()
+            holder["gw"].recorder.close()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)

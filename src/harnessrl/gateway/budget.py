@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from harnessrl.chat import ChatFormatError, render_chat
 from harnessrl.gateway.canonical import ChatCall, Sampling
+from harnessrl.gateway.engine_client.upstream import StickyUpstream, UpstreamClientError, UpstreamFailed
 from harnessrl.gateway.errors import APIError, context_too_long
 from harnessrl.gateway.tito import build_prompt
-from harnessrl.gateway.upstream import StickyUpstream, UpstreamClientError, UpstreamFailed
 from harnessrl.schema import Call
 
 if TYPE_CHECKING:
-    from harnessrl.gateway.inference import TitoTokenizer
+    from harnessrl.gateway.engine_client.inference import TitoTokenizer
 
 log = logging.getLogger(__name__)
 

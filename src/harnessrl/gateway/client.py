@@ -72,7 +72,7 @@ class ControlClient:
             except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
                 if not resend or i == RETRIES:
                     raise ControlUnreachable(f"{method} {path}: {type(e).__name__}: {e}") from e
-                log.warning("control_resend method=%s path=%s try=%d error=%r", method, path, i + 1, e)
+                log.warning("event=control_resend method=%s path=%s try=%d error=%r", method, path, i + 1, e)
                 await asyncio.sleep(0.2 * 2**i)
             except httpx.TimeoutException as e:
                 raise ControlUnreachable(f"{method} {path}: no answer in time ({type(e).__name__})") from e
@@ -101,10 +101,10 @@ class ControlClient:
         except ControlUnreachable as e:
             attempts = (await self.rollout(rollout_id)).attempts
             if attempts and attempts[-1].status == AttemptStatus.RUNNING:
-                log.warning("control_attempt_adopted rollout=%s attempt=%d error=%s", rollout_id,
+                log.warning("event=control_attempt_adopted rollout=%s attempt=%d error=%s", rollout_id,
                             attempts[-1].attempt, e)  # fmt: skip
                 return attempts[-1]
-            log.warning("control_resend method=POST path=%s error=%s", path, e)
+            log.warning("event=control_resend method=POST path=%s error=%s", path, e)
             return Attempt.model_validate(await self._req("POST", path))
 
     async def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -78,30 +79,41 @@ async def _event_stream(g: Gateway, request: Request, after: int) -> AsyncIterat
             after = ev.seq
             yield f"id: {ev.seq}\nevent: rollout\ndata: {ev.model_dump_json()}\n\n"
         if not batch:
-            await g.wait_events(KEEPALIVE_S)
+            if g.store.pushes_events:  # a shared database: other replicas' writes wake the wait too
+                await asyncio.to_thread(g.store.wait_events, after, KEEPALIVE_S)
+            else:
+                await g.wait_events(KEEPALIVE_S)
             if not g.store.events(after=after, limit=1):
                 yield ": keepalive\n\n"
 
 
-def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
-    """(path, method, handler) for every control route."""
+AdminHandler = Callable[[Request, "Gateway"], Awaitable[Response]]
 
-    async def create(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+
+def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
+    """(path, method, handler) for every control route: each needs the admin key, and a store error
+    becomes 404 (not found), 409 (conflict) or 400."""
+
+    def admin(handler: AdminHandler) -> Handler:
+        async def run(request: Request) -> Response:
+            g = gw()
+            g.require_admin(request)
+            try:
+                return await handler(request, g)
+            except StoreError as e:
+                raise _store_error(e) from None
+
+        return run
+
+    async def create(request: Request, g: Gateway) -> Response:
         req = await _body(request, RolloutCreate, g)
-        try:
-            rollout, created = g.store.create_rollout(req, new_rollout_id())
-        except StoreError as e:
-            raise _store_error(e) from None
+        rollout, created = g.store.create_rollout(req, new_rollout_id())
         if created:
             await g.notify_events()
         out = RolloutCreated(rollout=rollout, api_key=g.keys.issue(rollout.rollout_id), created=created)
         return JSONResponse(out.model_dump(mode="json"), status_code=201 if created else 200)
 
-    async def list_(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def list_(request: Request, g: Gateway) -> Response:
         q = request.query_params
         try:
             state = RolloutState(q["state"]) if "state" in q else None
@@ -117,30 +129,19 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         body = RolloutPage(rollouts=page, next_cursor=None if nxt is None else str(nxt))
         return JSONResponse(body.model_dump(mode="json"))
 
-    async def read(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
-        try:
-            detail = g.store.detail(_rollout_id(request))
-        except StoreError as e:
-            raise _store_error(e) from None
+    async def read(request: Request, g: Gateway) -> Response:
+        detail = g.store.detail(_rollout_id(request))
         return JSONResponse(detail.model_dump(mode="json"))
 
-    async def start_attempt(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def start_attempt(request: Request, g: Gateway) -> Response:
         try:
             attempt = g.store.start_attempt(_rollout_id(request))
-        except StoreError as e:
-            raise _store_error(e) from None
         finally:
             g.forget(str(request.path_params["rollout_id"]))
         await g.notify_events()
         return JSONResponse(attempt.model_dump(mode="json"), status_code=201)
 
-    async def finish_attempt(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def finish_attempt(request: Request, g: Gateway) -> Response:
         finish = await _body(request, AttemptFinish, g)
         try:
             n = int(request.path_params["attempt"])
@@ -149,51 +150,34 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             attempt = g.store.finish_attempt(_rollout_id(request), n, finish)
         except ValueError:
             raise APIError(404, "attempt must be an integer") from None
-        except StoreError as e:
-            raise _store_error(e) from None
         return JSONResponse(attempt.model_dump(mode="json"))
 
-    async def set_state(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def set_state(request: Request, g: Gateway) -> Response:
         change = await _body(request, StateChange, g)
         try:
             rollout = g.store.set_state(_rollout_id(request), change.state)
-        except StoreError as e:
-            raise _store_error(e) from None
         finally:
             g.forget(str(request.path_params["rollout_id"]))
         await g.notify_events()
         return JSONResponse(rollout.model_dump(mode="json"))
 
-    async def reward(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def reward(request: Request, g: Gateway) -> Response:
         value = await _body(request, RewardIn, g)
-        try:
-            stored = g.store.set_reward(_rollout_id(request), value)
-        except StoreError as e:
-            raise _store_error(e) from None
+        stored = g.store.set_reward(_rollout_id(request), value)
         return JSONResponse(stored.model_dump(mode="json"))
 
-    async def pause(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def pause(request: Request, g: Gateway) -> Response:
         req = await _body(request, PauseRequest, g)
         drained = await g.pause(req.drain_timeout_s, req.preempt)
         return JSONResponse({"paused": True, "drained": drained, "in_flight": g.in_flight,
                              "preempted_calls": g.preempted_calls})  # fmt: skip
 
-    async def resume(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def resume(request: Request, g: Gateway) -> Response:
         req = await _body(request, ResumeRequest, g)
         g.resume(req.weight_version)
         return JSONResponse({"paused": False, "weight_version": g.weight_version})
 
-    async def events(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def events(request: Request, g: Gateway) -> Response:
         raw = request.query_params.get("after", request.headers.get("last-event-id", "0"))
         if not (raw.isdigit() and int(raw) < SQL_INT_LIMIT):
             raise APIError(
@@ -205,23 +189,21 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             headers={"Cache-Control": "no-cache"},
         )
 
-    async def status(request: Request) -> Response:
-        g = gw()
-        g.require_admin(request)
+    async def status(request: Request, g: Gateway) -> Response:
         return JSONResponse(
             {"paused": g.paused, "in_flight": g.in_flight, "weight_version": g.weight_version}
         )
 
     return [
-        ("/control/rollouts", "POST", create),
-        ("/control/rollouts", "GET", list_),
-        ("/control/rollouts/{rollout_id}", "GET", read),
-        ("/control/rollouts/{rollout_id}/attempts", "POST", start_attempt),
-        ("/control/rollouts/{rollout_id}/attempts/{attempt}/finish", "POST", finish_attempt),
-        ("/control/rollouts/{rollout_id}/state", "POST", set_state),
-        ("/control/rollouts/{rollout_id}/reward", "PUT", reward),
-        ("/control/pause", "POST", pause),
-        ("/control/resume", "POST", resume),
-        ("/control/status", "GET", status),
-        ("/control/events", "GET", events),
+        ("/control/rollouts", "POST", admin(create)),
+        ("/control/rollouts", "GET", admin(list_)),
+        ("/control/rollouts/{rollout_id}", "GET", admin(read)),
+        ("/control/rollouts/{rollout_id}/attempts", "POST", admin(start_attempt)),
+        ("/control/rollouts/{rollout_id}/attempts/{attempt}/finish", "POST", admin(finish_attempt)),
+        ("/control/rollouts/{rollout_id}/state", "POST", admin(set_state)),
+        ("/control/rollouts/{rollout_id}/reward", "PUT", admin(reward)),
+        ("/control/pause", "POST", admin(pause)),
+        ("/control/resume", "POST", admin(resume)),
+        ("/control/status", "GET", admin(status)),
+        ("/control/events", "GET", admin(events)),
     ]

@@ -157,7 +157,7 @@ def guarded(
                 on_error(e.status)
             return e.response(style)
         except Exception:
-            log.exception("unhandled_error path=%s", request.url.path)
+            log.exception("event=unhandled_error path=%s", request.url.path)
             if on_error is not None:
                 on_error(500)
             return APIError(500, "internal error in the gateway; see its log").response(style)
@@ -217,7 +217,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
         if self._parsed_head <= MAX_HEADER_BYTES and msg != HEADERS_TOO_LARGE:
             super().send_400_response(msg)
             return
-        log.warning("request_headers_too_large client=%s", self.client)
+        log.warning("event=request_headers_too_large client=%s", self.client)
         self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
                              b"Content-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s"
                              % (len(HEADERS_TOO_LARGE), HEADERS_TOO_LARGE.encode()))  # fmt: skip
@@ -262,5 +262,5 @@ class TimedHttpProtocol(HttpToolsProtocol):
     def _headers_late(self) -> None:
         self._header_timer = None
         if not self.transport.is_closing():
-            log.info("request_headers_timeout client=%s", self.client)
+            log.info("event=request_headers_timeout client=%s", self.client)
             self.transport.close()

@@ -64,7 +64,7 @@ class CallWriter:
         try:
             stored = self.store.add_calls([c for c, _ in batch])
         except Exception:
-            log.warning("call_batch_failed batch=%d retrying=one_by_one", len(batch))
+            log.warning("event=call_batch_failed batch=%d retrying=one_by_one", len(batch))
             for call, fut in batch:
                 self._write_alone(call, fut)
             return
@@ -77,12 +77,14 @@ class CallWriter:
             (stored,) = self.store.add_calls([call])
         except UNSERIALISABLE as e:
             reason = f"the call cannot be stored: {type(e).__name__}: {str(e)[:300]}"
-            log.error("call_unstorable rollout=%s call=%s error=%s", call.rollout_id, call.call_id, reason)
+            log.error(
+                "event=call_unstorable rollout=%s call=%s error=%s", call.rollout_id, call.call_id, reason
+            )
             self._record_unstorable(call, reason)
             _fail(fut, APIError(400, f"{reason}; simplify the request", code="unstorable_request"))
             return
         except Exception as e:
-            log.exception("call_write_failed rollout=%s call=%s", call.rollout_id, call.call_id)
+            log.exception("event=call_write_failed rollout=%s call=%s", call.rollout_id, call.call_id)
             _fail(fut, APIError(503, f"the store could not record the call: {e}", code="store_unavailable"))
             return
         if not fut.done():
@@ -96,7 +98,7 @@ class CallWriter:
         try:
             self.store.add_calls([stub])
         except Exception:
-            log.exception("call_unstorable_trace_failed call=%s", call.call_id)
+            log.exception("event=call_unstorable_trace_failed call=%s", call.call_id)
 
     def close(self) -> None:
         """Write anything still pending."""

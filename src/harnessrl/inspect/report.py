@@ -3,15 +3,16 @@ rollout's calls and rows. The terminal rendering (`render`) and `--json` both pr
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from harnessrl.adapter import MergeResult
+from harnessrl.chat import tool_call_parts
 from harnessrl.inspect.runview import (
     RolloutSummary,
     RunError,
+    RunSettings,
     advantages,
     all_rollouts,
     find_rollout,
@@ -23,6 +24,7 @@ from harnessrl.inspect.runview import (
 )
 from harnessrl.inspect.tokens import Decoder, load_decoder
 from harnessrl.schema import Call, Rollout
+from harnessrl.store import SQLiteStore
 
 
 def _sort_key(r: Rollout) -> tuple[int, int, int, str]:
@@ -121,15 +123,22 @@ def rollout_report(run_dir: Path, key: str, tokenizer: Path | None = None) -> di
     try:
         everything = all_rollouts(store)
         rollout = find_rollout(everything, key, run_dir)
-        detail = store.detail(rollout.rollout_id)
-        adv = advantages(store, [rollout], everything, settings)
+        return rollout_view(store, run_dir, settings, rollout, everything,
+                            load_decoder(settings.model, run_dir, tokenizer))  # fmt: skip
     finally:
         store.close()
+
+
+def rollout_view(store: SQLiteStore, run_dir: Path, settings: RunSettings, rollout: Rollout,
+                 group: list[Rollout], decoder: Decoder) -> dict[str, Any]:  # fmt: skip
+    """The report of one rollout read from an open store; `group` holds (at least) the rollouts of its
+    group, for its advantage."""
+    detail = store.detail(rollout.rollout_id)
+    adv = advantages(store, [rollout], group, settings)
     summary = summarize(detail, settings)
     summary.advantage = adv.get(rollout.rollout_id)
-    decoder = load_decoder(settings.model, run_dir, tokenizer)
     results = rollout_rows(detail, settings)
-    row_of, cause_of = _row_positions(results)
+    row_of, cause_of = row_positions(results)
     return {
         "run_dir": str(run_dir),
         "rollout": {
@@ -155,7 +164,7 @@ def rollout_report(run_dir: Path, key: str, tokenizer: Path | None = None) -> di
     }
 
 
-def _row_positions(results: list[MergeResult]) -> tuple[dict[str, int], dict[str, str]]:
+def row_positions(results: list[MergeResult]) -> tuple[dict[str, int], dict[str, str]]:
     """Which row each call went into, and the break cause of each call that started a row after the
     first one of its attempt (rows are created in call order, so break i starts row i + 1)."""
     row_of: dict[str, int] = {}
@@ -201,17 +210,10 @@ def _content(answer: dict[str, Any]) -> str:
 
 
 def _tool_calls(answer: dict[str, Any] | None) -> list[dict[str, Any]]:
-    out = []
-    for tc in (answer or {}).get("tool_calls") or []:
-        fn = tc.get("function", {}) if isinstance(tc, dict) else {}
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        out.append({"name": fn.get("name"), "arguments": args})
-    return out
+    return [
+        {"name": name, "arguments": args}
+        for _, name, args in tool_call_parts((answer or {}).get("tool_calls"))
+    ]
 
 
 def _row_entries(results: list[MergeResult], decoder: Decoder, calls: list[Call]) -> list[dict[str, Any]]:

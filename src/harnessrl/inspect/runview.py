@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harnessrl.adapter import AdvantageLevel, Estimator, MergeResult, merge_calls
+from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, MergeResult, ZeroVariance, merge_calls
 from harnessrl.adapter.advantage import rollout_advantages, sample_level_advantages
 from harnessrl.schema import Rollout, RolloutDetail, RolloutState
 from harnessrl.store import SQLiteStore
@@ -49,7 +49,11 @@ _CLIENT_GROUP = re.compile(r"-g(\d+)-")
 def rollout_place(rollout: Rollout) -> Place:
     """The phase and step of a rollout, read from the metadata the trainer gives it (`trainer.loop`:
     {"step": s} 0-based, {"eval": label}; `trainer.async_loop`: {"group": k}), else its client id."""
-    meta = rollout.metadata
+    return place_of(rollout.metadata, rollout.client_id)
+
+
+def place_of(meta: dict[str, Any], cid: str) -> Place:
+    """`rollout_place` from a rollout's metadata and client id alone."""
     if isinstance(meta.get("eval"), str):
         label = meta["eval"]
         m = _EVAL_STEP.match(label)
@@ -59,7 +63,6 @@ def rollout_place(rollout: Rollout) -> Place:
         return Place("train", meta["step"] + 1)
     if isinstance(meta.get("group"), int):
         return Place("train", None, group=meta["group"])
-    cid = rollout.client_id
     if m := _CLIENT_STEP.search(cid):
         return Place("train", int(m.group(1)) + 1)
     if m := _CLIENT_GROUP.search(cid):
@@ -76,6 +79,9 @@ class RunSettings:
     include_failed_attempts: bool = False
     estimator: Estimator = Estimator.GRPO
     advantage_level: AdvantageLevel = AdvantageLevel.ROLLOUT
+    loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN
+    zero_variance: ZeroVariance = ZeroVariance.KEEP
+    max_row_tokens: int | None = None
 
 
 def _section(cfg: Any, name: str) -> dict[str, Any]:
@@ -95,6 +101,8 @@ def read_settings(run_dir: Path) -> RunSettings:
     try:
         estimator = Estimator(train.get("estimator", Estimator.GRPO))
         level = AdvantageLevel(train.get("advantage_level", AdvantageLevel.ROLLOUT))
+        loss_mode = LossMode(train.get("loss_mode", LossMode.ROLLOUT_TOKEN_MEAN))
+        zero_variance = ZeroVariance(train.get("zero_variance", ZeroVariance.KEEP))
     except ValueError as e:
         raise RunError(f"{path}: {e}") from e
     model = engine.get("model")
@@ -104,6 +112,9 @@ def read_settings(run_dir: Path) -> RunSettings:
         include_failed_attempts=bool(train.get("train_on_failed_attempts", False)),
         estimator=estimator,
         advantage_level=level,
+        loss_mode=loss_mode,
+        zero_variance=zero_variance,
+        max_row_tokens=max_row if isinstance(max_row := train.get("max_row_tokens"), int) else None,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 from harnessrl.schema import (
@@ -32,6 +33,10 @@ class Conflict(StoreError):
 
 class Store(ABC):
     """Durable record of rollouts, attempts, calls and rewards. Every write is committed on return."""
+
+    # True when other processes' writes wake `wait_events` (a shared database); False when this
+    # process is the only writer, so its own notifications suffice (SQLite)
+    pushes_events: bool = False
 
     @abstractmethod
     def create_rollout(self, req: RolloutCreate, rollout_id: str) -> tuple[Rollout, bool]:
@@ -66,6 +71,18 @@ class Store(ABC):
     @abstractmethod
     def events(self, after: int = 0, limit: int = 1000) -> list[RolloutEvent]:
         """Rollout state changes after sequence number `after`, oldest first."""
+
+    def wait_events(self, after: int, timeout_s: float) -> bool:
+        """Block until an event after `after` is stored or `timeout_s` passes; returns whether one is
+        there. This default polls; a backend with a push channel (PostgreSQL's LISTEN/NOTIFY) wakes
+        on other processes' writes at once."""
+        deadline = time.monotonic() + timeout_s
+        while not self.events(after=after, limit=1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.05, left))
+        return True
 
     @abstractmethod
     def add_call(self, call: Call) -> Call:

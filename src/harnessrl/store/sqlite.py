@@ -29,6 +29,7 @@ from harnessrl.schema import (
     RewardIn,
     Rollout,
     RolloutCreate,
+    RolloutDetail,
     RolloutEvent,
     RolloutState,
     SamplingOverrides,
@@ -118,8 +119,13 @@ class SQLiteStore(Store):
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         checkpoint_every_s: float = 1.0,
         wal_limit_mb: float = WAL_LIMIT_MB,
+        readonly: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.readonly = readonly
+        if readonly:  # a reader beside the run's writer (the dashboard): no schema, no checkpoints
+            self._open_readonly()
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if (
             not self.path.exists()
@@ -145,6 +151,64 @@ class SQLiteStore(Store):
             target=self._checkpoint_loop, args=(checkpoint_every_s,), name="sqlite-checkpoint", daemon=True
         )
         self._checkpointer.start()
+
+    def _open_readonly(self) -> None:
+        """Open the file with SQLite's read-only mode: every write fails, nothing is created."""
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no store at {self.path}")
+        self._lock = threading.RLock()
+        self._next_idx = {}
+        self._stop = threading.Event()
+        self._stop.set()  # nothing to stop or fold in on close
+        self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
+                                   check_same_thread=False, isolation_level=None)  # fmt: skip
+        self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        self._db.execute("SELECT COUNT(*) FROM rollouts").fetchone()  # fails now on a file that is no store
+
+    def query(self, sql: str, args: tuple[Any, ...] | list[Any] = ()) -> list[tuple[Any, ...]]:
+        """Rows of one read-only SQL statement (for views that the `Store` methods do not cover)."""
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def import_detail(self, detail: RolloutDetail) -> None:
+        """Insert a rollout recorded elsewhere (an exported trace) as it was: ids, times, attempts,
+        calls with their indexes, reward. A rollout or call id already stored is a `Conflict`."""
+        r = detail.rollout
+        with self._tx() as db:
+            if db.execute(
+                "SELECT 1 FROM rollouts WHERE rollout_id = ? OR client_id = ?", (r.rollout_id, r.client_id)
+            ).fetchone():
+                raise Conflict(f"rollout '{r.rollout_id}' (client_id '{r.client_id}') is already stored")
+            db.execute(
+                "INSERT INTO rollouts (rollout_id, client_id, task_id, group_id, state, input, metadata,"
+                " sampling, created_at, updated_at, n_attempts) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (r.rollout_id, r.client_id, r.task_id, r.group_id, r.state.value, _dumps(r.input),
+                 _dumps(r.metadata), r.sampling.model_dump_json(), r.created_at, r.updated_at, r.n_attempts),
+            )  # fmt: skip
+            db.executemany(
+                "INSERT INTO attempts (rollout_id, attempt, status, started_at, ended_at, exit_code, error)"
+                " VALUES (?,?,?,?,?,?,?)",
+                [(r.rollout_id, a.attempt, a.status.value, a.started_at, a.ended_at, a.exit_code, a.error)
+                 for a in detail.attempts],
+            )  # fmt: skip
+            for c in detail.calls:
+                if db.execute("SELECT 1 FROM calls WHERE call_id = ?", (c.call_id,)).fetchone():
+                    raise Conflict(f"call '{c.call_id}' is already stored")
+            db.executemany(
+                "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)",
+                [(c.call_id, r.rollout_id, c.attempt, c.index, c.model_dump_json()) for c in detail.calls],
+            )
+            db.execute(
+                "INSERT INTO events (rollout_id, state, group_id, time) VALUES (?,?,?,?)",
+                (r.rollout_id, r.state.value, r.group_id, r.updated_at),
+            )
+            if detail.reward is not None:
+                w = detail.reward
+                db.execute(
+                    "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)",
+                    (r.rollout_id, w.value, _dumps(w.details), w.updated_at),
+                )
+        self._next_idx.pop(r.rollout_id, None)
 
     def _checkpoint_loop(self, every_s: float) -> None:
         """PASSIVE checkpoints every `every_s`, and a TRUNCATE whenever the WAL passes half its limit.
@@ -490,7 +554,9 @@ class SQLiteStore(Store):
     def close(self) -> None:
         """Stop the checkpointer, fold the WAL into the file, empty it and close the connection."""
         if self._stop.is_set():
-            return  # closed already
+            if self.readonly:
+                self._db.close()
+            return  # closed already (a read-only store has nothing to fold in)
         self._stop.set()
         self._checkpointer.join(timeout=30)
         with self._lock:

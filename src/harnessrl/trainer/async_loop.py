@@ -36,6 +36,7 @@ from harnessrl.trainer.loop import (
     maybe_eval,
     restore,
 )
+from harnessrl.trainer.trackers import sample_table
 
 
 def group_requests(ctx: TrainContext, train_tasks: list[Task], k: int) -> list[RolloutRequest]:
@@ -136,6 +137,7 @@ async def run_async(
             outcomes = pool.take(t.batch_groups)
             details = await fetch_details(ctx.client, outcomes)
             batch = make_batch(ctx, details, version=step)
+            ctx.metrics.log_samples(step + 1, sample_table(step + 1, details, batch, t.sample_rollouts))
             carried = len(pool.tasks)
             update = await apply_update(ctx, batch, step + 1)
             step += 1

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harnessrl.modeling.llama import DecoderLayer, LlamaForCausalLM
 from harnessrl.modeling.logprobs import tempered_log_softmax
+from harnessrl.modeling.memory import trim_heap
 
 # Logit elements materialised at once by the head (64 MB of fp32 logits: 341 tokens of a 49,152 vocab).
 LOGIT_CHUNK_ELEMENTS = 1 << 24
@@ -96,12 +97,18 @@ def selected_logprobs(
     for layer in model.model.blocks:
         args = (layer, xs, xp, cos_s, sin_s, cos_p, sin_p, mask)
         xs, xp = checkpoint(_layer, *args, use_reentrant=False) if recompute else _layer(*args)
+        if recompute:  # after each layer's backward its recomputed activations go back to the OS
+            xs.register_hook(_trim_heap_hook)
     row, pos = torch.nonzero(select, as_tuple=True)
     if bool((pos < prefix).any()):
         raise ValueError("a selected position lies inside the shared prefix")
     hidden = model.model.norm(xs[row, pos - prefix])
     lp, ent = head_logprobs(model.lm_head, hidden, tokens[row, pos + 1], temps[row], entropy)
     return Selected(lp, row, pos, ent)
+
+
+def _trim_heap_hook(grad: Tensor) -> None:
+    trim_heap()
 
 
 def activation_bytes(model: LlamaForCausalLM, rows: int, suffix: int, prefix: int) -> int:

@@ -35,8 +35,10 @@ from harnessrl.trainer.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from harnessrl.trainer.distributed import DataParallel
 from harnessrl.trainer.metrics import MetricsLogger, mean_ci95
 from harnessrl.trainer.ppo import PPOConfig, ppo_update
+from harnessrl.trainer.trackers import sample_table
 from harnessrl.trainer.weights import EngineAdmin, publish_weights
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class TrainContext:
     heldout: list[Task] = field(default_factory=list)  # for `eval.every`
     eval_seconds: float = 0.0  # spent in evaluations during training (`eval.every`)
     notify: Callable[[str], None] = lambda message: None  # warnings for the user (the CLI prints them)
+    data_parallel: DataParallel | None = None  # the other trainer ranks, with `train.world_size` > 1
 
     @property
     def ppo(self) -> PPOConfig:
@@ -185,8 +188,12 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
         await ctx.engine.sleep(sleep_level)
     t1 = time.perf_counter()
     label = f"update {new_version}"
-    update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo, ctx.ref_model, ctx.scheduler,
-                        progress=lambda done, total: ctx.progress(label, done, total))  # fmt: skip
+    if ctx.data_parallel is not None:  # every rank takes its share of the rows
+        update = ctx.data_parallel.update(batch, ctx.ppo, ctx.ref_model, ctx.scheduler,
+                                          progress=lambda done, total: ctx.progress(label, done, total))  # fmt: skip
+    else:
+        update = ppo_update(ctx.model, ctx.optimizer, batch, ctx.ppo, ctx.ref_model, ctx.scheduler,
+                            progress=lambda done, total: ctx.progress(label, done, total))  # fmt: skip
     t2 = time.perf_counter()
     if sleep_level:
         await ctx.engine.wake_up()
@@ -210,6 +217,7 @@ async def train_step(ctx: TrainContext, train_tasks: list[Task], step: int) -> d
     outcomes = await run_rollouts(ctx, step_requests(ctx, train_tasks, step), f"step {step + 1} rollouts")
     details = await fetch_details(ctx.client, outcomes)
     batch = make_batch(ctx, details, version=step)
+    ctx.metrics.log_samples(step + 1, sample_table(step + 1, details, batch, ctx.cfg.train.sample_rollouts))
     t1 = time.perf_counter()
     update = await apply_update(ctx, batch, step + 1)
     return {
@@ -257,6 +265,8 @@ async def restore(ctx: TrainContext) -> dict[str, Any]:
         ctx.metrics.truncate_after(0)
         return {"step": 0}
     state = load_checkpoint(ckpt, ctx.model, ctx.optimizer, ctx.scheduler)
+    if ctx.data_parallel is not None:  # the other ranks take rank 0's restored weights and moments
+        ctx.data_parallel.sync_state()
     step = int(state["step"])
     ctx.metrics.truncate_after(step)  # steps after the checkpoint are done again: logged once
     await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", step)

@@ -1,37 +1,50 @@
-"""Training metrics to a JSONL file and TensorBoard."""
+"""Training metrics to a JSONL file and the experiment trackers of `train.log_to` (`trainer.trackers`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
+from harnessrl.trainer.trackers import TensorBoardTracker, Tracker, TrackerError, scalars
+
+log = logging.getLogger(__name__)
+
 
 class MetricsLogger:
-    """Appends one JSON object per step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to `metrics.jsonl` and mirrors scalars (and sample tables) to
+    the trackers; by default TensorBoard when it is installed."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, trackers: list[Tracker] | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._tb: Any = None
-        if tensorboard:
+        if trackers is None:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                trackers = [TensorBoardTracker(run_dir)]
+            except TrackerError:
+                trackers = []
+        self.trackers = trackers
 
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-            except ImportError:
-                self._tb = None
+    def _each(self, what: str, call: Any) -> None:
+        for t in list(self.trackers):
+            try:
+                call(t)
+            except Exception as e:  # a tracker never costs the run its metrics: drop it, say so once
+                log.warning("event=tracker_failed tracker=%s during=%s error=%r (dropped)", t.name, what, e)
+                self.trackers.remove(t)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record the metrics of one step."""
         with self.path.open("a") as f:
             f.write(json.dumps(finite_json({"step": step, **values}), allow_nan=False) + "\n")
-        if self._tb is not None:
-            for k, v in values.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        numbers = scalars(values)
+        self._each("log", lambda t: t.log(step, numbers))
+
+    def log_samples(self, step: int, rows: list[list[Any]]) -> None:
+        """Record a step's table of sample completions (`trackers.sample_table`) in the trackers."""
+        self._each("log_samples", lambda t: t.log_samples(step, rows))
 
     def read(self) -> list[dict[str, Any]]:
         """All records logged so far (also those of earlier runs in the same directory)."""
@@ -47,9 +60,8 @@ class MetricsLogger:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def close(self) -> None:
-        """Flush and close TensorBoard."""
-        if self._tb is not None:
-            self._tb.close()
+        """Flush and close the trackers."""
+        self._each("close", lambda t: t.close())
 
 
 def finite_json(value: Any) -> Any:

@@ -90,5 +90,7 @@ def grade(task: Task, result: AttemptResult) -> RewardIn:
         "ignored": sorted(ignored),
         "tests_timed_out": run.timed_out,
     }
-    log.info("coding_graded task=%s reward=%s passed=%d/%d", task.task_id, value, len(passed), len(tests))
+    log.info(
+        "event=coding_graded task=%s reward=%s passed=%d/%d", task.task_id, value, len(passed), len(tests)
+    )
     return RewardIn(value=value, details=details)

@@ -84,5 +84,5 @@ def run_tests(files: dict[str, str], timeout_s: float = 30.0, test_ids: list[str
         except ET.ParseError:
             outcomes = {}
         if code is None:
-            log.info("tests_timeout timeout_s=%s", timeout_s)
+            log.info("event=tests_timeout timeout_s=%s", timeout_s)
         return TestRun(outcomes, code, text)

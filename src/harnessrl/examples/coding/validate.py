@@ -72,5 +72,5 @@ def validate_all(
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = list(pool.map(lambda c: validate(c, runs, timeout_s), candidates))
     for r in results:
-        log.info("task_validated task=%s valid=%s reason=%s", r.task_id, r.valid, r.reason)
+        log.info("event=task_validated task=%s valid=%s reason=%s", r.task_id, r.valid, r.reason)
     return results

@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from harnessrl.gateway.upstream import Upstream, UpstreamClientError, UpstreamFailed
+from harnessrl.gateway.engine_client.upstream import Upstream, UpstreamClientError, UpstreamFailed
 
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_new_tokens",
                  "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}  # fmt: skip

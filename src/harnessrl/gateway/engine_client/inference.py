@@ -12,13 +12,22 @@ from tokenizers import Tokenizer
 
 from harnessrl.chat import StreamingParser, parse_completion
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord
+from harnessrl.gateway.engine_client.answers import (
+    Accumulator,
+    BadUpstreamResponse,
+    cached_tokens,
+    check_prompt,
+    finish_reason,
+    read_chat,
+    read_completion,
+    reading,
+    stop_string,
+)
+from harnessrl.gateway.engine_client.upstream import StickyUpstream
 from harnessrl.gateway.tito import build_prompt
-from harnessrl.gateway.upstream import StickyUpstream
 from harnessrl.schema import Call, CallStatus
 
-
-class BadUpstreamResponse(ValueError):
-    """The engine's answer lacks the token IDs or logprobs the gateway must record."""
+__all__ = ["BadUpstreamResponse"]  # re-exported: the gateway's handlers catch it from here
 
 
 @dataclass(frozen=True)
@@ -51,26 +60,6 @@ def _sampling_fields(s: Sampling) -> dict[str, Any]:
     return body
 
 
-def _prompt_ids(resp: dict[str, Any], choice: dict[str, Any]) -> list[int]:
-    """A completions answer's prompt token IDs: top level (chat; the builtin engine) or, as vLLM's
-    `/v1/completions` sends them, in the choice."""
-    ids = resp.get("prompt_token_ids")
-    if ids is None:
-        ids = choice["prompt_token_ids"]
-    return [int(t) for t in ids]
-
-
-def _version(resp: dict[str, Any]) -> int | None:
-    v = resp.get("weight_version")
-    return int(v) if isinstance(v, int) else None
-
-
-def _cached(resp: dict[str, Any]) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens` of an engine answer (vLLM and ours), if present."""
-    n = ((resp.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    return n if isinstance(n, int) and n >= 0 else None
-
-
 async def passthrough(
     upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling
 ) -> Generation:
@@ -87,25 +76,10 @@ async def passthrough(
     if call.top_logprobs:
         body["top_logprobs"] = call.top_logprobs
     resp = await upstream.post("/v1/chat/completions", body)
-    try:
-        choice = resp["choices"][0]
-        message = choice["message"]
-        content = (choice.get("logprobs") or {}).get("content") or []
-        record = TokenRecord(
-            prompt_ids=[int(t) for t in resp["prompt_token_ids"]],
-            completion_ids=[int(t) for t in choice["token_ids"]],
-            completion_logprobs=[float(c["logprob"]) for c in content],
-            finish_reason=choice.get("finish_reason"),
-            weight_version=_version(resp),
-        )
-        texts = [str(c.get("token", "")) for c in content]
-        tool_calls = list(message.get("tool_calls") or [])
-        text = message.get("content") or ""
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise BadUpstreamResponse(f"engine answer lacks token ids or logprobs: {e!r}") from e
-    _check_lengths(record)
-    finish = "tool_calls" if tool_calls else (record.finish_reason or "stop")
-    return Generation(text, tool_calls, finish, record, texts, _stop_string(choice), _cached(resp))
+    a = read_chat(resp)
+    choice = resp["choices"][0]
+    return Generation(a.text, a.tool_calls, finish_reason(a.tool_calls, a.record), a.record, a.token_texts,
+                      stop_string(choice), cached_tokens(resp))  # fmt: skip
 
 
 async def tito(
@@ -127,28 +101,12 @@ async def tito(
         **_sampling_fields(sampling),
     }
     resp = await upstream.post("/v1/completions", body)
-    try:
-        choice = resp["choices"][0]
-        lp = choice.get("logprobs") or {}
-        record = TokenRecord(
-            prompt_ids=_prompt_ids(resp, choice),
-            completion_ids=[int(t) for t in choice["token_ids"]],
-            completion_logprobs=[float(x) for x in lp.get("token_logprobs") or []],
-            finish_reason=choice.get("finish_reason"),
-            weight_version=_version(resp),
-        )
-        text = str(choice["text"])
-        texts = [str(t) for t in lp.get("tokens") or []]
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise BadUpstreamResponse(f"engine answer lacks token ids, text or logprobs: {e!r}") from e
-    _check_lengths(record)
-    if record.prompt_ids != prompt.prompt_ids:
-        raise BadUpstreamResponse("the engine reports prompt token ids other than those the gateway sent")
-    parsed = parse_completion(text)
-    finish = "tool_calls" if parsed.tool_calls else (record.finish_reason or "stop")
-    return Generation(
-        parsed.content, parsed.tool_calls, finish, record, texts, _stop_string(choice), _cached(resp)
-    )
+    a = read_completion(resp, need_text=True)
+    check_prompt(a.record, prompt.prompt_ids)
+    parsed = parse_completion(a.text)
+    choice = resp["choices"][0]
+    return Generation(parsed.content, parsed.tool_calls, finish_reason(parsed.tool_calls, a.record), a.record,
+                      a.token_texts, stop_string(choice), cached_tokens(resp))  # fmt: skip
 
 
 def raw_completion_body(
@@ -163,35 +121,7 @@ async def raw_completion(upstream: StickyUpstream, served: str, prompt: str | li
                          logprobs: int) -> tuple[dict[str, Any], TokenRecord]:  # fmt: skip
     """`/v1/completions` as is: the engine's answer and its token record."""
     resp = await upstream.post("/v1/completions", raw_completion_body(served, prompt, sampling, logprobs))
-    try:
-        choice = resp["choices"][0]
-        record = TokenRecord(
-            prompt_ids=_prompt_ids(resp, choice),
-            completion_ids=[int(t) for t in choice["token_ids"]],
-            completion_logprobs=[
-                float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []
-            ],
-            finish_reason=choice.get("finish_reason"),
-            weight_version=_version(resp),
-        )
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise BadUpstreamResponse(f"engine answer lacks token ids or logprobs: {e!r}") from e
-    _check_lengths(record)
-    return resp, record
-
-
-def _stop_string(choice: dict[str, Any]) -> str | None:
-    """The stop string that ended the completion, if any (vLLM's `stop_reason` holds it)."""
-    reason = choice.get("stop_reason")
-    return reason if isinstance(reason, str) else None
-
-
-def _check_lengths(record: TokenRecord) -> None:
-    if len(record.completion_logprobs) != len(record.completion_ids):
-        raise BadUpstreamResponse(
-            f"engine sent {len(record.completion_ids)} completion tokens but "
-            f"{len(record.completion_logprobs)} logprobs"
-        )
+    return resp, read_completion(resp).record
 
 
 # streaming --------------------------------------------------------------------------------------------
@@ -203,7 +133,6 @@ class ContentDelta:
 
 
 Items = AsyncGenerator[ContentDelta | Generation, None]
-MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError)  # what a bad event raises
 
 
 class EngineStream:
@@ -211,7 +140,7 @@ class EngineStream:
     that lacks what the gateway must record raises `BadUpstreamResponse`. `partial()` is what the
     engine produced so far, for a call cut short (the client went away)."""
 
-    def __init__(self, acc: _Accumulator, items: Items) -> None:
+    def __init__(self, acc: Accumulator, items: Items) -> None:
         self.acc = acc
         self.text = ""  # the content handed out so far
         self._items = items
@@ -231,7 +160,7 @@ class EngineStream:
 
     def partial(self) -> TokenRecord:
         """The tokens generated so far (those with their logprob), marked `finish_reason="cancelled"`."""
-        return partial_record(self.acc)
+        return self.acc.partial()
 
 
 Streamed = EngineStream
@@ -259,50 +188,6 @@ def cut_short(call: Call, record: TokenRecord, latency_s: float, text: str, chat
     )
 
 
-def partial_record(acc: _Accumulator) -> TokenRecord:
-    """The token record of a stream cut short: the tokens that came with their logprobs."""
-    n = min(len(acc.ids), len(acc.logprobs))
-    return TokenRecord(list(acc.prompt_ids or []), acc.ids[:n], acc.logprobs[:n], "cancelled", acc.version)
-
-
-class _Accumulator:
-    """Collects token IDs and logprobs from stream chunks (vLLM's shape with `return_token_ids`)."""
-
-    def __init__(self) -> None:
-        self.prompt_ids: list[int] | None = None
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.texts: list[str] = []
-        self.finish: str | None = None
-        self.stop: str | None = None
-        self.version: int | None = None
-        self.cached: int | None = None  # prompt tokens from the engine's prefix cache, if its usage says
-
-    def take(self, event: dict[str, Any]) -> dict[str, Any]:
-        """Absorb one event's token data; return its first choice."""
-        choice: dict[str, Any] = (event.get("choices") or [{}])[0]
-        if (cached := _cached(event)) is not None:  # the last chunk's usage (vLLM: with include_usage)
-            self.cached = cached
-        first = event.get("prompt_token_ids") or choice.get("prompt_token_ids")  # vLLM: in the choice
-        if first is not None and self.prompt_ids is None:
-            self.prompt_ids = [int(t) for t in first]
-        if isinstance(event.get("weight_version"), int):
-            self.version = int(event["weight_version"])
-        self.ids += [int(t) for t in choice.get("token_ids") or []]
-        if choice.get("finish_reason"):
-            self.finish = choice["finish_reason"]
-            self.stop = _stop_string(choice)
-        return choice
-
-    def record(self) -> TokenRecord:
-        """The call's token record; raises if the stream lacked token IDs or logprobs."""
-        if self.prompt_ids is None:
-            raise BadUpstreamResponse("the engine's stream carried no prompt_token_ids")
-        record = TokenRecord(self.prompt_ids, self.ids, self.logprobs, self.finish, self.version)
-        _check_lengths(record)
-        return record
-
-
 # Streamed engine requests ask for the closing usage chunk (vLLM sends usage only then; the builtin
 # engine always does): it carries the prompt tokens taken from the prefix cache.
 STREAM_USAGE = {"include_usage": True}
@@ -317,14 +202,14 @@ async def passthrough_stream(
     if call.tools:
         body["tools"] = call.tools
     events = await upstream.open_stream("/v1/chat/completions", body)
-    acc = _Accumulator()
+    acc = Accumulator()
     return EngineStream(acc, _passthrough_events(events, acc))
 
 
-async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: _Accumulator) -> Items:
+async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: Accumulator) -> Items:
     content, calls = "", {}  # type: ignore[var-annotated]
     async for event in events:
-        try:
+        with reading("the engine sent a malformed stream event"):
             choice = acc.take(event)
             entries = (choice.get("logprobs") or {}).get("content") or []
             acc.logprobs += [float(e["logprob"]) for e in entries]  # all or none of the event's
@@ -332,15 +217,14 @@ async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: _Accum
             delta = choice.get("delta") or {}
             piece = str(delta.get("content") or "")
             _take_tool_calls(calls, delta.get("tool_calls") or [])
-        except MALFORMED as e:
-            raise BadUpstreamResponse(f"the engine sent a malformed stream event: {e!r}") from e
         if piece:
             content += piece
             yield ContentDelta(piece)
     record = acc.record()
     tool_calls = [calls[i] for i in sorted(calls)]
-    finish = "tool_calls" if tool_calls else (record.finish_reason or "stop")
-    yield Generation(content, tool_calls, finish, record, acc.texts, acc.stop, acc.cached)
+    yield Generation(
+        content, tool_calls, finish_reason(tool_calls, record), record, acc.texts, acc.stop, acc.cached
+    )
 
 
 def _take_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[Any]) -> None:
@@ -362,38 +246,29 @@ async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sam
                             "return_token_ids": True, "logprobs": call.top_logprobs or 1, "stream_options": STREAM_USAGE,
                             **_sampling_fields(sampling)}  # fmt: skip
     events = await upstream.open_stream("/v1/completions", body)
-    acc = _Accumulator()
+    acc = Accumulator()
     return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc))
 
 
-async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int], acc: _Accumulator) -> Items:
+async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int], acc: Accumulator) -> Items:
     parser, text = StreamingParser(), ""
     while True:
         try:
-            event = await anext(events)
+            with reading("the engine sent a malformed stream event"):  # an adapter's translation (SGLang)
+                event = await anext(events)
         except StopAsyncIteration:
             break
-        except MALFORMED as e:  # raised by an adapter's translation of the event (SGLang)
-            raise BadUpstreamResponse(f"the engine sent a malformed stream event: {e!r}") from e
-        try:
-            choice = acc.take(event)
-            lp = choice.get("logprobs") or {}
-            acc.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
-            acc.texts += [str(t) for t in lp.get("tokens") or []]
-            piece = str(choice.get("text") or "")
-        except MALFORMED as e:
-            raise BadUpstreamResponse(f"the engine sent a malformed stream event: {e!r}") from e
+        _, piece = acc.take_completion(event)
         text += piece
         out = parser.feed(piece)
         if out:
             yield ContentDelta(out)
     record = acc.record()
-    if record.prompt_ids != sent:
-        raise BadUpstreamResponse("the engine reports prompt token ids other than those the gateway sent")
+    check_prompt(record, sent)
     parsed, rest = parser.finish(text)
     if rest:
         yield ContentDelta(rest)
-    finish = "tool_calls" if parsed.tool_calls else (record.finish_reason or "stop")
+    finish = finish_reason(parsed.tool_calls, record)
     yield Generation(parsed.content, parsed.tool_calls, finish, record, acc.texts, acc.stop, acc.cached)
 
 
@@ -401,38 +276,31 @@ class RawCompletionStream:
     """Accumulates a streamed `/v1/completions` answer: its token record and the answer as one body."""
 
     def __init__(self) -> None:
-        self.acc = _Accumulator()
+        self.acc = Accumulator()
         self.text = ""
-        self.tokens: list[str] = []
         self.usage: dict[str, Any] | None = None
         self.head: dict[str, Any] = {}
 
     def take(self, event: dict[str, Any]) -> dict[str, Any]:
         """Absorb one engine event; return its first choice (`BadUpstreamResponse` when malformed)."""
-        try:
-            if not self.head:
-                self.head = {k: event.get(k) for k in ("id", "object", "created", "model")}
-            choice = self.acc.take(event)
-            lp = choice.get("logprobs") or {}
-            self.acc.logprobs += [float(x) for x in lp.get("token_logprobs") or []]
-            self.tokens += [str(t) for t in lp.get("tokens") or []]
-            self.text += str(choice.get("text") or "")
-        except MALFORMED as e:
-            raise BadUpstreamResponse(f"the engine sent a malformed stream event: {e!r}") from e
+        if not self.head:
+            self.head = {k: event.get(k) for k in ("id", "object", "created", "model")}
+        choice, piece = self.acc.take_completion(event)
+        self.text += piece
         if isinstance(event.get("usage"), dict):
             self.usage = event["usage"]
         return choice
 
     def partial(self) -> TokenRecord:
         """The tokens generated so far, for a call cut short."""
-        return partial_record(self.acc)
+        return self.acc.partial()
 
     def finish(self) -> tuple[dict[str, Any], TokenRecord]:
         """The answer as a non-streamed body would have carried it, and the token record."""
         record = self.acc.record()
         choice = {"index": 0, "text": self.text, "finish_reason": record.finish_reason,
                   "stop_reason": self.acc.stop, "token_ids": record.completion_ids,
-                  "logprobs": {"tokens": self.tokens, "token_logprobs": record.completion_logprobs}}  # fmt: skip
+                  "logprobs": {"tokens": self.acc.texts, "token_logprobs": record.completion_logprobs}}  # fmt: skip
         n_prompt, n_out = len(record.prompt_ids), len(record.completion_ids)
         usage = self.usage or {
             "prompt_tokens": n_prompt,

@@ -6,14 +6,15 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import orjson
 
-from harnessrl.gateway.httpclient import HTTPError, HTTPPool
+from harnessrl.gateway.engine_client.httpclient import HTTPError, HTTPPool
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -78,11 +79,11 @@ class Upstream:
                 status, raw = await self._http.post(path, payload, _remaining(self.timeout_s, deadline))
             except HTTPError as e:
                 last = f"ConnectError: {e}"
-                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
+                log.warning("event=upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             if status in RETRYABLE_STATUS:
                 last = f"status {status}: {raw[:300].decode(errors='replace')}"
-                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
+                log.warning("event=upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             try:
                 data = orjson.loads(raw)
@@ -110,7 +111,7 @@ class Upstream:
                 status, pieces = await self._http.stream(path, payload, self.open_timeout_s, deadline)
             except HTTPError as e:
                 last = f"ConnectError: {e}"
-                log.warning("upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
+                log.warning("event=upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
             if status == 200:
                 return _sse_events(pieces, self.name)
@@ -201,31 +202,26 @@ class UpstreamPool:
 
     async def post(self, rollout_id: str, path: str, body: dict[str, Any]) -> tuple[Upstream, dict[str, Any]]:
         """POST to the rollout's replica, failing over to the next ones; returns (replica, answer)."""
-        errors = []
-        deadline = self._deadline()
-        for upstream in self.order(rollout_id):
-            try:
-                return upstream, await upstream.post(path, body, deadline)
-            except UpstreamFailed as e:
-                errors.append(str(e))
-                log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
-            if deadline is not None and time.monotonic() >= deadline:
-                errors.append(f"the call's time limit ({self.call_timeout_s:g} s) ran out")
-                break
-        raise UpstreamFailed("; ".join(errors))
+        return await self._failover(rollout_id, lambda u, deadline: u.post(path, body, deadline))
 
     async def open_stream(
         self, rollout_id: str, path: str, body: dict[str, Any]
     ) -> tuple[Upstream, AsyncIterator[dict[str, Any]]]:
         """Open a stream on the rollout's replica, failing over before the answer begins."""
+        return await self._failover(rollout_id, lambda u, deadline: u.open_stream(path, body, deadline))
+
+    async def _failover(
+        self, rollout_id: str, attempt: Callable[[Upstream, float | None], Awaitable[R]]
+    ) -> tuple[Upstream, R]:
+        """`attempt` on the rollout's replicas in its order until one answers or the call's time is up."""
         errors = []
         deadline = self._deadline()
         for upstream in self.order(rollout_id):
             try:
-                return upstream, await upstream.open_stream(path, body, deadline)
+                return upstream, await attempt(upstream, deadline)
             except UpstreamFailed as e:
                 errors.append(str(e))
-                log.warning("upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
+                log.warning("event=upstream_failover rollout=%s from=%s", rollout_id, upstream.name)
             if deadline is not None and time.monotonic() >= deadline:
                 errors.append(f"the call's time limit ({self.call_timeout_s:g} s) ran out")
                 break

@@ -1,0 +1,7 @@
+"""Defaults shared by a run's config (`harnessrl.config`) and the services' own command lines (the
+engine's `EngineConfig`, the gateway's `GatewayConfig`), defined once here. Imports nothing."""
+
+# sequences the builtin engine decodes together (its KV cache is reserved as they need it)
+ENGINE_MAX_BATCH = 32
+# completion budget of a call whose request sets none (and whose rollout sets none)
+DEFAULT_MAX_TOKENS = 256

@@ -1,0 +1,607 @@
+"""PostgreSQL store: the same `Store` contract as SQLite, for several gateways sharing one database.
+
+Selected by a `postgresql://` URL wherever a store is named (`store:` in a run's config, `--store` of the
+gateway). Driver: psycopg 3 with a connection pool (the `postgres` extra).
+
+Guarantees, as SQLite's:
+- every write commits before the method returns (`synchronous_commit` is the server's: `on` by default,
+  so a committed call survives a crash of the gateway and of the server);
+- creates are idempotent on `client_id`, also when two replicas create the same rollout at once
+  (`INSERT ... ON CONFLICT DO NOTHING`, then the winner's row is read);
+- the rollout state machine is enforced by the database itself: a trigger rejects any update of
+  `rollouts.state` that `rollout_transitions` (the table of `schema.ROLLOUT_TRANSITIONS`) does not
+  list, and an attempt that has ended cannot change its status, whatever client writes the row;
+- cursors (`rollouts.seq`) and event sequence numbers (`events.seq`) are monotonic in commit order
+  across replicas: they come from a counter row whose lock is held until commit, so a reader that has
+  seen seq n never later finds a newly committed row below n (a plain sequence gives numbers in
+  *start* order, and a slow transaction could commit a lower number after a reader moved past it);
+- call indices are numbered within their rollout in the database (a counter row per rollout), so
+  calls of one rollout written by different replicas never collide;
+- a committed state change is announced with NOTIFY on `harnessrl_events`; `wait_events` LISTENs on
+  a connection of its own, so a replica's event stream wakes on another replica's writes.
+
+Schema migrations are versioned (`MIGRATIONS`, table `schema_migrations`) and applied at start under
+an advisory lock, so replicas starting together apply each one exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+from harnessrl.schema import (
+    ROLLOUT_TRANSITIONS,
+    Attempt,
+    AttemptFinish,
+    AttemptStatus,
+    Call,
+    InvalidTransition,
+    Reward,
+    RewardIn,
+    Rollout,
+    RolloutCreate,
+    RolloutEvent,
+    RolloutState,
+    check_transition,
+    now,
+)
+from harnessrl.store.base import Conflict, NotFound, Store, StoreError
+from harnessrl.store.sqlite import _call, _dumps, _rollout
+
+log = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "harnessrl_events"
+MIGRATION_LOCK = 0x6861726E  # pg_advisory_xact_lock key of the migrations ("harn")
+
+
+def _transitions_sql() -> str:
+    rows = ", ".join(
+        f"('{a.value}', '{b.value}')" for a, targets in ROLLOUT_TRANSITIONS.items() for b in sorted(targets)
+    )
+    return f"INSERT INTO rollout_transitions (from_state, to_state) VALUES {rows};"
+
+
+_STATES = ", ".join(f"'{s.value}'" for s in RolloutState)
+_ATTEMPT_STATUSES = ", ".join(f"'{s.value}'" for s in AttemptStatus)
+
+# Versioned schema migrations, applied in order at start; never edit one that has shipped: add the next.
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (
+        1,
+        "rollouts, attempts, calls, events, rewards, meta; the state machine as a table and triggers",
+        f"""
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE counters (name TEXT PRIMARY KEY, value BIGINT NOT NULL);
+INSERT INTO counters (name, value) VALUES ('rollouts', 0), ('events', 0);
+CREATE TABLE rollout_transitions (
+  from_state TEXT NOT NULL, to_state TEXT NOT NULL, PRIMARY KEY (from_state, to_state)
+);
+{_transitions_sql()}
+CREATE TABLE rollouts (
+  seq BIGINT NOT NULL UNIQUE,
+  rollout_id TEXT PRIMARY KEY,
+  client_id TEXT NOT NULL UNIQUE,
+  task_id TEXT NOT NULL,
+  group_id TEXT,
+  state TEXT NOT NULL CHECK (state IN ({_STATES})),
+  input TEXT NOT NULL,
+  metadata TEXT NOT NULL,
+  sampling TEXT NOT NULL,
+  created_at DOUBLE PRECISION NOT NULL,
+  updated_at DOUBLE PRECISION NOT NULL,
+  n_attempts INTEGER NOT NULL DEFAULT 0 CHECK (n_attempts >= 0)
+);
+CREATE INDEX rollouts_state ON rollouts (state, seq);
+CREATE TABLE attempts (
+  rollout_id TEXT NOT NULL REFERENCES rollouts (rollout_id),
+  attempt INTEGER NOT NULL CHECK (attempt >= 0),
+  status TEXT NOT NULL CHECK (status IN ({_ATTEMPT_STATUSES})),
+  started_at DOUBLE PRECISION NOT NULL,
+  ended_at DOUBLE PRECISION,
+  exit_code INTEGER,
+  error TEXT,
+  PRIMARY KEY (rollout_id, attempt)
+);
+CREATE TABLE call_counters (rollout_id TEXT PRIMARY KEY, next_idx BIGINT NOT NULL);
+CREATE TABLE calls (
+  seq BIGSERIAL PRIMARY KEY,
+  call_id TEXT NOT NULL UNIQUE,
+  rollout_id TEXT NOT NULL,
+  attempt INTEGER NOT NULL,
+  idx BIGINT NOT NULL,
+  body TEXT NOT NULL,
+  UNIQUE (rollout_id, idx)
+);
+CREATE TABLE events (
+  seq BIGINT PRIMARY KEY,
+  rollout_id TEXT NOT NULL,
+  state TEXT NOT NULL,
+  group_id TEXT,
+  time DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE rewards (
+  rollout_id TEXT PRIMARY KEY REFERENCES rollouts (rollout_id),
+  value DOUBLE PRECISION NOT NULL,
+  details TEXT NOT NULL,
+  updated_at DOUBLE PRECISION NOT NULL
+);
+
+CREATE FUNCTION harnessrl_check_transition() RETURNS trigger AS $$
+BEGIN
+  IF NEW.state IS DISTINCT FROM OLD.state AND NOT EXISTS (
+      SELECT 1 FROM rollout_transitions WHERE from_state = OLD.state AND to_state = NEW.state) THEN
+    RAISE EXCEPTION 'rollout cannot move from % to %', OLD.state, NEW.state
+      USING ERRCODE = 'check_violation';
+  END IF;
+  RETURN NEW;
+END $$ LANGUAGE plpgsql;
+CREATE TRIGGER rollouts_transition BEFORE UPDATE OF state ON rollouts
+  FOR EACH ROW EXECUTE FUNCTION harnessrl_check_transition();
+
+CREATE FUNCTION harnessrl_check_attempt() RETURNS trigger AS $$
+BEGIN
+  IF NEW.status IS DISTINCT FROM OLD.status AND OLD.status <> 'running' THEN
+    RAISE EXCEPTION 'attempt % of rollout % already ended as %', OLD.attempt, OLD.rollout_id, OLD.status
+      USING ERRCODE = 'check_violation';
+  END IF;
+  RETURN NEW;
+END $$ LANGUAGE plpgsql;
+CREATE TRIGGER attempts_status BEFORE UPDATE OF status ON attempts
+  FOR EACH ROW EXECUTE FUNCTION harnessrl_check_attempt();
+""",
+    ),
+]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+_ROLLOUT_COLS = (
+    "rollout_id, client_id, task_id, group_id, state, input, metadata, sampling, "
+    "created_at, updated_at, n_attempts, seq"
+)
+_CALL_COLS = "call_id, rollout_id, attempt, idx, body"
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+        import psycopg_pool
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise StoreError(
+            "a postgresql:// store needs psycopg 3 and psycopg-pool: pip install 'harnessrl[postgres]'"
+        ) from e
+    return psycopg, psycopg_pool
+
+
+def migrate(conn: Any) -> list[int]:
+    """Apply the migrations `conn`'s database lacks, in order, each in its own transaction, under an
+    advisory lock (replicas starting at once wait for each other). Returns the versions applied."""
+    applied: list[int] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY,"
+            " description TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+        )
+        done = {r[0] for r in conn.execute("SELECT version FROM schema_migrations").fetchall()}
+        newest = max(done, default=0)
+        if newest > SCHEMA_VERSION:
+            raise StoreError(
+                f"the database's schema is version {newest}, newer than this harnessrl's "
+                f"({SCHEMA_VERSION}): upgrade harnessrl"
+            )
+        for version, description, sql in MIGRATIONS:
+            if version in done:
+                continue
+            with conn.transaction():  # a savepoint: a failing migration leaves nothing half-applied
+                conn.execute(sql)
+                conn.execute(
+                    "INSERT INTO schema_migrations (version, description, applied_at) VALUES (%s, %s, %s)",
+                    (version, description, now()),
+                )
+            applied.append(version)
+            log.info("event=store_migrated version=%d description=%r", version, description)
+    return applied
+
+
+class PostgresStore(Store):
+    """`Store` on a PostgreSQL database; safe to share between threads and between processes."""
+
+    pushes_events = True  # LISTEN/NOTIFY: a write by another gateway replica wakes `wait_events`
+
+    def __init__(self, url: str, pool_size: int = 4, connect_timeout_s: float = 10.0) -> None:
+        psycopg, psycopg_pool = _psycopg()
+        self.url = url
+        self._psycopg = psycopg
+        try:
+            with psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout_s)) as conn:
+                self.migrations_applied = migrate(conn)
+        except psycopg.OperationalError as e:
+            raise StoreError(f"cannot reach the PostgreSQL store at {_redact(url)}: {e}") from e
+        self._pool = psycopg_pool.ConnectionPool(
+            url, min_size=1, max_size=max(pool_size, 1), open=True, name="harnessrl-store",
+            kwargs={"autocommit": True}, timeout=connect_timeout_s,
+        )  # fmt: skip
+        self._pool.wait(timeout=connect_timeout_s)
+        self._closed = False
+        self._listen_lock = threading.Lock()
+        self._listen_cond = threading.Condition()
+        self._listener: threading.Thread | None = None
+        self._listen_conn: Any = None
+        self._notified = 0  # highest event seq announced on the channel so far
+
+    # plumbing -------------------------------------------------------------------------------------
+    @contextmanager
+    def _tx(self, write: bool = True) -> Iterator[Any]:
+        """A connection inside one transaction (committed on exit, rolled back on an exception); with
+        `write=False` a single autocommit statement's connection (no BEGIN/COMMIT round trips).
+        Database errors come out as `StoreError`s: a constraint or trigger as `Conflict`."""
+        psycopg = self._psycopg
+        try:
+            with self._pool.connection() as conn, conn.transaction() if write else nullcontext():
+                yield conn
+        except psycopg.errors.CheckViolation as e:
+            raise Conflict(_message(e)) from e
+        except psycopg.errors.UniqueViolation as e:
+            raise Conflict(_message(e)) from e
+        except psycopg.errors.ForeignKeyViolation as e:
+            raise NotFound(_message(e)) from e
+        except psycopg.DataError as e:  # e.g. a NUL character in a text field
+            raise StoreError(f"the store cannot hold this value: {_message(e)}") from e
+
+    def _read(self, sql: str, args: tuple[Any, ...] | list[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._tx(write=False) as conn:
+            return list(conn.execute(sql, args).fetchall())
+
+    @staticmethod
+    def _next(conn: Any, counter: str, n: int = 1) -> int:
+        """Take `n` numbers from a counter; returns the last. The counter row stays locked until the
+        transaction ends, so numbers are handed out in commit order (see the module docstring)."""
+        row = conn.execute(
+            "UPDATE counters SET value = value + %s WHERE name = %s RETURNING value", (n, counter)
+        ).fetchone()
+        return int(row[0])
+
+    def _event(self, conn: Any, rollout_id: str, state: RolloutState, t: float) -> None:
+        seq = self._next(conn, "events")
+        conn.execute(
+            "INSERT INTO events (seq, rollout_id, state, group_id, time)"
+            " SELECT %s, rollout_id, %s, group_id, %s FROM rollouts WHERE rollout_id = %s",
+            (seq, state.value, t, rollout_id),
+        )
+        conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, str(seq)))  # delivered at commit
+
+    @staticmethod
+    def _state(conn: Any, rollout_id: str) -> tuple[RolloutState, int]:
+        row = conn.execute(
+            "SELECT state, n_attempts FROM rollouts WHERE rollout_id = %s FOR UPDATE", (rollout_id,)
+        ).fetchone()
+        if row is None:
+            raise NotFound(f"rollout '{rollout_id}' not found")
+        return RolloutState(row[0]), int(row[1])
+
+    @staticmethod
+    def _get(conn: Any, rollout_id: str) -> Rollout:
+        row = conn.execute(
+            f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,)
+        ).fetchone()
+        return _rollout(row)
+
+    # rollouts -------------------------------------------------------------------------------------
+    def create_rollout(self, req: RolloutCreate, rollout_id: str) -> tuple[Rollout, bool]:
+        """Create a rollout, or return the existing one with the same `client_id`."""
+        with self._tx() as conn:
+            row = conn.execute(
+                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
+            ).fetchone()
+            if row is None:
+                t = now()
+                seq = self._next(conn, "rollouts")
+                inserted = conn.execute(
+                    "INSERT INTO rollouts (seq, rollout_id, client_id, task_id, group_id, state, input,"
+                    " metadata, sampling, created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+                    " ON CONFLICT (client_id) DO NOTHING RETURNING rollout_id",
+                    (seq, rollout_id, req.client_id, req.task_id, req.group_id, RolloutState.QUEUED.value,
+                     _dumps(req.input), _dumps(req.metadata), req.sampling.model_dump_json(), t, t),
+                ).fetchone()  # fmt: skip
+                if inserted is not None:
+                    self._event(conn, rollout_id, RolloutState.QUEUED, t)
+                    return self._get(conn, rollout_id), True
+                # another replica created it meanwhile (ON CONFLICT waited for its commit): read it
+                row = conn.execute(
+                    f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
+                ).fetchone()
+            existing = _rollout(row)
+            if existing.task_id != req.task_id:
+                raise Conflict(
+                    f"client_id '{req.client_id}' already names a rollout of task '{existing.task_id}'"
+                )
+            return existing, False
+
+    def get_rollout(self, rollout_id: str) -> Rollout | None:
+        """The rollout, or None."""
+        rows = self._read(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,))
+        return _rollout(rows[0]) if rows else None
+
+    def list_rollouts(
+        self, state: RolloutState | None = None, limit: int = 100, after: int = 0
+    ) -> tuple[list[Rollout], int | None]:
+        """Rollouts in creation order after cursor `after`; returns (page, next cursor or None)."""
+        sql = f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE seq > %s"
+        args: list[Any] = [after]
+        if state is not None:
+            sql += " AND state = %s"
+            args.append(state.value)
+        sql += " ORDER BY seq LIMIT %s"
+        args.append(limit + 1)
+        rows = self._read(sql, args)
+        page = rows[:limit]
+        next_cursor = int(page[-1][-1]) if len(rows) > limit else None
+        return [_rollout(r) for r in page], next_cursor
+
+    def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
+        """Move a rollout to `state`, checking the transition table (here and in the database)."""
+        with self._tx() as conn:
+            current, _ = self._state(conn, rollout_id)
+            if current != state:  # a repeat of the same transition is a no-op
+                try:
+                    check_transition(current, state)
+                except InvalidTransition as e:
+                    raise Conflict(str(e)) from e
+                t = now()
+                conn.execute(
+                    "UPDATE rollouts SET state = %s, updated_at = %s WHERE rollout_id = %s",
+                    (state.value, t, rollout_id),
+                )
+                self._event(conn, rollout_id, state, t)
+            return self._get(conn, rollout_id)
+
+    def events(self, after: int = 0, limit: int = 1000) -> list[RolloutEvent]:
+        """State changes after sequence number `after`, oldest first."""
+        rows = self._read(
+            "SELECT seq, rollout_id, state, group_id, time FROM events WHERE seq > %s ORDER BY seq LIMIT %s",
+            (after, limit),
+        )
+        return [
+            RolloutEvent(seq=r[0], rollout_id=r[1], state=RolloutState(r[2]), group_id=r[3], time=r[4])
+            for r in rows
+        ]
+
+    def wait_events(self, after: int, timeout_s: float) -> bool:
+        """Block until an event after `after` is committed (by any process on this database) or
+        `timeout_s` passes; returns whether one is there. Woken by LISTEN/NOTIFY, not by polling."""
+        self._ensure_listener()
+        deadline = time.monotonic() + timeout_s
+        if self.events(after=after, limit=1):  # committed before this listener's LISTEN took effect
+            return True
+        with self._listen_cond:
+            while self._notified <= after:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._listen_cond.wait(left)
+        return bool(self.events(after=after, limit=1))
+
+    def _ensure_listener(self) -> None:
+        with self._listen_lock:
+            if self._listener is not None:
+                return
+            conn = self._psycopg.connect(self.url, autocommit=True)
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            self._listen_conn = conn
+            self._listener = threading.Thread(target=self._listen, name="pg-listen", daemon=True)
+            self._listener.start()
+
+    def _listen(self) -> None:
+        conn = self._listen_conn
+        try:
+            while not self._closed:
+                for note in conn.notifies(timeout=0.5):
+                    with self._listen_cond:
+                        self._notified = max(self._notified, int(note.payload))
+                        self._listen_cond.notify_all()
+        except Exception as e:
+            if not self._closed:
+                log.warning("event=pg_listener_stopped error=%s", e)
+        finally:
+            with self._listen_cond:
+                self._listen_cond.notify_all()
+
+    # attempts -------------------------------------------------------------------------------------
+    def start_attempt(self, rollout_id: str) -> Attempt:
+        """Open the next attempt of a queued rollout and mark the rollout running."""
+        with self._tx() as conn:
+            current, n = self._state(conn, rollout_id)
+            try:
+                check_transition(current, RolloutState.RUNNING)
+            except InvalidTransition as e:
+                raise Conflict(f"cannot start an attempt: {e}") from e
+            t = now()
+            conn.execute(
+                "INSERT INTO attempts (rollout_id, attempt, status, started_at) VALUES (%s,%s,%s,%s)",
+                (rollout_id, n, AttemptStatus.RUNNING.value, t),
+            )
+            conn.execute(
+                "UPDATE rollouts SET state = %s, n_attempts = %s, updated_at = %s WHERE rollout_id = %s",
+                (RolloutState.RUNNING.value, n + 1, t, rollout_id),
+            )
+            self._event(conn, rollout_id, RolloutState.RUNNING, t)
+        return Attempt(rollout_id=rollout_id, attempt=n, started_at=t)
+
+    def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:
+        """Record how an attempt ended (a repeat of the same finish is a no-op)."""
+        if finish.status == AttemptStatus.RUNNING:
+            raise Conflict("an attempt cannot be finished with status 'running'")
+        with self._tx() as conn:
+            row = conn.execute(
+                "SELECT status FROM attempts WHERE rollout_id = %s AND attempt = %s FOR UPDATE",
+                (rollout_id, attempt),
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"attempt {attempt} of rollout '{rollout_id}' not found")
+            if row[0] == AttemptStatus.RUNNING.value:
+                conn.execute(
+                    "UPDATE attempts SET status = %s, ended_at = %s, exit_code = %s, error = %s"
+                    " WHERE rollout_id = %s AND attempt = %s",
+                    (finish.status.value, now(), finish.exit_code, finish.error, rollout_id, attempt),
+                )
+            elif row[0] != finish.status.value:
+                raise Conflict(f"attempt {attempt} of rollout '{rollout_id}' already ended as {row[0]}")
+        return next(a for a in self.attempts(rollout_id) if a.attempt == attempt)
+
+    def attempts(self, rollout_id: str) -> list[Attempt]:
+        """All attempts of a rollout, oldest first."""
+        rows = self._read(
+            "SELECT rollout_id, attempt, status, started_at, ended_at, exit_code, error FROM attempts"
+            " WHERE rollout_id = %s ORDER BY attempt",
+            (rollout_id,),
+        )
+        return [
+            Attempt(
+                rollout_id=r[0],
+                attempt=r[1],
+                status=AttemptStatus(r[2]),
+                started_at=r[3],
+                ended_at=r[4],
+                exit_code=r[5],
+                error=r[6],
+            )
+            for r in rows
+        ]
+
+    # calls ----------------------------------------------------------------------------------------
+    def add_call(self, call: Call) -> Call:
+        """Record one call, numbering it after the rollout's previous calls; durable on return."""
+        return self.add_calls([call])[0]
+
+    def add_calls(self, calls: list[Call]) -> list[Call]:
+        """Record calls in one transaction (group commit), each numbered within its rollout by the
+        database (replicas writing calls of the same rollout never take the same index)."""
+        if not calls:
+            return calls
+        for c in calls:  # a call that cannot be serialised fails the batch before anything is written
+            c.model_dump_json()
+        per_rollout: dict[str, int] = {}
+        for c in calls:
+            per_rollout[c.rollout_id] = per_rollout.get(c.rollout_id, 0) + 1
+        indices = [c.index for c in calls]
+        try:
+            with self._tx() as conn:
+                first: dict[str, int] = {}
+                for rid in sorted(per_rollout):  # a fixed lock order: no deadlock between replicas
+                    n = per_rollout[rid]
+                    end = conn.execute(
+                        "INSERT INTO call_counters (rollout_id, next_idx) VALUES (%s, %s)"
+                        " ON CONFLICT (rollout_id) DO UPDATE SET next_idx = call_counters.next_idx + %s"
+                        " RETURNING next_idx",
+                        (rid, n, n),
+                    ).fetchone()[0]
+                    first[rid] = int(end) - n
+                rows = []
+                for c in calls:
+                    c.index = first[c.rollout_id]
+                    first[c.rollout_id] += 1
+                    rows.append((c.call_id, c.rollout_id, c.attempt, c.index, c.model_dump_json()))
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (%s,%s,%s,%s,%s)",
+                        rows,
+                    )
+        except BaseException:
+            for c, idx in zip(calls, indices, strict=True):
+                c.index = idx
+            raise
+        return calls
+
+    def calls(self, rollout_id: str) -> list[Call]:
+        """All calls of a rollout in the order they were made."""
+        rows = self._read(
+            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx, seq", (rollout_id,)
+        )
+        return [_call(r) for r in rows]
+
+    def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
+        """The rollout's last `limit` calls, oldest first."""
+        rows = self._read(
+            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx DESC, seq DESC LIMIT %s",
+            (rollout_id, limit),
+        )
+        return [_call(r) for r in reversed(rows)]
+
+    def count_calls(self, rollout_id: str) -> int:
+        """Number of calls recorded for a rollout."""
+        return int(self._read("SELECT COUNT(*) FROM calls WHERE rollout_id = %s", (rollout_id,))[0][0])
+
+    # rewards --------------------------------------------------------------------------------------
+    def set_reward(self, rollout_id: str, reward: RewardIn) -> Reward:
+        """Write the rollout's reward; the last write wins."""
+        t = now()
+        with self._tx() as conn:
+            self._state(conn, rollout_id)
+            conn.execute(
+                "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (%s,%s,%s,%s)"
+                " ON CONFLICT (rollout_id) DO UPDATE SET value = excluded.value,"
+                " details = excluded.details, updated_at = excluded.updated_at",
+                (rollout_id, reward.value, _dumps(reward.details), t),
+            )
+        return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details, updated_at=t)
+
+    def get_reward(self, rollout_id: str) -> Reward | None:
+        """The rollout's reward, or None."""
+        rows = self._read(
+            "SELECT value, details, updated_at FROM rewards WHERE rollout_id = %s", (rollout_id,)
+        )
+        if not rows:
+            return None
+        value, details, updated_at = rows[0]
+        return Reward(rollout_id=rollout_id, value=value, details=json.loads(details), updated_at=updated_at)
+
+    # meta -----------------------------------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        """A store-level setting."""
+        rows = self._read("SELECT value FROM meta WHERE key = %s", (key,))
+        return str(rows[0][0]) if rows else None
+
+    def set_meta_if_absent(self, key: str, value: str) -> str:
+        """Set a store-level setting unless present; returns the stored value (the first writer's,
+        when replicas race)."""
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, value)
+            )
+            return str(conn.execute("SELECT value FROM meta WHERE key = %s", (key,)).fetchone()[0])
+
+    def schema_version(self) -> int:
+        """The newest migration applied to the database."""
+        return int(self._read("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")[0][0])
+
+    def close(self) -> None:
+        """Stop the listener and close the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._listen_cond:
+            self._listen_cond.notify_all()
+        if self._listener is not None:
+            self._listener.join(timeout=5)
+            self._listen_conn.close()
+        self._pool.close()
+
+
+def _message(e: Exception) -> str:
+    diag = getattr(e, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    return str(primary or e).strip()
+
+
+def _redact(url: str) -> str:
+    """The URL without its password."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in creds else url
