@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-vllm test-vllm bench-vllm demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses clean
+.PHONY: install install-vllm test-vllm bench-vllm demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses opencode-calc clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +112,12 @@ bench-scale: $(STAMP)
 # About 15 minutes (plus ~10 the first time, to install): the pinned real harnesses (Claude Code, Codex CLI,
 # OpenCode, OpenHands SDK, mini-swe-agent) into .bench/harnesses/, each driven unmodified through the
 # gateway; results in bench/results/harnesses.json, the matrix in docs/harnesses.md.
+# SmolLM2 trained behind the real OpenCode CLI (docs/examples/opencode_calc.md): installs OpenCode
+# (npm opencode-ai, pinned, into .bench/harnesses) and trains 2 steps; 30-60 minutes on 2 busy cores.
+opencode-calc: $(STAMP)
+	bash bench/harnesses/setup.sh opencode
+	$(VENV)/bin/harnessrl train --config src/harnessrl/examples/opencode_calc/config.yaml --fresh
+
 test-harnesses: $(STAMP)
 	bash bench/harnesses/setup.sh
 	$(PY) bench/harnesses/run.py --out bench/results/harnesses.json

@@ -5,6 +5,7 @@
 # OpenHands needs Python >= 3.12. Where none is on PATH (Debian 12 ships 3.11), CPython 3.13 is built
 # once from Debian's signature-checked source package (apt-get source, a private apt state: the
 # system's apt configuration is left alone). About 1.2 GB of npm binaries; first run ~10 minutes.
+# `setup.sh opencode`: only OpenCode (npm opencode-ai, ~190 MB; for the opencode_calc example).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=.bench/harnesses
@@ -24,6 +25,20 @@ npm_ok() {
     && [ "$("$ROOT/npm/node_modules/.bin/codex" --version 2>/dev/null)" = "codex-cli $CODEX" ] \
     && [ "$("$ROOT/npm/node_modules/.bin/opencode" --version 2>/dev/null)" = "$OPENCODE" ]
 }
+if [ "${1:-}" = "opencode" ]; then  # only OpenCode (the opencode_calc example needs nothing else)
+  bin="$ROOT/npm/node_modules/.bin/opencode"
+  if [ -x "$bin" ] && [ "$("$bin" --version 2>/dev/null)" = "$OPENCODE" ]; then
+    log "opencode $OPENCODE present"
+  else
+    log "npm install opencode-ai@$OPENCODE"
+    mkdir -p "$ROOT/npm"
+    [ -f "$ROOT/npm/package.json" ] || echo '{"name": "harnessrl-bench-harnesses", "private": true}' > "$ROOT/npm/package.json"
+    (cd "$ROOT/npm" && npm install --no-audit --no-fund --save-exact "opencode-ai@$OPENCODE")
+    [ "$("$bin" --version 2>/dev/null)" = "$OPENCODE" ] \
+      || { echo "setup-harnesses: opencode does not report version $OPENCODE" >&2; exit 1; }
+  fi
+  exit 0
+fi
 if npm_ok; then
   log "npm harnesses present"
 else
