@@ -381,6 +381,8 @@ def test_a_non_streamed_call_whose_client_hangs_up_is_cut_and_recorded_cancelled
 ) -> None:
     """The engine stops generating for nobody: the call is cut when the client goes, not run to its end."""
     gw = make_gateway()
+    with gw.admin() as c:
+        c.post("/control/resume", json={"weight_version": 7}).raise_for_status()
     rid, key = gw.new_rollout(sampling={"temperature": 1.0})
     body: dict[str, object] = {"model": "m", "max_tokens": 1800, "seed": 1}
     if path == "/v1/completions":
@@ -396,6 +398,7 @@ def test_a_non_streamed_call_whose_client_hangs_up_is_cut_and_recorded_cancelled
     (call,) = gw.store.calls(rid)
     assert call.status == CallStatus.CANCELLED and call.finish_reason == "cancelled"
     assert call.error == "cancelled: the client disconnected before the answer"
+    assert call.weight_version == 7  # the version in force when it was cut (announced by the resume below)
     assert call.latency_s < 5, call.latency_s
     # the engine aborted the sequence: nothing of it runs any more
     deadline = time.monotonic() + 10

@@ -93,6 +93,7 @@ class CallRecorder:
         await self.writer.write(call.model_copy(update={
             "latency_s": time.perf_counter() - t0, "status": CallStatus.CANCELLED,
             "finish_reason": "cancelled", "error": "cancelled: the client disconnected before the answer",
+            "weight_version": self._weight_version(),  # the version serving when it was cut
         }))  # fmt: skip
         self.metrics.inc(*_CALLS, face=call.face, status="cancelled")
         log.info("event=call_cancelled rollout=%s reason=client_gone", call.rollout_id)
