@@ -29,8 +29,11 @@ def test_the_rollout_cache_is_bounded_and_drops_the_least_recently_used(tmp_path
     assert all(cache.get(r.rollout_id) is not None for r in (rollouts[0], rollouts[2], rollouts[3]))
     cache.forget(rollouts[0].rollout_id)
     assert cache.get(rollouts[0].rollout_id) is None and len(cache) == 2
-    with pytest.raises(ValueError, match="at least 1"):
-        RolloutCache(0)
+    with pytest.raises(ValueError, match="at least 0"):
+        RolloutCache(-1)
+    none = RolloutCache(0)  # replicas on a shared store keep nothing: another replica may change it
+    none.put(rollouts[0])
+    assert none.get(rollouts[0].rollout_id) is None and len(none) == 0
 
 
 def test_admission_counts_calls_hands_them_to_streams_and_pause_drains_them() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from harnessrl.controller import Controller, RolloutRequest
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import tail
-from harnessrl.gateway.client import ControlClient
+from harnessrl.gateway.client import Control, ControlClient
 from harnessrl.schema import RolloutState, SamplingOverrides, Task
 
 STDERR_LINES = 15  # lines of the harness's stderr shown in a report
@@ -73,7 +73,7 @@ class CheckReport:
 
 
 async def preflight(
-    controller: Controller, client: ControlClient, task: Task, run_id: str, run_dir: Path
+    controller: Controller, client: Control, task: Task, run_id: str, run_dir: Path
 ) -> CheckReport:
     """Run and grade one attempt of `task` (greedy) and report what it did."""
     t0 = time.perf_counter()
@@ -147,7 +147,8 @@ def run_check(cfg: Any, task_index: int = 0) -> CheckReport:
     task = train[min(task_index, len(train) - 1)]
     scratch = Path(tempfile.mkdtemp(prefix="harnessrl-check-"))
     admin_key = secrets.token_hex(16)
-    engine, gateway, _ = start_services(cfg, scratch, resolve_model(cfg.engine.model), admin_key)
+    engine, gateways, _ = start_services(cfg, scratch, resolve_model(cfg.engine.model), admin_key)
+    gateway = gateways[0]  # the first replica serves every request here
 
     async def go() -> CheckReport:
         client = ControlClient(gateway.url, admin_key)
@@ -167,6 +168,7 @@ def run_check(cfg: Any, task_index: int = 0) -> CheckReport:
     try:
         return asyncio.run(go())
     finally:
-        gateway.stop()
+        for g in gateways:
+            g.stop()
         if engine is not None:
             engine.stop()

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
 from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH
 from harnessrl.errors import ConfigError
+from harnessrl.store import is_postgres_url
 
 
 class _Section(BaseModel):
@@ -28,7 +29,7 @@ class EngineSection(_Section):
     # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct ("smollm2-16k",
     # "smollm2-32k": the same weights with YaRN-scaled RoPE for long harness prompts)
     model: str = "smollm2"
-    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port (replica r: port + r)
     max_batch: int = Field(
         default=ENGINE_MAX_BATCH, ge=1
     )  # sequences the engine decodes together (vLLM: --max-num-seqs)
@@ -77,11 +78,14 @@ def _check_device(device: str, name: str) -> None:
 class GatewaySection(_Section):
     """The gateway process."""
 
-    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port (replica r: port + r)
     default_max_tokens: int = Field(
         default=DEFAULT_MAX_TOKENS, ge=1
     )  # completion budget of a call whose request sets none
     mode: Literal["passthrough", "tito"] = "passthrough"  # tito: the gateway builds prompts from token IDs
+    # Gateway processes on the run's store (> 1 needs `store: postgresql://…`): each rollout is served
+    # by one of them, and moves to another if that one stops answering (docs/scale.md).
+    replicas: int = Field(default=1, ge=1, le=64)
 
 
 class ControllerSection(_Section):
@@ -345,6 +349,15 @@ class RunConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     data: DataSection = Field(default_factory=DataSection)
+
+    @model_validator(mode="after")
+    def _replicas_need_a_shared_store(self) -> RunConfig:
+        if self.gateway.replicas > 1 and not is_postgres_url(self.store):
+            raise ValueError(
+                f"gateway.replicas={self.gateway.replicas} needs a store every replica writes: set "
+                "store to a postgresql:// URL (a SQLite file belongs to one gateway process)"
+            )
+        return self
 
     def missing(self) -> list[str]:
         """What a training run still lacks (harness, tasks, grader): one line each, empty when complete."""

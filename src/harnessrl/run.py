@@ -24,7 +24,8 @@ from harnessrl.controller import Controller
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.isolation import protect_run_dir
 from harnessrl.examples import write_tasks
-from harnessrl.gateway.client import ControlClient
+from harnessrl.gateway.client import Control, ControlClient
+from harnessrl.gateway.replicas import GatewayReplicas
 from harnessrl.modeling.loading import load_model, resolve_model
 from harnessrl.modeling.packed import use_onednn_for_training
 from harnessrl.project import Project, resolve_project
@@ -61,10 +62,10 @@ def start_services(
     model_dir: Path,
     admin_key: str,
     notify: Callable[[str], None] | None = None,
-) -> tuple[Service | ManagedVLLM | None, Service, str]:
+) -> tuple[Service | ManagedVLLM | None, list[Service], str]:
     """Start the engine (the builtin one, or vLLM when `engine.kind=vllm` names no URL; an external one
-    is only used) and the gateway; wait until both answer. Returns (engine process or None, gateway
-    process, engine URL)."""
+    is only used) and the gateway (`gateway.replicas` processes); wait until all answer. Returns (engine
+    process or None, gateway processes, engine URL)."""
     engine: Service | ManagedVLLM | None = None
     if cfg.engine.kind == "builtin":
         engine_port = cfg.engine.port or free_port()
@@ -79,12 +80,15 @@ def start_services(
     else:
         engine_url = str(cfg.engine.url)
     mode = gateway_mode(cfg)
-    gateway_port = cfg.gateway.port or free_port()
-    gateway = start_gateway(
-        cfg.store or run_dir / "store.sqlite", engine_url, gateway_port, admin_key, run_dir / "logs",
-        cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
-        upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
-    )  # fmt: skip
+    gateways = []
+    for r in range(cfg.gateway.replicas):  # replicas > 1 only on a PostgreSQL store (RunConfig checks)
+        port = (cfg.gateway.port + r if cfg.gateway.port else 0) or free_port()
+        gateways.append(start_gateway(
+            cfg.store or run_dir / "store.sqlite", engine_url, port, admin_key, run_dir / "logs",
+            cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
+            upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
+            name="gateway" if r == 0 else f"gateway{r}",
+        ))  # fmt: skip
     try:
         if isinstance(engine, ManagedVLLM):
             say = notify or log.info
@@ -95,13 +99,15 @@ def start_services(
             say(f"vLLM ready after {waited:.0f}s")
         elif engine is not None:
             engine.wait_healthy()
-        gateway.wait_healthy()
+        for gateway in gateways:
+            gateway.wait_healthy()
     except BaseException:
-        gateway.stop()
+        for gateway in gateways:
+            gateway.stop()
         if engine is not None:
             engine.stop()
         raise
-    return engine, gateway, engine_url
+    return engine, gateways, engine_url
 
 
 def gateway_mode(cfg: RunConfig) -> str:
@@ -185,10 +191,10 @@ def run(
         )
     model_dir = resolve_model(cfg.engine.model)
     admin_key = secrets.token_hex(16)
-    engine, gateway, engine_url = start_services(cfg, run_dir, model_dir, admin_key, notify)
+    engine, gateways, engine_url = start_services(cfg, run_dir, model_dir, admin_key, notify)
     protect_run_dir(run_dir)  # the store (key secret), logs and references: not for the harness's uid
     services = Services(
-        gateway.url, engine_url, admin_key, engine if isinstance(engine, ManagedVLLM) else None
+        [g.url for g in gateways], engine_url, admin_key, engine if isinstance(engine, ManagedVLLM) else None
     )
     try:
         summary = asyncio.run(
@@ -198,7 +204,8 @@ def run(
             )
         )  # fmt: skip
     finally:
-        gateway.stop()
+        for gateway in gateways:
+            gateway.stop()
         if engine is not None:
             engine.stop()
         _write_index(run_dir)
@@ -225,7 +232,7 @@ def _write_index(run_dir: Path) -> None:
 class Services:
     """Where the run's gateway and engine answer, and the admin key of the gateway."""
 
-    gateway_url: str
+    gateway_urls: list[str]  # one per gateway replica
     engine_url: str
     admin_key: str
     vllm: ManagedVLLM | None = None  # the run's own vLLM server (engine.kind=vllm without a URL)
@@ -249,12 +256,16 @@ async def _run_async(
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
-    client = ControlClient(services.gateway_url, services.admin_key)
+    client: Control = (
+        ControlClient(services.gateway_urls[0], services.admin_key)
+        if len(services.gateway_urls) == 1
+        else GatewayReplicas(services.gateway_urls, services.admin_key)
+    )
     restart = None if services.vllm is None else vllm_restarter(services.vllm, run_dir)
     engine = engine_admin(cfg.engine.kind, services.engine_url, restart=restart, sync=cfg.engine.vllm_sync)
     runner = make_runner(cfg.controller)
     controller = Controller(
-        client, services.gateway_url, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
+        client, None, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
         run_dir,
         concurrency=cfg.controller.concurrency,
         max_attempts=cfg.controller.max_attempts,

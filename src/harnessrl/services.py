@@ -151,8 +151,10 @@ def start_gateway(
     mode: str = "passthrough",
     tokenizer: Path | None = None,
     upstream_kind: str = "openai",
+    name: str = "gateway",
 ) -> Service:
-    """The gateway over the store `store_path`: a SQLite file, or a postgresql:// URL."""
+    """The gateway over the store `store_path`: a SQLite file, or a postgresql:// URL (`name`: its
+    service and log name, e.g. `gateway1` for a second replica)."""
     args = ["harnessrl.gateway", "--store", str(store_path), "--upstream", upstream_url, "--port", str(port)]
     args += [
         "--default-max-tokens",
@@ -164,4 +166,4 @@ def start_gateway(
     ]
     if tokenizer is not None:
         args += ["--tokenizer", str(tokenizer)]
-    return start_service("gateway", args, port, log_dir, env={"HARNESSRL_ADMIN_KEY": admin_key})
+    return start_service(name, args, port, log_dir, env={"HARNESSRL_ADMIN_KEY": admin_key})

@@ -9,6 +9,7 @@ attempt that ended but was never graded is graded from its files, not run again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from harnessrl.controller.runner import (
     tail,
 )
 from harnessrl.controller.runners.local import LocalRunner
-from harnessrl.gateway.client import ControlClient, ControlError
+from harnessrl.gateway.client import Control, ControlError
 from harnessrl.schema import (
     AttemptFinish,
     AttemptStatus,
@@ -72,8 +73,8 @@ class Controller:
 
     def __init__(
         self,
-        client: ControlClient,
-        gateway_url: str,
+        client: Control,
+        gateway_url: str | None,
         harness: HarnessSpec,
         grader: Grader,
         run_dir: Path,
@@ -84,6 +85,7 @@ class Controller:
         grader_retries: int = 0,
     ) -> None:
         self.client = client
+        # the URL harnesses call; None: the one the client picks for each rollout (its gateway replica)
         self.gateway_url = gateway_url
         self.harness = harness
         self.grader = grader
@@ -153,6 +155,9 @@ class Controller:
                 break
         return created
 
+    def _gateway_url(self, rid: str) -> str:
+        return self.gateway_url or self.client.model_url(rid)
+
     def _workdir(self, rid: str, attempt: int) -> Path:
         return self.run_dir / "rollouts" / rid / f"attempt-{attempt}"
 
@@ -168,7 +173,7 @@ class Controller:
         for a in detail.attempts:
             if a.status != AttemptStatus.RUNNING:
                 continue
-            spec = AttemptSpec(rid, a.attempt, api_key, self.gateway_url, req.task.input,
+            spec = AttemptSpec(rid, a.attempt, api_key, self._gateway_url(rid), req.task.input,
                                self._workdir(rid, a.attempt))  # fmt: skip
             result = await self.runner.resume(spec, self.harness)  # None: this runner cannot reattach
             if result is not None:
@@ -209,13 +214,16 @@ class Controller:
                 rollout_id=rid,
                 attempt=attempt.attempt,
                 api_key=api_key,
-                gateway_url=self.gateway_url,
+                gateway_url=self._gateway_url(rid),
                 task_input=req.task.input,
                 workdir=self._workdir(rid, attempt.attempt),
             )
             if self.harness.files:
                 copy_files(self.harness.files, spec.workdir)
             result = await self.runner.run(spec, self.harness)
+            if result.infra_error is None and await self.client.lost(spec.gateway_url):
+                result = dataclasses.replace(result, infra_error=f"the gateway {spec.gateway_url} went away "
+                                             "during the attempt (its harness lost its model calls)")  # fmt: skip
             if result.infra_error is not None:
                 error = result.infra_error
                 await self.client.finish_attempt(rid, attempt.attempt, _finish(result))

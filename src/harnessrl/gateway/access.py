@@ -16,11 +16,12 @@ from harnessrl.store import Store
 
 class RolloutCache:
     """Least-recently-used rollouts by id, at most `size` of them (model calls read their rollout on
-    every call; the control API's writes `forget` the rollout they changed)."""
+    every call; the control API's writes `forget` the rollout they changed). Size 0 caches nothing:
+    for a store other gateways write too, whose writes this gateway would not see."""
 
     def __init__(self, size: int) -> None:
-        if size < 1:
-            raise ValueError(f"rollout cache size must be at least 1, not {size}")
+        if size < 0:
+            raise ValueError(f"rollout cache size must be at least 0, not {size}")
         self.size = size
         self._items: OrderedDict[str, Rollout] = OrderedDict()
 
@@ -33,6 +34,8 @@ class RolloutCache:
 
     def put(self, rollout: Rollout) -> None:
         """Cache `rollout`, dropping the least recently used one when full."""
+        if self.size == 0:
+            return
         self._items[rollout.rollout_id] = rollout
         self._items.move_to_end(rollout.rollout_id)
         if len(self._items) > self.size:

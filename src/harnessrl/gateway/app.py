@@ -87,7 +87,10 @@ class Gateway:
         self.config = config
         self.store = store
         self.keys = KeyRing(store.set_meta_if_absent("key_secret", new_secret()))
-        self.access = Access(config.admin_key, self.keys, store, config.rollout_cache_size)
+        # A store other gateway replicas write too (PostgreSQL): their attempts, state changes and calls
+        # would not reach this process's memory, so rollouts and recent calls are read from the store.
+        shared = store.pushes_events
+        self.access = Access(config.admin_key, self.keys, store, 0 if shared else config.rollout_cache_size)
         urls = [config.upstream_url, *config.replica_urls]
         kind = SGLangUpstream if config.upstream_kind == "sglang" else Upstream
         built = [kind(f"engine{i}", url, timeout_s=config.upstream_timeout_s, max_retries=config.upstream_retries,
@@ -102,7 +105,7 @@ class Gateway:
             self.tito = TitoTokenizer.from_dir(config.tokenizer_path)
         self.admission = Admission(config.pause_wait_s)
         self.metrics = Metrics()
-        self.recorder = CallRecorder(store, self.metrics, lambda: self.weight_version)
+        self.recorder = CallRecorder(store, self.metrics, lambda: self.weight_version, remember=not shared)
         self.budget = ContextBudget(self.tito)  # max_tokens vs the served model's context
         self.calls = ModelCalls(self)
         self.metrics.gauge(

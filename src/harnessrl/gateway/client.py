@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -44,8 +44,29 @@ class ControlError(Exception):
         self.message = message
 
 
+class Control(Protocol):
+    """What the controller and the trainer need of the control API: `ControlClient` (one gateway) or
+    `replicas.GatewayReplicas` (several gateways on one shared store)."""
+
+    def model_url(self, rollout_id: str) -> str: ...
+    async def lost(self, url: str) -> bool: ...
+    async def create_rollout(self, req: RolloutCreate) -> RolloutCreated: ...
+    async def start_attempt(self, rollout_id: str) -> Attempt: ...
+    async def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt: ...
+    async def set_state(self, rollout_id: str, state: RolloutState) -> Rollout: ...
+    async def set_reward(self, rollout_id: str, reward: RewardIn) -> Reward: ...
+    async def rollout(self, rollout_id: str) -> RolloutDetail: ...
+    async def list_rollouts(
+        self, state: RolloutState | None = None, limit: int = 100, cursor: str | None = None
+    ) -> RolloutPage: ...
+    async def pause(self, drain_timeout_s: float = 600.0, preempt: bool = False) -> dict[str, Any]: ...
+    async def resume(self, weight_version: int | None = None) -> dict[str, Any]: ...
+    def events(self, after: int = 0) -> AsyncIterator[RolloutEvent]: ...
+    async def aclose(self) -> None: ...
+
+
 class ControlClient:
-    """Typed access to `/control/*` with the admin key."""
+    """Typed access to `/control/*` with the admin key, on one gateway."""
 
     def __init__(self, base_url: str, admin_key: str, timeout_s: float = 700.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -83,6 +104,15 @@ class ControlClient:
                 msg = resp.text[:500]
             raise ControlError(resp.status_code, msg)
         return resp.json()
+
+    def model_url(self, rollout_id: str) -> str:
+        """The gateway URL a rollout's harness calls: this gateway."""
+        return self.base_url
+
+    async def lost(self, url: str) -> bool:
+        """Whether the gateway an attempt used went away: with one gateway, every later request
+        fails on its own, so never."""
+        return False
 
     async def create_rollout(self, req: RolloutCreate) -> RolloutCreated:
         """Create (or fetch, by client id) a rollout and its key."""

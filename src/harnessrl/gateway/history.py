@@ -1,7 +1,8 @@
 """What the gateway remembers of a rollout's earlier calls: tito and `previous_response_id` need them.
 
-The gateway is the only writer of its store, so it keeps the last few calls of recently active
-rollouts in memory; a miss (a restart, an old response id) reads the store. Nothing is loaded for a
+A gateway that is the only writer of its store keeps the last few calls of recently active rollouts in
+memory; a miss (a restart, an old response id) reads the store. Replicas on a shared store keep none
+(`max_rollouts=0`): another replica may have recorded the rollout's latest call. Nothing is loaded for a
 call that does not need history.
 """
 

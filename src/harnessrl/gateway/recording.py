@@ -26,9 +26,12 @@ _CALLS = ("harnessrl_gateway_calls_total", "Model calls recorded.")
 class CallRecorder:
     """Writes the gateway's call records (through one `CallWriter`) and keeps the recent ones."""
 
-    def __init__(self, store: Store, metrics: Metrics, weight_version: Callable[[], int | None]) -> None:
+    def __init__(
+        self, store: Store, metrics: Metrics, weight_version: Callable[[], int | None], remember: bool = True
+    ) -> None:
         self.writer = CallWriter(store)
-        self.recent = RecentCalls(store)
+        # remember=False: nothing kept in memory (a store other gateways write too)
+        self.recent = RecentCalls(store) if remember else RecentCalls(store, max_rollouts=0)
         self.metrics = metrics
         self._weight_version = weight_version  # the version last announced by resume
 

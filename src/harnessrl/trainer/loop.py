@@ -26,7 +26,7 @@ import torch
 from harnessrl.adapter import Batch, build_batch
 from harnessrl.config import RunConfig
 from harnessrl.controller import Controller, RolloutOutcome, RolloutRequest
-from harnessrl.gateway.client import ControlClient
+from harnessrl.gateway.client import Control
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.schema import RolloutDetail, RolloutState, SamplingOverrides, Task
 from harnessrl.trainer.checkpoint import (
@@ -67,7 +67,7 @@ class TrainContext:
     cfg: RunConfig
     run_id: str
     run_dir: Path
-    client: ControlClient
+    client: Control
     controller: Controller
     engine: EngineAdmin
     model: LlamaForCausalLM
@@ -161,7 +161,7 @@ def step_requests(ctx: TrainContext, train_tasks: list[Task], step: int) -> list
     ]
 
 
-async def fetch_details(client: ControlClient, outcomes: list[RolloutOutcome]) -> list[RolloutDetail]:
+async def fetch_details(client: Control, outcomes: list[RolloutOutcome]) -> list[RolloutDetail]:
     """The recorded calls and rewards of the rollouts that were graded."""
     ok = [o for o in outcomes if o.state == RolloutState.SUCCEEDED]
     return list(await asyncio.gather(*(client.rollout(o.rollout_id) for o in ok)))

@@ -73,7 +73,8 @@ def probe_solve_counts(
     run_dir = (run_dir or Path(cfg.run_dir) / "probe").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     admin_key = secrets.token_hex(16)
-    engine, gateway, _ = start_services(cfg, run_dir, resolve_model(cfg.engine.model), admin_key)
+    engine, gateways, _ = start_services(cfg, run_dir, resolve_model(cfg.engine.model), admin_key)
+    gateway = gateways[0]  # the first replica serves every request here
     runner = make_runner(cfg.controller)
     try:
         return asyncio.run(
@@ -91,6 +92,7 @@ def probe_solve_counts(
         )
     finally:
         runner.close()
-        gateway.stop()
+        for g in gateways:
+            g.stop()
         if engine is not None:
             engine.stop()
