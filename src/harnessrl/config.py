@@ -29,7 +29,7 @@ class EngineSection(_Section):
     # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct ("smollm2-16k",
     # "smollm2-32k": the same weights with YaRN-scaled RoPE for long harness prompts)
     model: str = "smollm2"
-    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port (replica r: port + r)
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
     max_batch: int = Field(
         default=ENGINE_MAX_BATCH, ge=1
     )  # sequences the engine decodes together (vLLM: --max-num-seqs)
