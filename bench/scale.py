@@ -10,8 +10,12 @@
    gateway's writer does under load, on one thread: calls/s and the median commit latency, on a SQLite
    file and on a throwaway local PostgreSQL (fsync on, as a real server); then PostgreSQL with 2 store
    instances (two gateway replicas' worth) writing from 4 threads.
+3. Gateways (`bench/scale_gateways.py`): model calls/s through 1 gateway on SQLite, 1 on PostgreSQL and 2
+   replicas on PostgreSQL (`rps_by_replicas`), then `kill -9` of one of 2 replicas under load
+   (`replica_kill_lost_calls`, time for the moved rollouts to get answers again).
 
-    python bench/scale.py --out bench/results/scale.json     # make bench-scale (about 3-5 minutes)
+    python bench/scale.py --out bench/results/scale.json     # make bench-scale (about 5-7 minutes)
+    python bench/scale.py --skip-ddp --skip-store --merge    # only the gateways, kept beside the rest
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.scale_gateways
 
 
 def demo_batch(groups: int, rows_per_group: int, seed: int = 0) -> Any:
@@ -194,13 +199,17 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=4000)
     p.add_argument("--skip-store", action="store_true")
     p.add_argument("--skip-ddp", action="store_true")
+    p.add_argument("--skip-gateways", action="store_true")
+    p.add_argument("--gateway-seconds", type=float, default=10.0, help="load per gateway measurement")
+    p.add_argument("--gateway-concurrency", type=int, default=16, help="rollouts calling at once")
+    p.add_argument("--merge", action="store_true", help="keep the parts of --out this run skips")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_avg_at_start": os.getloadavg()},
-        "command": " ".join(["python", *sys.argv]),
-    }  # fmt: skip
+    out = Path(args.out)
+    result: dict[str, Any] = json.loads(out.read_text()) if args.merge and out.exists() else {}
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                         "load_avg_at_start": os.getloadavg()}  # fmt: skip
+    result["command"] = " ".join(["python", *sys.argv])
     if not args.skip_ddp:
         result["ddp"] = bench_ddp(args.model, args.groups, args.rows, args.threads, args.repeats)
         result["ddp_2rank_max_weight_diff"] = result["ddp"]["ddp_2rank_max_weight_diff"]
@@ -208,6 +217,16 @@ def main() -> int:
     if not args.skip_store:
         result["store"] = bench_store(args.calls)
         print(json.dumps(result["store"], indent=2), flush=True)
+    if not args.skip_gateways:
+        import asyncio
+
+        from bench.scale_gateways import bench_gateways
+
+        gw = asyncio.run(bench_gateways(args.gateway_concurrency, args.gateway_seconds, args.gateway_seconds))
+        result["gateways"] = gw
+        result["rps_by_replicas"] = gw["rps_by_replicas"]
+        result["replica_kill_lost_calls"] = gw["replica_kill_lost_calls"]
+        print(json.dumps(gw, indent=2), flush=True)
     result["machine"]["load_avg_at_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

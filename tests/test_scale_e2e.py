@@ -1,5 +1,6 @@
-"""The whole loop on the scale-out pieces: the gateway on a PostgreSQL store (`store: postgresql://…`)
-and the update on 2 data-parallel trainer ranks (`train.world_size: 2`), then a resume with 2 ranks."""
+"""The whole loop on the scale-out pieces: 2 gateway replicas on a PostgreSQL store (`store:
+postgresql://…`, `gateway.replicas: 2`) and the update on 2 data-parallel trainer ranks
+(`train.world_size: 2`), then a resume with 2 ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from harnessrl.store.postgres import PostgresStore
 
 
 @pytest.mark.slow  # about 1.5 minutes: pytest -m slow tests/test_scale_e2e.py
-def test_demo_loop_on_postgres_with_two_trainer_ranks(
+def test_demo_loop_on_postgres_with_two_gateway_replicas_and_two_trainer_ranks(
     tiny_model_dir: Path, tmp_path: Path, pg_url: str
 ) -> None:
     overrides = [
@@ -23,7 +24,7 @@ def test_demo_loop_on_postgres_with_two_trainer_ranks(
         "engine.max_batch=8", "engine.max_model_len=2048", "engine.threads=1",
         "train.steps=1", "train.batch_groups=2", "train.group_size=3", "train.checkpoint_every=1",
         "train.lr=1e-3", "train.world_size=2", "train.threads=1", "controller.concurrency=6",
-        "eval.n_heldout=2", "data.n_train=30", "gateway.default_max_tokens=16",
+        "eval.n_heldout=2", "data.n_train=30", "gateway.default_max_tokens=16", "gateway.replicas=2",
     ]  # fmt: skip
     cfg = load_config(get_example("calc").config_path, overrides)
     summary = run(cfg, fresh=True)
@@ -34,6 +35,7 @@ def test_demo_loop_on_postgres_with_two_trainer_ranks(
         records[0]["ranks"] == 2 and records[0]["rollouts_failed"] == 0 and records[0]["weight_version"] == 1
     )
     assert "event=rank_update rank=1" in (run_dir / "logs" / "trainer-rank1.log").read_text()
+    assert (run_dir / "logs" / "gateway.log").exists() and (run_dir / "logs" / "gateway1.log").exists()
     store = PostgresStore(pg_url)  # the calls are in the database, with the weight version that served them
     try:
         trained = [ro for ro in store.list_rollouts(limit=1000)[0] if "step" in ro.metadata]
