@@ -234,12 +234,12 @@ class SQLiteStore(Store):
                     with self._lock:
                         busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
                         self._truncated(busy)
-                    log.info("wal_truncate size_mb=%.1f busy=%d", size / 2**20, busy)
+                    log.info("event=wal_truncate size_mb=%.1f busy=%d", size / 2**20, busy)
                 elif time.monotonic() - last_passive >= every_s:
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)")
                     last_passive = time.monotonic()
         except sqlite3.Error:
-            log.exception("checkpointer_stopped path=%s", self.path)
+            log.exception("event=checkpointer_stopped path=%s", self.path)
         finally:
             db.close()
 
@@ -480,7 +480,7 @@ class SQLiteStore(Store):
         finally:
             self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         self._truncated(busy)
-        log.warning("wal_truncate_inline size_mb=%.1f busy=%d", size / 2**20, busy)
+        log.warning("event=wal_truncate_inline size_mb=%.1f busy=%d", size / 2**20, busy)
 
     def _truncated(self, busy: int) -> None:
         """Count a TRUNCATE; after one that readers blocked, wait `TRUNCATE_RETRY_S` before the next."""
@@ -580,7 +580,7 @@ def _call(row: tuple[Any, ...]) -> Call:
     try:
         return Call.model_validate(clip_depth(json.loads(body), READ_DEPTH))
     except (ValueError, RecursionError) as e:
-        log.error("call_unreadable call=%s error=%s", call_id, e)
+        log.error("event=call_unreadable call=%s error=%s", call_id, e)
         return Call(call_id=call_id, rollout_id=rollout_id, attempt=attempt, index=idx, created_at=0.0,
                     latency_s=0.0, status=CallStatus.FAILED, model="", upstream="", request={},
                     error=f"the stored record of this call cannot be read: {str(e)[:300]}")  # fmt: skip
