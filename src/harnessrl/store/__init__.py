@@ -2,6 +2,10 @@
 
 `open_store` picks the backend from how the store is named: a `postgresql://` (or `postgres://`) URL is
 a PostgreSQL database (`store.postgres`), anything else the path of a SQLite file (`store.sqlite`).
+
+Modules: `base` (the `Store` contract and its errors), `sqlite` and `postgres` (the two backends: SQL
+dialect, locking, numbering), `rows` (the columns both read and row -> model decoding, shared),
+`pg_local` (a throwaway local PostgreSQL server for tests and demos).
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ an advisory lock, so replicas starting together apply each one exactly once.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -51,7 +50,21 @@ from harnessrl.schema import (
     now,
 )
 from harnessrl.store.base import Conflict, NotFound, Store, StoreError
-from harnessrl.store.sqlite import _call, _dumps, _rollout
+from harnessrl.store.rows import (
+    ATTEMPT_COLS,
+    CALL_COLS,
+    EVENT_COLS,
+    REWARD_COLS,
+    ROLLOUT_COLS,
+    call_row,
+    dumps,
+    rollout_page,
+    to_attempt,
+    to_call,
+    to_event,
+    to_reward,
+    to_rollout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +170,6 @@ CREATE TRIGGER attempts_status BEFORE UPDATE OF status ON attempts
     ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
-
-_ROLLOUT_COLS = (
-    "rollout_id, client_id, task_id, group_id, state, input, metadata, sampling, "
-    "created_at, updated_at, n_attempts, seq"
-)
-_CALL_COLS = "call_id, rollout_id, attempt, idx, body"
 
 
 def _psycopg() -> Any:
@@ -286,16 +293,16 @@ class PostgresStore(Store):
     @staticmethod
     def _get(conn: Any, rollout_id: str) -> Rollout:
         row = conn.execute(
-            f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,)
+            f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,)
         ).fetchone()
-        return _rollout(row)
+        return to_rollout(row)
 
     # rollouts -------------------------------------------------------------------------------------
     def create_rollout(self, req: RolloutCreate, rollout_id: str) -> tuple[Rollout, bool]:
         """Create a rollout, or return the existing one with the same `client_id`."""
         with self._tx() as conn:
             row = conn.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
+                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
             ).fetchone()
             if row is None:
                 t = now()
@@ -305,16 +312,16 @@ class PostgresStore(Store):
                     " metadata, sampling, created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
                     " ON CONFLICT (client_id) DO NOTHING RETURNING rollout_id",
                     (seq, rollout_id, req.client_id, req.task_id, req.group_id, RolloutState.QUEUED.value,
-                     _dumps(req.input), _dumps(req.metadata), req.sampling.model_dump_json(), t, t),
+                     dumps(req.input), dumps(req.metadata), req.sampling.model_dump_json(), t, t),
                 ).fetchone()  # fmt: skip
                 if inserted is not None:
                     self._event(conn, rollout_id, RolloutState.QUEUED, t)
                     return self._get(conn, rollout_id), True
                 # another replica created it meanwhile (ON CONFLICT waited for its commit): read it
                 row = conn.execute(
-                    f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
+                    f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
                 ).fetchone()
-            existing = _rollout(row)
+            existing = to_rollout(row)
             if existing.task_id != req.task_id:
                 raise Conflict(
                     f"client_id '{req.client_id}' already names a rollout of task '{existing.task_id}'"
@@ -323,14 +330,14 @@ class PostgresStore(Store):
 
     def get_rollout(self, rollout_id: str) -> Rollout | None:
         """The rollout, or None."""
-        rows = self._read(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,))
-        return _rollout(rows[0]) if rows else None
+        rows = self._read(f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,))
+        return to_rollout(rows[0]) if rows else None
 
     def list_rollouts(
         self, state: RolloutState | None = None, limit: int = 100, after: int = 0
     ) -> tuple[list[Rollout], int | None]:
         """Rollouts in creation order after cursor `after`; returns (page, next cursor or None)."""
-        sql = f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE seq > %s"
+        sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > %s"
         args: list[Any] = [after]
         if state is not None:
             sql += " AND state = %s"
@@ -338,9 +345,7 @@ class PostgresStore(Store):
         sql += " ORDER BY seq LIMIT %s"
         args.append(limit + 1)
         rows = self._read(sql, args)
-        page = rows[:limit]
-        next_cursor = int(page[-1][-1]) if len(rows) > limit else None
-        return [_rollout(r) for r in page], next_cursor
+        return rollout_page(rows, limit)
 
     def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
         """Move a rollout to `state`, checking the transition table (here and in the database)."""
@@ -362,13 +367,9 @@ class PostgresStore(Store):
     def events(self, after: int = 0, limit: int = 1000) -> list[RolloutEvent]:
         """State changes after sequence number `after`, oldest first."""
         rows = self._read(
-            "SELECT seq, rollout_id, state, group_id, time FROM events WHERE seq > %s ORDER BY seq LIMIT %s",
-            (after, limit),
+            f"SELECT {EVENT_COLS} FROM events WHERE seq > %s ORDER BY seq LIMIT %s", (after, limit)
         )
-        return [
-            RolloutEvent(seq=r[0], rollout_id=r[1], state=RolloutState(r[2]), group_id=r[3], time=r[4])
-            for r in rows
-        ]
+        return [to_event(r) for r in rows]
 
     def wait_events(self, after: int, timeout_s: float) -> bool:
         """Block until an event after `after` is committed (by any process on this database) or
@@ -455,22 +456,9 @@ class PostgresStore(Store):
     def attempts(self, rollout_id: str) -> list[Attempt]:
         """All attempts of a rollout, oldest first."""
         rows = self._read(
-            "SELECT rollout_id, attempt, status, started_at, ended_at, exit_code, error FROM attempts"
-            " WHERE rollout_id = %s ORDER BY attempt",
-            (rollout_id,),
+            f"SELECT {ATTEMPT_COLS} FROM attempts WHERE rollout_id = %s ORDER BY attempt", (rollout_id,)
         )
-        return [
-            Attempt(
-                rollout_id=r[0],
-                attempt=r[1],
-                status=AttemptStatus(r[2]),
-                started_at=r[3],
-                ended_at=r[4],
-                exit_code=r[5],
-                error=r[6],
-            )
-            for r in rows
-        ]
+        return [to_attempt(r) for r in rows]
 
     # calls ----------------------------------------------------------------------------------------
     def add_call(self, call: Call) -> Call:
@@ -504,7 +492,7 @@ class PostgresStore(Store):
                 for c in calls:
                     c.index = first[c.rollout_id]
                     first[c.rollout_id] += 1
-                    rows.append((c.call_id, c.rollout_id, c.attempt, c.index, c.model_dump_json()))
+                    rows.append(call_row(c))
                 with conn.cursor() as cur:
                     cur.executemany(
                         "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (%s,%s,%s,%s,%s)",
@@ -519,17 +507,17 @@ class PostgresStore(Store):
     def calls(self, rollout_id: str) -> list[Call]:
         """All calls of a rollout in the order they were made."""
         rows = self._read(
-            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx, seq", (rollout_id,)
+            f"SELECT {CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx, seq", (rollout_id,)
         )
-        return [_call(r) for r in rows]
+        return [to_call(r) for r in rows]
 
     def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
         """The rollout's last `limit` calls, oldest first."""
         rows = self._read(
-            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx DESC, seq DESC LIMIT %s",
+            f"SELECT {CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx DESC, seq DESC LIMIT %s",
             (rollout_id, limit),
         )
-        return [_call(r) for r in reversed(rows)]
+        return [to_call(r) for r in reversed(rows)]
 
     def count_calls(self, rollout_id: str) -> int:
         """Number of calls recorded for a rollout."""
@@ -545,19 +533,14 @@ class PostgresStore(Store):
                 "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (%s,%s,%s,%s)"
                 " ON CONFLICT (rollout_id) DO UPDATE SET value = excluded.value,"
                 " details = excluded.details, updated_at = excluded.updated_at",
-                (rollout_id, reward.value, _dumps(reward.details), t),
+                (rollout_id, reward.value, dumps(reward.details), t),
             )
         return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details, updated_at=t)
 
     def get_reward(self, rollout_id: str) -> Reward | None:
         """The rollout's reward, or None."""
-        rows = self._read(
-            "SELECT value, details, updated_at FROM rewards WHERE rollout_id = %s", (rollout_id,)
-        )
-        if not rows:
-            return None
-        value, details, updated_at = rows[0]
-        return Reward(rollout_id=rollout_id, value=value, details=json.loads(details), updated_at=updated_at)
+        rows = self._read(f"SELECT {REWARD_COLS} FROM rewards WHERE rollout_id = %s", (rollout_id,))
+        return to_reward(rollout_id, rows[0]) if rows else None
 
     # meta -----------------------------------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:

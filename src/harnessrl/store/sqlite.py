@@ -7,7 +7,6 @@ loss at the price of an fsync per commit.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sqlite3
@@ -23,7 +22,6 @@ from harnessrl.schema import (
     AttemptFinish,
     AttemptStatus,
     Call,
-    CallStatus,
     InvalidTransition,
     Reward,
     RewardIn,
@@ -32,11 +30,25 @@ from harnessrl.schema import (
     RolloutDetail,
     RolloutEvent,
     RolloutState,
-    SamplingOverrides,
     check_transition,
     now,
 )
 from harnessrl.store.base import Conflict, NotFound, Store
+from harnessrl.store.rows import (
+    ATTEMPT_COLS,
+    CALL_COLS,
+    EVENT_COLS,
+    REWARD_COLS,
+    ROLLOUT_COLS,
+    call_row,
+    dumps,
+    rollout_page,
+    to_attempt,
+    to_call,
+    to_event,
+    to_reward,
+    to_rollout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,23 +103,11 @@ CREATE TABLE IF NOT EXISTS rewards (
 );
 """
 
-_ROLLOUT_COLS = (
-    "rollout_id, client_id, task_id, group_id, state, input, metadata, sampling, "
-    "created_at, updated_at, n_attempts, seq"
-)
-
-
-_CALL_COLS = "call_id, rollout_id, attempt, idx, body"
-READ_DEPTH = 100
 WAL_LIMIT_MB = 64.0  # the WAL file stays under this (see `_checkpoint_loop`)
 WAL_POLL_S = 0.25  # how often the checkpointer looks at the WAL's size
 TRUNCATE_BUSY_MS = 200
 TRUNCATE_RETRY_S = 2.0  # after readers blocked a TRUNCATE, PASSIVE checkpoints only for this long
-BUSY_TIMEOUT_MS = 10_000  # how long a TRUNCATE checkpoint waits for readers of other processes  # levels of nesting kept when a stored call is too deep for the fast reader
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+BUSY_TIMEOUT_MS = 10_000  # how long a TRUNCATE checkpoint waits for readers of other processes
 
 
 class SQLiteStore(Store):
@@ -182,8 +182,8 @@ class SQLiteStore(Store):
             db.execute(
                 "INSERT INTO rollouts (rollout_id, client_id, task_id, group_id, state, input, metadata,"
                 " sampling, created_at, updated_at, n_attempts) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (r.rollout_id, r.client_id, r.task_id, r.group_id, r.state.value, _dumps(r.input),
-                 _dumps(r.metadata), r.sampling.model_dump_json(), r.created_at, r.updated_at, r.n_attempts),
+                (r.rollout_id, r.client_id, r.task_id, r.group_id, r.state.value, dumps(r.input),
+                 dumps(r.metadata), r.sampling.model_dump_json(), r.created_at, r.updated_at, r.n_attempts),
             )  # fmt: skip
             db.executemany(
                 "INSERT INTO attempts (rollout_id, attempt, status, started_at, ended_at, exit_code, error)"
@@ -206,7 +206,7 @@ class SQLiteStore(Store):
                 w = detail.reward
                 db.execute(
                     "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)",
-                    (r.rollout_id, w.value, _dumps(w.details), w.updated_at),
+                    (r.rollout_id, w.value, dumps(w.details), w.updated_at),
                 )
         self._next_idx.pop(r.rollout_id, None)
 
@@ -259,10 +259,10 @@ class SQLiteStore(Store):
         """Create a rollout, or return the existing one with the same `client_id`."""
         with self._tx() as db:
             row = db.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = ?", (req.client_id,)
+                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE client_id = ?", (req.client_id,)
             ).fetchone()
             if row is not None:
-                existing = _rollout(row)
+                existing = to_rollout(row)
                 if existing.task_id != req.task_id:
                     raise Conflict(
                         f"client_id '{req.client_id}' already names a rollout of task '{existing.task_id}'"
@@ -278,8 +278,8 @@ class SQLiteStore(Store):
                     req.task_id,
                     req.group_id,
                     RolloutState.QUEUED.value,
-                    _dumps(req.input),
-                    _dumps(req.metadata),
+                    dumps(req.input),
+                    dumps(req.metadata),
                     req.sampling.model_dump_json(),
                     t,
                     t,
@@ -287,23 +287,23 @@ class SQLiteStore(Store):
             )
             self._event(db, rollout_id, RolloutState.QUEUED, t)
             row = db.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
             ).fetchone()
-            return _rollout(row), True
+            return to_rollout(row), True
 
     def get_rollout(self, rollout_id: str) -> Rollout | None:
         """The rollout, or None."""
         with self._lock:
             row = self._db.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
             ).fetchone()
-        return None if row is None else _rollout(row)
+        return None if row is None else to_rollout(row)
 
     def list_rollouts(
         self, state: RolloutState | None = None, limit: int = 100, after: int = 0
     ) -> tuple[list[Rollout], int | None]:
         """Rollouts in creation order after cursor `after`; returns (page, next cursor or None)."""
-        sql = f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE seq > ?"
+        sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ?"
         args: list[Any] = [after]
         if state is not None:
             sql += " AND state = ?"
@@ -312,9 +312,7 @@ class SQLiteStore(Store):
         args.append(limit + 1)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        page = rows[:limit]
-        next_cursor = int(page[-1][-1]) if len(rows) > limit else None
-        return [_rollout(r) for r in page], next_cursor
+        return rollout_page(rows, limit)
 
     def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
         """Move a rollout to `state`, checking the transition table."""
@@ -334,9 +332,9 @@ class SQLiteStore(Store):
                 )
                 self._event(db, rollout_id, state, t)
             row = db.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
             ).fetchone()
-        return _rollout(row)
+        return to_rollout(row)
 
     @staticmethod
     def _event(db: sqlite3.Connection, rollout_id: str, state: RolloutState, t: float) -> None:
@@ -350,13 +348,9 @@ class SQLiteStore(Store):
         """State changes after sequence number `after`, oldest first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT seq, rollout_id, state, group_id, time FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
-                (after, limit),
+                f"SELECT {EVENT_COLS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)
             ).fetchall()
-        return [
-            RolloutEvent(seq=r[0], rollout_id=r[1], state=RolloutState(r[2]), group_id=r[3], time=r[4])
-            for r in rows
-        ]
+        return [to_event(r) for r in rows]
 
     @staticmethod
     def _state(db: sqlite3.Connection, rollout_id: str) -> RolloutState:
@@ -414,22 +408,9 @@ class SQLiteStore(Store):
         """All attempts of a rollout, oldest first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT rollout_id, attempt, status, started_at, ended_at, exit_code, error FROM attempts"
-                " WHERE rollout_id = ? ORDER BY attempt",
-                (rollout_id,),
+                f"SELECT {ATTEMPT_COLS} FROM attempts WHERE rollout_id = ? ORDER BY attempt", (rollout_id,)
             ).fetchall()
-        return [
-            Attempt(
-                rollout_id=r[0],
-                attempt=r[1],
-                status=AttemptStatus(r[2]),
-                started_at=r[3],
-                ended_at=r[4],
-                exit_code=r[5],
-                error=r[6],
-            )
-            for r in rows
-        ]
+        return [to_attempt(r) for r in rows]
 
     # calls ----------------------------------------------------------------------------------------
     def add_call(self, call: Call) -> Call:
@@ -450,9 +431,7 @@ class SQLiteStore(Store):
                         ).fetchone()[0]
                     call.index = int(idx)
                     self._next_idx[call.rollout_id] = call.index + 1
-                    rows.append(
-                        (call.call_id, call.rollout_id, call.attempt, call.index, call.model_dump_json())
-                    )
+                    rows.append(call_row(call))
                 with self._tx() as db:
                     db.executemany(
                         "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)", rows
@@ -492,18 +471,18 @@ class SQLiteStore(Store):
         """All calls of a rollout in the order they were made."""
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx, seq", (rollout_id,)
+                f"SELECT {CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx, seq", (rollout_id,)
             ).fetchall()
-        return [_call(r) for r in rows]
+        return [to_call(r) for r in rows]
 
     def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
         """The rollout's last `limit` calls, oldest first."""
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx DESC, seq DESC LIMIT ?",
+                f"SELECT {CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx DESC, seq DESC LIMIT ?",
                 (rollout_id, limit),
             ).fetchall()
-        return [_call(r) for r in reversed(rows)]
+        return [to_call(r) for r in reversed(rows)]
 
     def count_calls(self, rollout_id: str) -> int:
         """Number of calls recorded for a rollout."""
@@ -524,7 +503,7 @@ class SQLiteStore(Store):
                 "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)"
                 " ON CONFLICT (rollout_id) DO UPDATE SET value = excluded.value,"
                 " details = excluded.details, updated_at = excluded.updated_at",
-                (rollout_id, reward.value, _dumps(reward.details), t),
+                (rollout_id, reward.value, dumps(reward.details), t),
             )
         return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details, updated_at=t)
 
@@ -532,11 +511,9 @@ class SQLiteStore(Store):
         """The rollout's reward, or None."""
         with self._lock:
             row = self._db.execute(
-                "SELECT value, details, updated_at FROM rewards WHERE rollout_id = ?", (rollout_id,)
+                f"SELECT {REWARD_COLS} FROM rewards WHERE rollout_id = ?", (rollout_id,)
             ).fetchone()
-        if row is None:
-            return None
-        return Reward(rollout_id=rollout_id, value=row[0], details=json.loads(row[1]), updated_at=row[2])
+        return None if row is None else to_reward(rollout_id, row)
 
     # meta -----------------------------------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:
@@ -564,50 +541,3 @@ class SQLiteStore(Store):
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             finally:
                 self._db.close()
-
-
-def _call(row: tuple[Any, ...]) -> Call:
-    """A stored call, whatever its row holds: a reader never fails on one row.
-
-    Pydantic's JSON reader stops at ~200 levels of nesting, which rows stored before the gateway's
-    door policy (64 levels) may pass: those are read with Python's parser and cut at `READ_DEPTH`
-    levels. A row that cannot be read at all comes back as a failed call that says so."""
-    call_id, rollout_id, attempt, idx, body = row
-    try:
-        return Call.model_validate_json(body)
-    except ValueError:
-        pass
-    try:
-        return Call.model_validate(clip_depth(json.loads(body), READ_DEPTH))
-    except (ValueError, RecursionError) as e:
-        log.error("event=call_unreadable call=%s error=%s", call_id, e)
-        return Call(call_id=call_id, rollout_id=rollout_id, attempt=attempt, index=idx, created_at=0.0,
-                    latency_s=0.0, status=CallStatus.FAILED, model="", upstream="", request={},
-                    error=f"the stored record of this call cannot be read: {str(e)[:300]}")  # fmt: skip
-
-
-def clip_depth(value: Any, max_depth: int) -> Any:
-    """`value` with every object/array below `max_depth` levels replaced by a string saying so."""
-    if not isinstance(value, dict | list):
-        return value
-    if max_depth <= 0:
-        return f"<cut: nested deeper than {READ_DEPTH} levels>"
-    if isinstance(value, dict):
-        return {k: clip_depth(v, max_depth - 1) for k, v in value.items()}
-    return [clip_depth(v, max_depth - 1) for v in value]
-
-
-def _rollout(row: tuple[Any, ...]) -> Rollout:
-    return Rollout(
-        rollout_id=row[0],
-        client_id=row[1],
-        task_id=row[2],
-        group_id=row[3],
-        state=RolloutState(row[4]),
-        input=json.loads(row[5]),
-        metadata=json.loads(row[6]),
-        sampling=SamplingOverrides.model_validate_json(row[7]),
-        created_at=row[8],
-        updated_at=row[9],
-        n_attempts=row[10],
-    )
