@@ -18,37 +18,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harnessrl.schema import (
-    Attempt,
-    AttemptFinish,
-    AttemptStatus,
     Call,
-    InvalidTransition,
-    Reward,
-    RewardIn,
     Rollout,
     RolloutCreate,
     RolloutDetail,
-    RolloutEvent,
     RolloutState,
-    check_transition,
     now,
 )
-from harnessrl.store.base import Conflict, NotFound, Store
-from harnessrl.store.rows import (
-    ATTEMPT_COLS,
-    CALL_COLS,
-    EVENT_COLS,
-    REWARD_COLS,
-    ROLLOUT_COLS,
-    call_row,
-    dumps,
-    rollout_page,
-    to_attempt,
-    to_call,
-    to_event,
-    to_reward,
-    to_rollout,
-)
+from harnessrl.store.base import Conflict
+from harnessrl.store.rows import ROLLOUT_COLS, call_row, dumps, to_rollout
+from harnessrl.store.sql import SQLStore
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +89,7 @@ TRUNCATE_RETRY_S = 2.0  # after readers blocked a TRUNCATE, PASSIVE checkpoints 
 BUSY_TIMEOUT_MS = 10_000  # how long a TRUNCATE checkpoint waits for readers of other processes
 
 
-class SQLiteStore(Store):
+class SQLiteStore(SQLStore):
     """`Store` on one SQLite file in WAL mode; safe to share between threads of one process."""
 
     def __init__(
@@ -169,6 +148,8 @@ class SQLiteStore(Store):
         """Rows of one read-only SQL statement (for views that the `Store` methods do not cover)."""
         with self._lock:
             return self._db.execute(sql, args).fetchall()
+
+    _read = query
 
     def import_detail(self, detail: RolloutDetail) -> None:
         """Insert a rollout recorded elsewhere (an exported trace) as it was: ids, times, attempts,
@@ -286,137 +267,16 @@ class SQLiteStore(Store):
                 ),
             )
             self._event(db, rollout_id, RolloutState.QUEUED, t)
-            row = db.execute(
-                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-            return to_rollout(row), True
+            return self._get(db, rollout_id), True
 
-    def get_rollout(self, rollout_id: str) -> Rollout | None:
-        """The rollout, or None."""
-        with self._lock:
-            row = self._db.execute(
-                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-        return None if row is None else to_rollout(row)
-
-    def list_rollouts(
-        self, state: RolloutState | None = None, limit: int = 100, after: int = 0
-    ) -> tuple[list[Rollout], int | None]:
-        """Rollouts in creation order after cursor `after`; returns (page, next cursor or None)."""
-        sql = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq > ?"
-        args: list[Any] = [after]
-        if state is not None:
-            sql += " AND state = ?"
-            args.append(state.value)
-        sql += " ORDER BY seq LIMIT ?"
-        args.append(limit + 1)
-        with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
-        return rollout_page(rows, limit)
-
-    def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
-        """Move a rollout to `state`, checking the transition table."""
-        with self._tx() as db:
-            current = self._state(db, rollout_id)
-            if current == state:
-                pass  # idempotent repeat of the same transition
-            else:
-                try:
-                    check_transition(current, state)
-                except InvalidTransition as e:
-                    raise Conflict(str(e)) from e
-                t = now()
-                db.execute(
-                    "UPDATE rollouts SET state = ?, updated_at = ? WHERE rollout_id = ?",
-                    (state.value, t, rollout_id),
-                )
-                self._event(db, rollout_id, state, t)
-            row = db.execute(
-                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-        return to_rollout(row)
-
-    @staticmethod
-    def _event(db: sqlite3.Connection, rollout_id: str, state: RolloutState, t: float) -> None:
+    def _event(self, db: sqlite3.Connection, rollout_id: str, state: RolloutState, t: float) -> None:
         db.execute(
             "INSERT INTO events (rollout_id, state, group_id, time)"
             " SELECT rollout_id, ?, group_id, ? FROM rollouts WHERE rollout_id = ?",
             (state.value, t, rollout_id),
         )
 
-    def events(self, after: int = 0, limit: int = 1000) -> list[RolloutEvent]:
-        """State changes after sequence number `after`, oldest first."""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {EVENT_COLS} FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after, limit)
-            ).fetchall()
-        return [to_event(r) for r in rows]
-
-    @staticmethod
-    def _state(db: sqlite3.Connection, rollout_id: str) -> RolloutState:
-        row = db.execute("SELECT state FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
-        if row is None:
-            raise NotFound(f"rollout '{rollout_id}' not found")
-        return RolloutState(row[0])
-
-    # attempts -------------------------------------------------------------------------------------
-    def start_attempt(self, rollout_id: str) -> Attempt:
-        """Open the next attempt of a queued rollout and mark the rollout running."""
-        with self._tx() as db:
-            current = self._state(db, rollout_id)
-            try:
-                check_transition(current, RolloutState.RUNNING)
-            except InvalidTransition as e:
-                raise Conflict(f"cannot start an attempt: {e}") from e
-            n = db.execute("SELECT n_attempts FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()[
-                0
-            ]
-            t = now()
-            db.execute(
-                "INSERT INTO attempts (rollout_id, attempt, status, started_at) VALUES (?,?,?,?)",
-                (rollout_id, n, AttemptStatus.RUNNING.value, t),
-            )
-            db.execute(
-                "UPDATE rollouts SET state = ?, n_attempts = ?, updated_at = ? WHERE rollout_id = ?",
-                (RolloutState.RUNNING.value, n + 1, t, rollout_id),
-            )
-            if current != RolloutState.RUNNING:
-                self._event(db, rollout_id, RolloutState.RUNNING, t)
-        return Attempt(rollout_id=rollout_id, attempt=n, started_at=t)
-
-    def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:
-        """Record how an attempt ended (a repeat of the same finish is a no-op)."""
-        if finish.status == AttemptStatus.RUNNING:
-            raise Conflict("an attempt cannot be finished with status 'running'")
-        with self._tx() as db:
-            row = db.execute(
-                "SELECT status FROM attempts WHERE rollout_id = ? AND attempt = ?", (rollout_id, attempt)
-            ).fetchone()
-            if row is None:
-                raise NotFound(f"attempt {attempt} of rollout '{rollout_id}' not found")
-            if row[0] == AttemptStatus.RUNNING.value:
-                db.execute(
-                    "UPDATE attempts SET status = ?, ended_at = ?, exit_code = ?, error = ?"
-                    " WHERE rollout_id = ? AND attempt = ?",
-                    (finish.status.value, now(), finish.exit_code, finish.error, rollout_id, attempt),
-                )
-            elif row[0] != finish.status.value:
-                raise Conflict(f"attempt {attempt} of rollout '{rollout_id}' already ended as {row[0]}")
-        return next(a for a in self.attempts(rollout_id) if a.attempt == attempt)
-
-    def attempts(self, rollout_id: str) -> list[Attempt]:
-        """All attempts of a rollout, oldest first."""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {ATTEMPT_COLS} FROM attempts WHERE rollout_id = ? ORDER BY attempt", (rollout_id,)
-            ).fetchall()
-        return [to_attempt(r) for r in rows]
-
     # calls ----------------------------------------------------------------------------------------
-    def add_call(self, call: Call) -> Call:
-        """Record one call, numbering it after the rollout's previous calls; durable on return."""
-        return self.add_calls([call])[0]
-
     def add_calls(self, calls: list[Call]) -> list[Call]:
         """Record calls in one transaction (group commit), each numbered within its rollout."""
         with self._lock:
@@ -466,67 +326,6 @@ class SQLiteStore(Store):
         self.wal_truncations += not busy
         if busy:
             self._truncate_after = time.monotonic() + TRUNCATE_RETRY_S
-
-    def calls(self, rollout_id: str) -> list[Call]:
-        """All calls of a rollout in the order they were made."""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx, seq", (rollout_id,)
-            ).fetchall()
-        return [to_call(r) for r in rows]
-
-    def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
-        """The rollout's last `limit` calls, oldest first."""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx DESC, seq DESC LIMIT ?",
-                (rollout_id, limit),
-            ).fetchall()
-        return [to_call(r) for r in reversed(rows)]
-
-    def count_calls(self, rollout_id: str) -> int:
-        """Number of calls recorded for a rollout."""
-        with self._lock:
-            return int(
-                self._db.execute("SELECT COUNT(*) FROM calls WHERE rollout_id = ?", (rollout_id,)).fetchone()[
-                    0
-                ]
-            )
-
-    # rewards --------------------------------------------------------------------------------------
-    def set_reward(self, rollout_id: str, reward: RewardIn) -> Reward:
-        """Write the rollout's reward; the last write wins."""
-        t = now()
-        with self._tx() as db:
-            self._state(db, rollout_id)
-            db.execute(
-                "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)"
-                " ON CONFLICT (rollout_id) DO UPDATE SET value = excluded.value,"
-                " details = excluded.details, updated_at = excluded.updated_at",
-                (rollout_id, reward.value, dumps(reward.details), t),
-            )
-        return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details, updated_at=t)
-
-    def get_reward(self, rollout_id: str) -> Reward | None:
-        """The rollout's reward, or None."""
-        with self._lock:
-            row = self._db.execute(
-                f"SELECT {REWARD_COLS} FROM rewards WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-        return None if row is None else to_reward(rollout_id, row)
-
-    # meta -----------------------------------------------------------------------------------------
-    def get_meta(self, key: str) -> str | None:
-        """A store-level setting."""
-        with self._lock:
-            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else str(row[0])
-
-    def set_meta_if_absent(self, key: str, value: str) -> str:
-        """Set a store-level setting unless present; returns the stored value."""
-        with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
-            return str(db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
 
     def close(self) -> None:
         """Stop the checkpointer, fold the WAL into the file, empty it and close the connection."""
