@@ -58,7 +58,7 @@ class SQLStore(Store):
         return self._read(self._q(sql), args)
 
     def _one(self, conn: Any, sql: str, args: tuple[Any, ...] = ()) -> Row | None:
-        return conn.execute(self._q(sql), args).fetchone()  # type: ignore[no-any-return]
+        return conn.execute(self._q(sql), args).fetchone()
 
     def _state(self, conn: Any, rollout_id: str) -> tuple[RolloutState, int]:
         """The rollout's state and attempt count, its row locked for the transaction (or `NotFound`)."""
