@@ -2,6 +2,11 @@
 
 `open_store` picks the backend from how the store is named: a `postgresql://` (or `postgres://`) URL is
 a PostgreSQL database (`store.postgres`), anything else the path of a SQLite file (`store.sqlite`).
+
+Modules: `base` (the `Store` contract and its errors); `sql` (`SQLStore`: the methods whose SQL both
+backends share) and `rows` (the columns they read, row -> model decoding); `sqlite` and `postgres` (the
+two backends: transactions and locking, placeholders, numbering of rollouts, events and calls);
+`pg_local` (a throwaway local PostgreSQL server for tests and demos).
 """
 
 from __future__ import annotations

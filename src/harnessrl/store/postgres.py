@@ -26,7 +26,6 @@ an advisory lock, so replicas starting together apply each one exactly once.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -36,22 +35,16 @@ from typing import Any
 
 from harnessrl.schema import (
     ROLLOUT_TRANSITIONS,
-    Attempt,
-    AttemptFinish,
     AttemptStatus,
     Call,
-    InvalidTransition,
-    Reward,
-    RewardIn,
     Rollout,
     RolloutCreate,
-    RolloutEvent,
     RolloutState,
-    check_transition,
     now,
 )
-from harnessrl.store.base import Conflict, NotFound, Store, StoreError
-from harnessrl.store.sqlite import _call, _dumps, _rollout
+from harnessrl.store.base import Conflict, NotFound, StoreError
+from harnessrl.store.rows import ROLLOUT_COLS, call_row, dumps, to_rollout
+from harnessrl.store.sql import SQLStore
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +151,6 @@ CREATE TRIGGER attempts_status BEFORE UPDATE OF status ON attempts
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
-_ROLLOUT_COLS = (
-    "rollout_id, client_id, task_id, group_id, state, input, metadata, sampling, "
-    "created_at, updated_at, n_attempts, seq"
-)
-_CALL_COLS = "call_id, rollout_id, attempt, idx, body"
-
 
 def _psycopg() -> Any:
     try:
@@ -207,10 +194,11 @@ def migrate(conn: Any) -> list[int]:
     return applied
 
 
-class PostgresStore(Store):
+class PostgresStore(SQLStore):
     """`Store` on a PostgreSQL database; safe to share between threads and between processes."""
 
     pushes_events = True  # LISTEN/NOTIFY: a write by another gateway replica wakes `wait_events`
+    FOR_UPDATE = " FOR UPDATE"  # a row read and then changed stays locked until commit
 
     def __init__(self, url: str, pool_size: int = 4, connect_timeout_s: float = 10.0) -> None:
         psycopg, psycopg_pool = _psycopg()
@@ -256,6 +244,9 @@ class PostgresStore(Store):
         with self._tx(write=False) as conn:
             return list(conn.execute(sql, args).fetchall())
 
+    def _q(self, sql: str) -> str:
+        return sql.replace("?", "%s")  # psycopg's placeholders
+
     @staticmethod
     def _next(conn: Any, counter: str, n: int = 1) -> int:
         """Take `n` numbers from a counter; returns the last. The counter row stays locked until the
@@ -274,28 +265,12 @@ class PostgresStore(Store):
         )
         conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, str(seq)))  # delivered at commit
 
-    @staticmethod
-    def _state(conn: Any, rollout_id: str) -> tuple[RolloutState, int]:
-        row = conn.execute(
-            "SELECT state, n_attempts FROM rollouts WHERE rollout_id = %s FOR UPDATE", (rollout_id,)
-        ).fetchone()
-        if row is None:
-            raise NotFound(f"rollout '{rollout_id}' not found")
-        return RolloutState(row[0]), int(row[1])
-
-    @staticmethod
-    def _get(conn: Any, rollout_id: str) -> Rollout:
-        row = conn.execute(
-            f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,)
-        ).fetchone()
-        return _rollout(row)
-
     # rollouts -------------------------------------------------------------------------------------
     def create_rollout(self, req: RolloutCreate, rollout_id: str) -> tuple[Rollout, bool]:
         """Create a rollout, or return the existing one with the same `client_id`."""
         with self._tx() as conn:
             row = conn.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
+                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
             ).fetchone()
             if row is None:
                 t = now()
@@ -305,70 +280,21 @@ class PostgresStore(Store):
                     " metadata, sampling, created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
                     " ON CONFLICT (client_id) DO NOTHING RETURNING rollout_id",
                     (seq, rollout_id, req.client_id, req.task_id, req.group_id, RolloutState.QUEUED.value,
-                     _dumps(req.input), _dumps(req.metadata), req.sampling.model_dump_json(), t, t),
+                     dumps(req.input), dumps(req.metadata), req.sampling.model_dump_json(), t, t),
                 ).fetchone()  # fmt: skip
                 if inserted is not None:
                     self._event(conn, rollout_id, RolloutState.QUEUED, t)
                     return self._get(conn, rollout_id), True
                 # another replica created it meanwhile (ON CONFLICT waited for its commit): read it
                 row = conn.execute(
-                    f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
+                    f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE client_id = %s", (req.client_id,)
                 ).fetchone()
-            existing = _rollout(row)
+            existing = to_rollout(row)
             if existing.task_id != req.task_id:
                 raise Conflict(
                     f"client_id '{req.client_id}' already names a rollout of task '{existing.task_id}'"
                 )
             return existing, False
-
-    def get_rollout(self, rollout_id: str) -> Rollout | None:
-        """The rollout, or None."""
-        rows = self._read(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = %s", (rollout_id,))
-        return _rollout(rows[0]) if rows else None
-
-    def list_rollouts(
-        self, state: RolloutState | None = None, limit: int = 100, after: int = 0
-    ) -> tuple[list[Rollout], int | None]:
-        """Rollouts in creation order after cursor `after`; returns (page, next cursor or None)."""
-        sql = f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE seq > %s"
-        args: list[Any] = [after]
-        if state is not None:
-            sql += " AND state = %s"
-            args.append(state.value)
-        sql += " ORDER BY seq LIMIT %s"
-        args.append(limit + 1)
-        rows = self._read(sql, args)
-        page = rows[:limit]
-        next_cursor = int(page[-1][-1]) if len(rows) > limit else None
-        return [_rollout(r) for r in page], next_cursor
-
-    def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
-        """Move a rollout to `state`, checking the transition table (here and in the database)."""
-        with self._tx() as conn:
-            current, _ = self._state(conn, rollout_id)
-            if current != state:  # a repeat of the same transition is a no-op
-                try:
-                    check_transition(current, state)
-                except InvalidTransition as e:
-                    raise Conflict(str(e)) from e
-                t = now()
-                conn.execute(
-                    "UPDATE rollouts SET state = %s, updated_at = %s WHERE rollout_id = %s",
-                    (state.value, t, rollout_id),
-                )
-                self._event(conn, rollout_id, state, t)
-            return self._get(conn, rollout_id)
-
-    def events(self, after: int = 0, limit: int = 1000) -> list[RolloutEvent]:
-        """State changes after sequence number `after`, oldest first."""
-        rows = self._read(
-            "SELECT seq, rollout_id, state, group_id, time FROM events WHERE seq > %s ORDER BY seq LIMIT %s",
-            (after, limit),
-        )
-        return [
-            RolloutEvent(seq=r[0], rollout_id=r[1], state=RolloutState(r[2]), group_id=r[3], time=r[4])
-            for r in rows
-        ]
 
     def wait_events(self, after: int, timeout_s: float) -> bool:
         """Block until an event after `after` is committed (by any process on this database) or
@@ -410,73 +336,7 @@ class PostgresStore(Store):
             with self._listen_cond:
                 self._listen_cond.notify_all()
 
-    # attempts -------------------------------------------------------------------------------------
-    def start_attempt(self, rollout_id: str) -> Attempt:
-        """Open the next attempt of a queued rollout and mark the rollout running."""
-        with self._tx() as conn:
-            current, n = self._state(conn, rollout_id)
-            try:
-                check_transition(current, RolloutState.RUNNING)
-            except InvalidTransition as e:
-                raise Conflict(f"cannot start an attempt: {e}") from e
-            t = now()
-            conn.execute(
-                "INSERT INTO attempts (rollout_id, attempt, status, started_at) VALUES (%s,%s,%s,%s)",
-                (rollout_id, n, AttemptStatus.RUNNING.value, t),
-            )
-            conn.execute(
-                "UPDATE rollouts SET state = %s, n_attempts = %s, updated_at = %s WHERE rollout_id = %s",
-                (RolloutState.RUNNING.value, n + 1, t, rollout_id),
-            )
-            self._event(conn, rollout_id, RolloutState.RUNNING, t)
-        return Attempt(rollout_id=rollout_id, attempt=n, started_at=t)
-
-    def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:
-        """Record how an attempt ended (a repeat of the same finish is a no-op)."""
-        if finish.status == AttemptStatus.RUNNING:
-            raise Conflict("an attempt cannot be finished with status 'running'")
-        with self._tx() as conn:
-            row = conn.execute(
-                "SELECT status FROM attempts WHERE rollout_id = %s AND attempt = %s FOR UPDATE",
-                (rollout_id, attempt),
-            ).fetchone()
-            if row is None:
-                raise NotFound(f"attempt {attempt} of rollout '{rollout_id}' not found")
-            if row[0] == AttemptStatus.RUNNING.value:
-                conn.execute(
-                    "UPDATE attempts SET status = %s, ended_at = %s, exit_code = %s, error = %s"
-                    " WHERE rollout_id = %s AND attempt = %s",
-                    (finish.status.value, now(), finish.exit_code, finish.error, rollout_id, attempt),
-                )
-            elif row[0] != finish.status.value:
-                raise Conflict(f"attempt {attempt} of rollout '{rollout_id}' already ended as {row[0]}")
-        return next(a for a in self.attempts(rollout_id) if a.attempt == attempt)
-
-    def attempts(self, rollout_id: str) -> list[Attempt]:
-        """All attempts of a rollout, oldest first."""
-        rows = self._read(
-            "SELECT rollout_id, attempt, status, started_at, ended_at, exit_code, error FROM attempts"
-            " WHERE rollout_id = %s ORDER BY attempt",
-            (rollout_id,),
-        )
-        return [
-            Attempt(
-                rollout_id=r[0],
-                attempt=r[1],
-                status=AttemptStatus(r[2]),
-                started_at=r[3],
-                ended_at=r[4],
-                exit_code=r[5],
-                error=r[6],
-            )
-            for r in rows
-        ]
-
     # calls ----------------------------------------------------------------------------------------
-    def add_call(self, call: Call) -> Call:
-        """Record one call, numbering it after the rollout's previous calls; durable on return."""
-        return self.add_calls([call])[0]
-
     def add_calls(self, calls: list[Call]) -> list[Call]:
         """Record calls in one transaction (group commit), each numbered within its rollout by the
         database (replicas writing calls of the same rollout never take the same index)."""
@@ -504,7 +364,7 @@ class PostgresStore(Store):
                 for c in calls:
                     c.index = first[c.rollout_id]
                     first[c.rollout_id] += 1
-                    rows.append((c.call_id, c.rollout_id, c.attempt, c.index, c.model_dump_json()))
+                    rows.append(call_row(c))
                 with conn.cursor() as cur:
                     cur.executemany(
                         "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (%s,%s,%s,%s,%s)",
@@ -515,64 +375,6 @@ class PostgresStore(Store):
                 c.index = idx
             raise
         return calls
-
-    def calls(self, rollout_id: str) -> list[Call]:
-        """All calls of a rollout in the order they were made."""
-        rows = self._read(
-            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx, seq", (rollout_id,)
-        )
-        return [_call(r) for r in rows]
-
-    def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
-        """The rollout's last `limit` calls, oldest first."""
-        rows = self._read(
-            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = %s ORDER BY idx DESC, seq DESC LIMIT %s",
-            (rollout_id, limit),
-        )
-        return [_call(r) for r in reversed(rows)]
-
-    def count_calls(self, rollout_id: str) -> int:
-        """Number of calls recorded for a rollout."""
-        return int(self._read("SELECT COUNT(*) FROM calls WHERE rollout_id = %s", (rollout_id,))[0][0])
-
-    # rewards --------------------------------------------------------------------------------------
-    def set_reward(self, rollout_id: str, reward: RewardIn) -> Reward:
-        """Write the rollout's reward; the last write wins."""
-        t = now()
-        with self._tx() as conn:
-            self._state(conn, rollout_id)
-            conn.execute(
-                "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (%s,%s,%s,%s)"
-                " ON CONFLICT (rollout_id) DO UPDATE SET value = excluded.value,"
-                " details = excluded.details, updated_at = excluded.updated_at",
-                (rollout_id, reward.value, _dumps(reward.details), t),
-            )
-        return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details, updated_at=t)
-
-    def get_reward(self, rollout_id: str) -> Reward | None:
-        """The rollout's reward, or None."""
-        rows = self._read(
-            "SELECT value, details, updated_at FROM rewards WHERE rollout_id = %s", (rollout_id,)
-        )
-        if not rows:
-            return None
-        value, details, updated_at = rows[0]
-        return Reward(rollout_id=rollout_id, value=value, details=json.loads(details), updated_at=updated_at)
-
-    # meta -----------------------------------------------------------------------------------------
-    def get_meta(self, key: str) -> str | None:
-        """A store-level setting."""
-        rows = self._read("SELECT value FROM meta WHERE key = %s", (key,))
-        return str(rows[0][0]) if rows else None
-
-    def set_meta_if_absent(self, key: str, value: str) -> str:
-        """Set a store-level setting unless present; returns the stored value (the first writer's,
-        when replicas race)."""
-        with self._tx() as conn:
-            conn.execute(
-                "INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, value)
-            )
-            return str(conn.execute("SELECT value FROM meta WHERE key = %s", (key,)).fetchone()[0])
 
     def schema_version(self) -> int:
         """The newest migration applied to the database."""

@@ -7,7 +7,6 @@ loss at the price of an fsync per commit.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sqlite3
@@ -19,24 +18,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harnessrl.schema import (
-    Attempt,
-    AttemptFinish,
-    AttemptStatus,
     Call,
-    CallStatus,
-    InvalidTransition,
-    Reward,
-    RewardIn,
     Rollout,
     RolloutCreate,
     RolloutDetail,
-    RolloutEvent,
     RolloutState,
-    SamplingOverrides,
-    check_transition,
     now,
 )
-from harnessrl.store.base import Conflict, NotFound, Store
+from harnessrl.store.base import Conflict
+from harnessrl.store.rows import ROLLOUT_COLS, call_row, dumps, to_rollout
+from harnessrl.store.sql import SQLStore
 
 log = logging.getLogger(__name__)
 
@@ -91,26 +82,14 @@ CREATE TABLE IF NOT EXISTS rewards (
 );
 """
 
-_ROLLOUT_COLS = (
-    "rollout_id, client_id, task_id, group_id, state, input, metadata, sampling, "
-    "created_at, updated_at, n_attempts, seq"
-)
-
-
-_CALL_COLS = "call_id, rollout_id, attempt, idx, body"
-READ_DEPTH = 100
 WAL_LIMIT_MB = 64.0  # the WAL file stays under this (see `_checkpoint_loop`)
 WAL_POLL_S = 0.25  # how often the checkpointer looks at the WAL's size
 TRUNCATE_BUSY_MS = 200
 TRUNCATE_RETRY_S = 2.0  # after readers blocked a TRUNCATE, PASSIVE checkpoints only for this long
-BUSY_TIMEOUT_MS = 10_000  # how long a TRUNCATE checkpoint waits for readers of other processes  # levels of nesting kept when a stored call is too deep for the fast reader
+BUSY_TIMEOUT_MS = 10_000  # how long a TRUNCATE checkpoint waits for readers of other processes
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-
-
-class SQLiteStore(Store):
+class SQLiteStore(SQLStore):
     """`Store` on one SQLite file in WAL mode; safe to share between threads of one process."""
 
     def __init__(
@@ -170,6 +149,8 @@ class SQLiteStore(Store):
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    _read = query
+
     def import_detail(self, detail: RolloutDetail) -> None:
         """Insert a rollout recorded elsewhere (an exported trace) as it was: ids, times, attempts,
         calls with their indexes, reward. A rollout or call id already stored is a `Conflict`."""
@@ -182,8 +163,8 @@ class SQLiteStore(Store):
             db.execute(
                 "INSERT INTO rollouts (rollout_id, client_id, task_id, group_id, state, input, metadata,"
                 " sampling, created_at, updated_at, n_attempts) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (r.rollout_id, r.client_id, r.task_id, r.group_id, r.state.value, _dumps(r.input),
-                 _dumps(r.metadata), r.sampling.model_dump_json(), r.created_at, r.updated_at, r.n_attempts),
+                (r.rollout_id, r.client_id, r.task_id, r.group_id, r.state.value, dumps(r.input),
+                 dumps(r.metadata), r.sampling.model_dump_json(), r.created_at, r.updated_at, r.n_attempts),
             )  # fmt: skip
             db.executemany(
                 "INSERT INTO attempts (rollout_id, attempt, status, started_at, ended_at, exit_code, error)"
@@ -206,7 +187,7 @@ class SQLiteStore(Store):
                 w = detail.reward
                 db.execute(
                     "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)",
-                    (r.rollout_id, w.value, _dumps(w.details), w.updated_at),
+                    (r.rollout_id, w.value, dumps(w.details), w.updated_at),
                 )
         self._next_idx.pop(r.rollout_id, None)
 
@@ -234,12 +215,12 @@ class SQLiteStore(Store):
                     with self._lock:
                         busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
                         self._truncated(busy)
-                    log.info("wal_truncate size_mb=%.1f busy=%d", size / 2**20, busy)
+                    log.info("event=wal_truncate size_mb=%.1f busy=%d", size / 2**20, busy)
                 elif time.monotonic() - last_passive >= every_s:
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)")
                     last_passive = time.monotonic()
         except sqlite3.Error:
-            log.exception("checkpointer_stopped path=%s", self.path)
+            log.exception("event=checkpointer_stopped path=%s", self.path)
         finally:
             db.close()
 
@@ -259,10 +240,10 @@ class SQLiteStore(Store):
         """Create a rollout, or return the existing one with the same `client_id`."""
         with self._tx() as db:
             row = db.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE client_id = ?", (req.client_id,)
+                f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE client_id = ?", (req.client_id,)
             ).fetchone()
             if row is not None:
-                existing = _rollout(row)
+                existing = to_rollout(row)
                 if existing.task_id != req.task_id:
                     raise Conflict(
                         f"client_id '{req.client_id}' already names a rollout of task '{existing.task_id}'"
@@ -278,164 +259,24 @@ class SQLiteStore(Store):
                     req.task_id,
                     req.group_id,
                     RolloutState.QUEUED.value,
-                    _dumps(req.input),
-                    _dumps(req.metadata),
+                    dumps(req.input),
+                    dumps(req.metadata),
                     req.sampling.model_dump_json(),
                     t,
                     t,
                 ),
             )
             self._event(db, rollout_id, RolloutState.QUEUED, t)
-            row = db.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-            return _rollout(row), True
+            return self._get(db, rollout_id), True
 
-    def get_rollout(self, rollout_id: str) -> Rollout | None:
-        """The rollout, or None."""
-        with self._lock:
-            row = self._db.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-        return None if row is None else _rollout(row)
-
-    def list_rollouts(
-        self, state: RolloutState | None = None, limit: int = 100, after: int = 0
-    ) -> tuple[list[Rollout], int | None]:
-        """Rollouts in creation order after cursor `after`; returns (page, next cursor or None)."""
-        sql = f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE seq > ?"
-        args: list[Any] = [after]
-        if state is not None:
-            sql += " AND state = ?"
-            args.append(state.value)
-        sql += " ORDER BY seq LIMIT ?"
-        args.append(limit + 1)
-        with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
-        page = rows[:limit]
-        next_cursor = int(page[-1][-1]) if len(rows) > limit else None
-        return [_rollout(r) for r in page], next_cursor
-
-    def set_state(self, rollout_id: str, state: RolloutState) -> Rollout:
-        """Move a rollout to `state`, checking the transition table."""
-        with self._tx() as db:
-            current = self._state(db, rollout_id)
-            if current == state:
-                pass  # idempotent repeat of the same transition
-            else:
-                try:
-                    check_transition(current, state)
-                except InvalidTransition as e:
-                    raise Conflict(str(e)) from e
-                t = now()
-                db.execute(
-                    "UPDATE rollouts SET state = ?, updated_at = ? WHERE rollout_id = ?",
-                    (state.value, t, rollout_id),
-                )
-                self._event(db, rollout_id, state, t)
-            row = db.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-        return _rollout(row)
-
-    @staticmethod
-    def _event(db: sqlite3.Connection, rollout_id: str, state: RolloutState, t: float) -> None:
+    def _event(self, db: sqlite3.Connection, rollout_id: str, state: RolloutState, t: float) -> None:
         db.execute(
             "INSERT INTO events (rollout_id, state, group_id, time)"
             " SELECT rollout_id, ?, group_id, ? FROM rollouts WHERE rollout_id = ?",
             (state.value, t, rollout_id),
         )
 
-    def events(self, after: int = 0, limit: int = 1000) -> list[RolloutEvent]:
-        """State changes after sequence number `after`, oldest first."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT seq, rollout_id, state, group_id, time FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
-                (after, limit),
-            ).fetchall()
-        return [
-            RolloutEvent(seq=r[0], rollout_id=r[1], state=RolloutState(r[2]), group_id=r[3], time=r[4])
-            for r in rows
-        ]
-
-    @staticmethod
-    def _state(db: sqlite3.Connection, rollout_id: str) -> RolloutState:
-        row = db.execute("SELECT state FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
-        if row is None:
-            raise NotFound(f"rollout '{rollout_id}' not found")
-        return RolloutState(row[0])
-
-    # attempts -------------------------------------------------------------------------------------
-    def start_attempt(self, rollout_id: str) -> Attempt:
-        """Open the next attempt of a queued rollout and mark the rollout running."""
-        with self._tx() as db:
-            current = self._state(db, rollout_id)
-            try:
-                check_transition(current, RolloutState.RUNNING)
-            except InvalidTransition as e:
-                raise Conflict(f"cannot start an attempt: {e}") from e
-            n = db.execute("SELECT n_attempts FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()[
-                0
-            ]
-            t = now()
-            db.execute(
-                "INSERT INTO attempts (rollout_id, attempt, status, started_at) VALUES (?,?,?,?)",
-                (rollout_id, n, AttemptStatus.RUNNING.value, t),
-            )
-            db.execute(
-                "UPDATE rollouts SET state = ?, n_attempts = ?, updated_at = ? WHERE rollout_id = ?",
-                (RolloutState.RUNNING.value, n + 1, t, rollout_id),
-            )
-            if current != RolloutState.RUNNING:
-                self._event(db, rollout_id, RolloutState.RUNNING, t)
-        return Attempt(rollout_id=rollout_id, attempt=n, started_at=t)
-
-    def finish_attempt(self, rollout_id: str, attempt: int, finish: AttemptFinish) -> Attempt:
-        """Record how an attempt ended (a repeat of the same finish is a no-op)."""
-        if finish.status == AttemptStatus.RUNNING:
-            raise Conflict("an attempt cannot be finished with status 'running'")
-        with self._tx() as db:
-            row = db.execute(
-                "SELECT status FROM attempts WHERE rollout_id = ? AND attempt = ?", (rollout_id, attempt)
-            ).fetchone()
-            if row is None:
-                raise NotFound(f"attempt {attempt} of rollout '{rollout_id}' not found")
-            if row[0] == AttemptStatus.RUNNING.value:
-                db.execute(
-                    "UPDATE attempts SET status = ?, ended_at = ?, exit_code = ?, error = ?"
-                    " WHERE rollout_id = ? AND attempt = ?",
-                    (finish.status.value, now(), finish.exit_code, finish.error, rollout_id, attempt),
-                )
-            elif row[0] != finish.status.value:
-                raise Conflict(f"attempt {attempt} of rollout '{rollout_id}' already ended as {row[0]}")
-        return next(a for a in self.attempts(rollout_id) if a.attempt == attempt)
-
-    def attempts(self, rollout_id: str) -> list[Attempt]:
-        """All attempts of a rollout, oldest first."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT rollout_id, attempt, status, started_at, ended_at, exit_code, error FROM attempts"
-                " WHERE rollout_id = ? ORDER BY attempt",
-                (rollout_id,),
-            ).fetchall()
-        return [
-            Attempt(
-                rollout_id=r[0],
-                attempt=r[1],
-                status=AttemptStatus(r[2]),
-                started_at=r[3],
-                ended_at=r[4],
-                exit_code=r[5],
-                error=r[6],
-            )
-            for r in rows
-        ]
-
     # calls ----------------------------------------------------------------------------------------
-    def add_call(self, call: Call) -> Call:
-        """Record one call, numbering it after the rollout's previous calls; durable on return."""
-        return self.add_calls([call])[0]
-
     def add_calls(self, calls: list[Call]) -> list[Call]:
         """Record calls in one transaction (group commit), each numbered within its rollout."""
         with self._lock:
@@ -450,9 +291,7 @@ class SQLiteStore(Store):
                         ).fetchone()[0]
                     call.index = int(idx)
                     self._next_idx[call.rollout_id] = call.index + 1
-                    rows.append(
-                        (call.call_id, call.rollout_id, call.attempt, call.index, call.model_dump_json())
-                    )
+                    rows.append(call_row(call))
                 with self._tx() as db:
                     db.executemany(
                         "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)", rows
@@ -480,76 +319,13 @@ class SQLiteStore(Store):
         finally:
             self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         self._truncated(busy)
-        log.warning("wal_truncate_inline size_mb=%.1f busy=%d", size / 2**20, busy)
+        log.warning("event=wal_truncate_inline size_mb=%.1f busy=%d", size / 2**20, busy)
 
     def _truncated(self, busy: int) -> None:
         """Count a TRUNCATE; after one that readers blocked, wait `TRUNCATE_RETRY_S` before the next."""
         self.wal_truncations += not busy
         if busy:
             self._truncate_after = time.monotonic() + TRUNCATE_RETRY_S
-
-    def calls(self, rollout_id: str) -> list[Call]:
-        """All calls of a rollout in the order they were made."""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx, seq", (rollout_id,)
-            ).fetchall()
-        return [_call(r) for r in rows]
-
-    def recent_calls(self, rollout_id: str, limit: int) -> list[Call]:
-        """The rollout's last `limit` calls, oldest first."""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY idx DESC, seq DESC LIMIT ?",
-                (rollout_id, limit),
-            ).fetchall()
-        return [_call(r) for r in reversed(rows)]
-
-    def count_calls(self, rollout_id: str) -> int:
-        """Number of calls recorded for a rollout."""
-        with self._lock:
-            return int(
-                self._db.execute("SELECT COUNT(*) FROM calls WHERE rollout_id = ?", (rollout_id,)).fetchone()[
-                    0
-                ]
-            )
-
-    # rewards --------------------------------------------------------------------------------------
-    def set_reward(self, rollout_id: str, reward: RewardIn) -> Reward:
-        """Write the rollout's reward; the last write wins."""
-        t = now()
-        with self._tx() as db:
-            self._state(db, rollout_id)
-            db.execute(
-                "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)"
-                " ON CONFLICT (rollout_id) DO UPDATE SET value = excluded.value,"
-                " details = excluded.details, updated_at = excluded.updated_at",
-                (rollout_id, reward.value, _dumps(reward.details), t),
-            )
-        return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details, updated_at=t)
-
-    def get_reward(self, rollout_id: str) -> Reward | None:
-        """The rollout's reward, or None."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT value, details, updated_at FROM rewards WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-        if row is None:
-            return None
-        return Reward(rollout_id=rollout_id, value=row[0], details=json.loads(row[1]), updated_at=row[2])
-
-    # meta -----------------------------------------------------------------------------------------
-    def get_meta(self, key: str) -> str | None:
-        """A store-level setting."""
-        with self._lock:
-            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else str(row[0])
-
-    def set_meta_if_absent(self, key: str, value: str) -> str:
-        """Set a store-level setting unless present; returns the stored value."""
-        with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
-            return str(db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
 
     def close(self) -> None:
         """Stop the checkpointer, fold the WAL into the file, empty it and close the connection."""
@@ -564,50 +340,3 @@ class SQLiteStore(Store):
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             finally:
                 self._db.close()
-
-
-def _call(row: tuple[Any, ...]) -> Call:
-    """A stored call, whatever its row holds: a reader never fails on one row.
-
-    Pydantic's JSON reader stops at ~200 levels of nesting, which rows stored before the gateway's
-    door policy (64 levels) may pass: those are read with Python's parser and cut at `READ_DEPTH`
-    levels. A row that cannot be read at all comes back as a failed call that says so."""
-    call_id, rollout_id, attempt, idx, body = row
-    try:
-        return Call.model_validate_json(body)
-    except ValueError:
-        pass
-    try:
-        return Call.model_validate(clip_depth(json.loads(body), READ_DEPTH))
-    except (ValueError, RecursionError) as e:
-        log.error("call_unreadable call=%s error=%s", call_id, e)
-        return Call(call_id=call_id, rollout_id=rollout_id, attempt=attempt, index=idx, created_at=0.0,
-                    latency_s=0.0, status=CallStatus.FAILED, model="", upstream="", request={},
-                    error=f"the stored record of this call cannot be read: {str(e)[:300]}")  # fmt: skip
-
-
-def clip_depth(value: Any, max_depth: int) -> Any:
-    """`value` with every object/array below `max_depth` levels replaced by a string saying so."""
-    if not isinstance(value, dict | list):
-        return value
-    if max_depth <= 0:
-        return f"<cut: nested deeper than {READ_DEPTH} levels>"
-    if isinstance(value, dict):
-        return {k: clip_depth(v, max_depth - 1) for k, v in value.items()}
-    return [clip_depth(v, max_depth - 1) for v in value]
-
-
-def _rollout(row: tuple[Any, ...]) -> Rollout:
-    return Rollout(
-        rollout_id=row[0],
-        client_id=row[1],
-        task_id=row[2],
-        group_id=row[3],
-        state=RolloutState(row[4]),
-        input=json.loads(row[5]),
-        metadata=json.loads(row[6]),
-        sampling=SamplingOverrides.model_validate_json(row[7]),
-        created_at=row[8],
-        updated_at=row[9],
-        n_attempts=row[10],
-    )

@@ -4,13 +4,14 @@ Rank 0 is the trainer process of the run (it rolls out, publishes weights, write
 1..k-1 are worker processes it starts (`python -m harnessrl.trainer.distributed`), each holding a full
 copy of the policy and of the optimizer state. For each update rank 0 broadcasts the batch; every rank
 takes its share of the rows (`shard_rows`: contiguous runs of the rows in token order, so siblings that
-share a prompt stay together, cut at equal token counts) and runs the ordinary micro-batch loss
-(`trainer.ppo.micro_batch_loss`) on it; DDP all-reduces the gradients at the last micro-batch's
-backward pass. The reduction is a SUM, not DDP's default mean: the adapter's loss weights are fixed for
-the whole batch before the update (rollout-token-mean normalisation uses the batch's token counts), so
-the whole batch's gradient is exactly the sum of the ranks' gradients. Every rank then clips the same
-gradient to the same norm and takes the same AdamW step: the replicas stay identical, and the update
-equals the single-process one up to float summation order (tests/test_distributed.py measures it).
+share a prompt stay together, cut at equal token counts) and runs the single-process update's own epoch
+loop (`trainer.ppo.update_epochs`) on it, with the ordinary micro-batch loss inside DDP; DDP all-reduces
+the gradients at the last micro-batch's backward pass. The reduction is a SUM, not DDP's default mean:
+the adapter's loss weights are fixed for the whole batch before the update (rollout-token-mean
+normalisation uses the batch's token counts), so the whole batch's gradient is exactly the sum of the
+ranks' gradients. Every rank then clips the same gradient to the same norm and takes the same AdamW
+step: the replicas stay identical, and the update equals the single-process one up to float summation
+order (tests/test_distributed.py measures it).
 
 The learning rate comes from rank 0 with each update (its LR schedule is the only one); checkpoints are
 written by rank 0 alone (all ranks hold the same state); after a resume `sync_state` sends rank 0's
@@ -26,14 +27,12 @@ import argparse
 import inspect
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -46,14 +45,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.llama import LlamaForCausalLM
-from harnessrl.modeling.packed import release_training_packs
 from harnessrl.trainer.ppo import (
     _STAT_KEYS,
+    NO_STEP_METRICS,
     PPOConfig,
-    first_trainable,
     micro_batch_loss,
-    micro_batches,
-    release_memory,
+    row_groups,
+    rows_to_run,
+    update_epochs,
 )
 
 log = logging.getLogger("harnessrl.trainer.distributed")  # also when run as __main__ (a worker rank)
@@ -129,55 +128,28 @@ def rank_update(
     """This rank's part of the data-parallel update (every rank calls it with the same batch); returns
     the whole batch's metrics, as `ppo_update` does. The LR schedule is the caller's (rank 0)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model: LlamaForCausalLM = ddp.module.policy
     lr = optimizer.param_groups[0]["lr"]
-    run_rows = [i for i, r in enumerate(batch.rows) if cfg.kl_coef > 0 or batch.advantages[i] != 0.0]
+    run_rows = rows_to_run(batch, cfg)
     skipped = float(len(batch.rows) - len(run_rows))
     if not run_rows or batch.n_trainable_tokens == 0:  # the same decision on every rank
-        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0, "lr": lr,
-                "skipped_zero_adv_rows": skipped, "ranks": float(world), "rank_rows_max": 0.0}  # fmt: skip
+        return {**NO_STEP_METRICS, "lr": lr, "skipped_zero_adv_rows": skipped, "ranks": float(world),
+                "rank_rows_max": 0.0}  # fmt: skip
     mine = shard_rows(batch, run_rows, world)[rank]
-    local = micro_batches(
-        [batch.rows[i].tokens for i in mine], [first_trainable(batch.rows[i].loss_mask) for i in mine],
-        cfg.micro_batch_tokens,
+    groups = row_groups(batch, mine, cfg.micro_batch_tokens) or [[]]
+    metrics = update_epochs(
+        ddp.module.policy, optimizer, groups, cfg,
+        lambda idx, prox: ddp(batch, idx, cfg, prox, ref_model, checkpoint_layers),
+        progress=progress, no_sync=ddp.no_sync, sum_over_ranks=_sum_over_ranks,
     )  # fmt: skip
-    groups = [[mine[j] for j in idx] for idx in local] or [[]]
-    model.train()
-    metrics: dict[str, float] = {}
-    prox: list[Tensor | None] = [None] * len(groups)
-    for epoch in range(cfg.epochs):
-        optimizer.zero_grad(set_to_none=True)
-        total_loss, agg = 0.0, dict.fromkeys(_STAT_KEYS, 0.0)
-        for g, idx in enumerate(groups):
-            last = g == len(groups) - 1
-            with nullcontext() if last else ddp.no_sync():  # gradients are reduced once, at the end
-                loss, stats, new_lp = ddp(batch, idx, cfg, prox[g], ref_model, checkpoint_layers)
-                loss.backward()
-            if progress is not None:
-                progress(epoch * len(groups) + g + 1, cfg.epochs * len(groups))
-            if epoch == 0:
-                prox[g] = new_lp
-            total_loss += float(loss.detach())
-            for k in agg:
-                agg[k] += stats[k]
-        summed = torch.tensor([total_loss, *(agg[k] for k in _STAT_KEYS)], dtype=torch.float64)
-        dist.all_reduce(summed)
-        total_loss, agg = float(summed[0]), dict(zip(_STAT_KEYS, summed[1:].tolist(), strict=True))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-        release_training_packs(model)  # copies of the weights the step is about to change
-        if math.isfinite(grad_norm):
-            optimizer.step()
-        n = max(agg["tokens"], 1.0)
-        metrics = {
-            "loss": total_loss, "grad_norm": grad_norm, "clip_frac": agg["clipped"] / n,
-            "mismatch": agg["logprob_diff_abs"] / n, "ratio_mean": agg["ratio_sum"] / n,
-            "entropy": agg["entropy_sum"] / n, "kl": agg["kl_sum"] / n,
-            "tis_truncated_frac": agg["tis_truncated"] / n, "lr": lr, "skipped_zero_adv_rows": skipped,
-            "ranks": float(world), "rank_rows_max": float(len(mine)),
-        }  # fmt: skip
-    model.eval()
-    release_memory(model, optimizer)
-    return metrics
+    return {**metrics, "lr": lr, "skipped_zero_adv_rows": skipped, "ranks": float(world),
+            "rank_rows_max": float(len(mine))}  # fmt: skip
+
+
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    """Each value summed over all ranks (in float64, the precision of the Python floats they are)."""
+    summed = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(summed)
+    return [float(v) for v in summed.tolist()]
 
 
 def _flat_params(model: nn.Module) -> Tensor:

@@ -271,7 +271,7 @@ async def restore(ctx: TrainContext) -> dict[str, Any]:
     ctx.metrics.truncate_after(step)  # steps after the checkpoint are done again: logged once
     await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", step)
     await ctx.client.resume(weight_version=step)
-    log.info("resumed step=%d checkpoint=%s", step, ckpt)
+    log.info("event=resumed step=%d checkpoint=%s", step, ckpt)
     return state
 
 

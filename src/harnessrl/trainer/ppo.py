@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -207,21 +208,66 @@ def ppo_update(
     The token statistics are then over the rows that were run; `skipped_zero_adv_rows` counts the rest.
     If no row is left, no optimizer step is taken."""
     lr = optimizer.param_groups[0]["lr"]
-    run_rows = [i for i, r in enumerate(batch.rows) if cfg.kl_coef > 0 or batch.advantages[i] != 0.0]
+    run_rows = rows_to_run(batch, cfg)
     skipped = float(len(batch.rows) - len(run_rows))
     if not run_rows or batch.n_trainable_tokens == 0:
         if scheduler is not None:
             with warnings.catch_warnings():  # the schedule advances per update, taken or not
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
                 scheduler.step()
-        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0, "lr": lr,
-                "skipped_zero_adv_rows": skipped}  # fmt: skip
+        return {**NO_STEP_METRICS, "lr": lr, "skipped_zero_adv_rows": skipped}
+    groups = row_groups(batch, run_rows, cfg.micro_batch_tokens)
+    metrics = update_epochs(
+        model, optimizer, groups, cfg,
+        lambda idx, prox: micro_batch_loss(model, batch, idx, cfg, prox, ref_model, checkpoint_layers),
+        progress=progress,
+    )  # fmt: skip
+    if scheduler is not None:
+        scheduler.step()
+    return {**metrics, "lr": lr, "skipped_zero_adv_rows": skipped}
+
+
+# The loss of one micro-batch (its row indices, the proximal logprobs of epoch 1 or None): the
+# differentiable loss, its token statistics, and its new logprobs (detached; None for no rows).
+MicroBatchLoss = Callable[[list[int], Tensor | None], tuple[Tensor, dict[str, float], Tensor | None]]
+
+NO_STEP_METRICS = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 0.0}
+
+
+def rows_to_run(batch: Batch, cfg: PPOConfig) -> list[int]:
+    """The rows an update runs: every row with a KL term, else the rows with a non-zero advantage."""
+    return [i for i in range(len(batch.rows)) if cfg.kl_coef > 0 or batch.advantages[i] != 0.0]
+
+
+def row_groups(batch: Batch, rows: list[int], token_budget: int) -> list[list[int]]:
+    """The `micro_batches` of the batch's rows `rows`, as batch row indices."""
     local = micro_batches(
-        [batch.rows[i].tokens for i in run_rows],
-        [first_trainable(batch.rows[i].loss_mask) for i in run_rows],
-        cfg.micro_batch_tokens,
-    )
-    groups = [[run_rows[j] for j in idx] for idx in local]
+        [batch.rows[i].tokens for i in rows], [first_trainable(batch.rows[i].loss_mask) for i in rows],
+        token_budget,
+    )  # fmt: skip
+    return [[rows[j] for j in idx] for idx in local]
+
+
+def update_epochs(
+    model: LlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    groups: list[list[int]],
+    cfg: PPOConfig,
+    loss_of: MicroBatchLoss,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    no_sync: Callable[[], AbstractContextManager[object]] | None = None,
+    sum_over_ranks: Callable[[list[float]], list[float]] | None = None,
+) -> dict[str, float]:
+    """The epoch loop of an update, shared by the single-process (`ppo_update`) and the data-parallel
+    update (`trainer.distributed`): per epoch, the micro-batches' losses are backpropagated one by one
+    (their gradients add up), then the gradient is clipped to `cfg.max_grad_norm` and one optimizer step
+    is taken (skipped on a non-finite norm). Epoch 1's new logprobs are the proximal policy of the
+    later epochs. Returns the last epoch's loss, gradient norm and token statistics.
+
+    Data parallel: `no_sync` is entered around every micro-batch of an epoch but the last (DDP then
+    reduces the gradients once, at the last backward), and `sum_over_ranks` sums the epoch's loss and
+    statistics over the ranks before they are reported."""
     model.train()
     metrics: dict[str, float] = {}
     prox: list[Tensor | None] = [None] * len(groups)
@@ -229,10 +275,11 @@ def ppo_update(
         optimizer.zero_grad(set_to_none=True)
         total_loss, agg = 0.0, dict.fromkeys(_STAT_KEYS, 0.0)
         for g, idx in enumerate(groups):
-            loss, stats, new_lp = micro_batch_loss(model, batch, idx, cfg, prox[g], ref_model,
-                                                   checkpoint_layers)  # fmt: skip
-            trim_heap()  # the forward's freed transients go back before the backward allocates gradients
-            loss.backward()
+            last = g == len(groups) - 1
+            with nullcontext() if last or no_sync is None else no_sync():
+                loss, stats, new_lp = loss_of(idx, prox[g])
+                trim_heap()  # the forward's freed transients go back before the backward allocates gradients
+                loss.backward()
             trim_heap()
             if progress is not None:  # micro-batches done of all epochs'
                 progress(epoch * len(groups) + g + 1, cfg.epochs * len(groups))
@@ -241,6 +288,9 @@ def ppo_update(
             total_loss += float(loss.detach())
             for k in agg:
                 agg[k] += stats[k]
+        if sum_over_ranks is not None:
+            summed = sum_over_ranks([total_loss, *(agg[k] for k in _STAT_KEYS)])
+            total_loss, agg = summed[0], dict(zip(_STAT_KEYS, summed[1:], strict=True))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         release_training_packs(model)  # copies of the weights the step is about to change
         if math.isfinite(grad_norm):
@@ -255,11 +305,7 @@ def ppo_update(
             "entropy": agg["entropy_sum"] / n,
             "kl": agg["kl_sum"] / n,
             "tis_truncated_frac": agg["tis_truncated"] / n,
-            "lr": lr,
-            "skipped_zero_adv_rows": skipped,
         }
-    if scheduler is not None:
-        scheduler.step()
     model.eval()
     release_memory(model, optimizer)
     return metrics

@@ -228,5 +228,5 @@ async def publish_weights(
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     seconds = time.perf_counter() - t0
-    log.info("weights_published version=%d seconds=%.2f", version, seconds)
+    log.info("event=weights_published version=%d seconds=%.2f", version, seconds)
     return seconds
