@@ -42,6 +42,22 @@ def test_replicas_need_a_postgres_store() -> None:
     )
 
 
+def test_running_gateways_by_url_need_their_admin_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harnessrl.run import external_admin_key
+
+    with pytest.raises(ConfigError, match="set one"):
+        load_config(None, ["gateway.replicas=2", "store=postgresql://u@h/db", "gateway.urls=[http://a:1]"])
+    with pytest.raises(ConfigError, match="not an http"):
+        load_config(None, ["gateway.urls=[gateway-0:8000]"])
+    cfg = load_config(None, ["gateway.urls=[http://gateway-0.gw:8000, http://gateway-1.gw:8000]"])
+    monkeypatch.delenv("HARNESSRL_ADMIN_KEY", raising=False)
+    with pytest.raises(ConfigError, match="HARNESSRL_ADMIN_KEY"):
+        external_admin_key(cfg)
+    monkeypatch.setenv("HARNESSRL_ADMIN_KEY", "k" * 16)
+    assert external_admin_key(cfg) == "k" * 16
+    assert external_admin_key(load_config(None, [])) is None  # the run starts its own, with a fresh key
+
+
 class Replicas:
     """Two gateway processes on one PostgreSQL database; `restart(i)` starts replica i again on its port."""
 

@@ -86,6 +86,10 @@ class GatewaySection(_Section):
     # Gateway processes on the run's store (> 1 needs `store: postgresql://…`): each rollout is served
     # by one of them, and moves to another if that one stops answering (docs/scale.md).
     replicas: int = Field(default=1, ge=1, le=64)
+    # Gateways already running (e.g. a Kubernetes StatefulSet; the run starts none): their URLs as the
+    # controller and the harnesses reach them, the admin key in $HARNESSRL_ADMIN_KEY. Several URLs are
+    # replicas on one PostgreSQL store (the `store` setting names it too, for `inspect` and the index).
+    urls: list[str] = Field(default_factory=list)
 
 
 class ControllerSection(_Section):
@@ -352,6 +356,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _replicas_need_a_shared_store(self) -> RunConfig:
+        if self.gateway.urls and self.gateway.replicas > 1:
+            raise ValueError("gateway.urls names running gateways; gateway.replicas starts them: set one")
+        bad = [u for u in self.gateway.urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"gateway.urls: {bad[0]!r} is not an http(s):// URL")
         if self.gateway.replicas > 1 and not is_postgres_url(self.store):
             raise ValueError(
                 f"gateway.replicas={self.gateway.replicas} needs a store every replica writes: set "

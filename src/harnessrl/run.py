@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from harnessrl.config import RunConfig, check_model
 from harnessrl.controller import Controller
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.isolation import protect_run_dir
+from harnessrl.errors import ConfigError
 from harnessrl.examples import write_tasks
 from harnessrl.gateway.client import Control, ControlClient
 from harnessrl.gateway.replicas import GatewayReplicas
@@ -81,7 +83,9 @@ def start_services(
         engine_url = str(cfg.engine.url)
     mode = gateway_mode(cfg)
     gateways = []
-    for r in range(cfg.gateway.replicas):  # replicas > 1 only on a PostgreSQL store (RunConfig checks)
+    for r in range(
+        0 if cfg.gateway.urls else cfg.gateway.replicas
+    ):  # replicas > 1 only on a PostgreSQL store (RunConfig checks)
         port = (cfg.gateway.port + r if cfg.gateway.port else 0) or free_port()
         gateways.append(start_gateway(
             cfg.store or run_dir / "store.sqlite", engine_url, port, admin_key, run_dir / "logs",
@@ -108,6 +112,18 @@ def start_services(
             engine.stop()
         raise
     return engine, gateways, engine_url
+
+
+def external_admin_key(cfg: RunConfig) -> str | None:
+    """The admin key of gateways the run did not start (`gateway.urls`): $HARNESSRL_ADMIN_KEY."""
+    if not cfg.gateway.urls:
+        return None
+    key = os.environ.get("HARNESSRL_ADMIN_KEY", "")
+    if len(key) < 8:
+        raise ConfigError(
+            "gateway.urls: set HARNESSRL_ADMIN_KEY to the admin key those gateways were started with"
+        )
+    return key
 
 
 def gateway_mode(cfg: RunConfig) -> str:
@@ -179,6 +195,7 @@ def run(
     mode = mode or (Mode.FRESH if fresh else Mode.RESUME if resume else Mode.NEW)
     check_model(cfg)
     project = resolve_project(cfg)  # a config error surfaces before the run directory is touched
+    admin_key = external_admin_key(cfg) or secrets.token_hex(16)
     for notice in prepare(run_dir, cfg, mode):
         (notify or log.info)(notice)
     setup_logging(run_dir)
@@ -190,12 +207,12 @@ def run(
             f"the task source gave {len(train_tasks)} training and {len(heldout)} held-out tasks"
         )
     model_dir = resolve_model(cfg.engine.model)
-    admin_key = secrets.token_hex(16)
     engine, gateways, engine_url = start_services(cfg, run_dir, model_dir, admin_key, notify)
     protect_run_dir(run_dir)  # the store (key secret), logs and references: not for the harness's uid
     services = Services(
-        [g.url for g in gateways], engine_url, admin_key, engine if isinstance(engine, ManagedVLLM) else None
-    )
+        cfg.gateway.urls or [g.url for g in gateways], engine_url, admin_key,
+        engine if isinstance(engine, ManagedVLLM) else None,
+    )  # fmt: skip
     try:
         summary = asyncio.run(
             _run_async(
