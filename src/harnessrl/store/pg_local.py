@@ -144,3 +144,33 @@ class LocalPostgres:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m harnessrl.store.pg_local [--database NAME]`: start a throwaway server, print the URL of
+    a fresh database on it, serve until interrupted (Ctrl-C, SIGTERM), then stop it and delete it all."""
+    import argparse
+    import signal
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m harnessrl.store.pg_local", description=main.__doc__)
+    p.add_argument("--database", default="harnessrl", help="name of the database to create")
+    args = p.parse_args(argv)
+    try:
+        server = LocalPostgres().start()
+    except PostgresUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        print(server.create_database(args.database), flush=True)
+        signal.pause()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
