@@ -49,8 +49,8 @@ class GatewayServer(uvicorn.Server):
             self.store.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY."""
+def parser() -> argparse.ArgumentParser:
+    """The gateway's command line."""
     p = argparse.ArgumentParser(prog="harnessrl gateway", description=__doc__)
     p.add_argument("--store", required=True,
                    help="SQLite file of the store (created if missing), or a postgresql:// URL")  # fmt: skip
@@ -90,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=SERVED",
         help="map a model name harnesses send to a served model name (repeatable)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY."""
+    args = parser().parse_args(argv)
     admin_key = os.environ.get("HARNESSRL_ADMIN_KEY", "")
     if len(admin_key) < 8:
         print("error: set HARNESSRL_ADMIN_KEY to an admin key of at least 8 characters", file=sys.stderr)
