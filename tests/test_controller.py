@@ -68,7 +68,7 @@ async def test_results_crashes_and_grader_failures(make_gateway: Callable[..., G
     gw = make_gateway()
     spec = HarnessSpec(command=[sys.executable, str(harness_file)], timeout_s=30)
     ok, crash, gcrash = await _run(gw, tmp_path, spec, ["ok", "crash", "grader-crash"])
-    assert (ok.state, ok.reward) == (RolloutState.SUCCEEDED, 1.0)
+    assert (ok.state, ok.reward, ok.timed_out) == (RolloutState.SUCCEEDED, 1.0, False)
     assert (crash.state, crash.reward) == (RolloutState.SUCCEEDED, 0.0)  # a harness crash is a graded result
     assert gw.store.get_reward(crash.rollout_id).details["exit_code"] == 3  # type: ignore[union-attr]
     assert (
@@ -86,7 +86,7 @@ async def test_timeout_kills_the_whole_process_group(make_gateway: Callable[...,
     gw = make_gateway()
     spec = HarnessSpec(command=[sys.executable, str(harness_file)], timeout_s=2)
     (hang,) = await _run(gw, tmp_path, spec, ["hang"])
-    assert hang.state == RolloutState.SUCCEEDED and hang.reward == 0.0
+    assert hang.state == RolloutState.SUCCEEDED and hang.reward == 0.0 and hang.timed_out  # reported as such
     assert [a.status for a in gw.store.attempts(hang.rollout_id)] == [AttemptStatus.TIMEOUT]
     child = int((tmp_path / "run/rollouts" / hang.rollout_id / "attempt-0/output/child.pid").read_text())
     deadline = time.monotonic() + 5

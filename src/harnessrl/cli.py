@@ -184,6 +184,9 @@ def _step_printer(cfg: Any, notify: Any) -> Any:
                    f"trained on): {m.get('first_error')}; see {run_dir}/rollouts/*/attempt-*/grader_error.txt")  # fmt: skip
         if m.get("rollouts_infra_error"):
             notify(f"step {step}: {m['rollouts_infra_error']} rollouts could not run: {m.get('first_error')}")
+        if m.get("rollouts_timed_out"):
+            notify(f"step {step}: {m['rollouts_timed_out']} harnesses ran past controller.harness_timeout_s and "
+                   "were graded as they stood")  # fmt: skip
         if m["rollouts"] and not m["calls"]:
             notify(f"no rollout of step {step} made a model call; is the harness failing before its first "
                    f"call? Its output: {run_dir}/rollouts/*/attempt-*/stderr.txt")  # fmt: skip

@@ -387,6 +387,10 @@ def summarise(
         "grader_errors_total": sum(r.get("rollouts_grader_error", 0) for r in records),
         "heldout_failed_before": before.failed,
         "heldout_failed_after": after.failed,
+        # graded held-out tasks whose harness ran past its time limit (in the means above)
+        "heldout_timed_out_before": before.timed_out,
+        "heldout_timed_out_after": after.timed_out,
+        "rollouts_timed_out_total": sum(r.get("rollouts_timed_out", 0) for r in records),
         "train_reward_first": records[0]["reward"] if records else None,
         "train_reward_last": records[-1]["reward"] if records else None,
         "schedule": cfg.train.schedule,

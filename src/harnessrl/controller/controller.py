@@ -66,6 +66,9 @@ class RolloutOutcome:
     # why a FAILED rollout failed: "infra" (no attempt could run), "grader" (the grader raised or
     # returned no usable reward: the harness's result was not scored), None otherwise
     failure: str | None = None
+    # the graded attempt ran past the harness's time limit (scored as the grader saw it: often 0); a
+    # model engine too slow to answer in time shows up here, not as a failure
+    timed_out: bool = False
 
 
 class Controller:
@@ -242,7 +245,7 @@ class Controller:
             own = (await self.client.rollout(rid)).reward
             if own is not None:
                 await self.client.set_state(rid, RolloutState.SUCCEEDED)
-                return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, own.value)
+                return _scored(req, rid, own.value, result)
         reward, error = None, ""
         for tries in range(self.grader_retries + 1):
             try:
@@ -259,13 +262,20 @@ class Controller:
             )
         await self.client.set_reward(rid, reward)
         await self.client.set_state(rid, RolloutState.SUCCEEDED)
-        return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, reward.value)
+        return _scored(req, rid, reward.value, result)
 
     async def _final(self, rid: str, state: RolloutState) -> None:
         try:
             await self.client.set_state(rid, state)
         except (ControlError, OSError) as e:
             log.error("event=state_update_failed rollout=%s state=%s error=%s", rid, state, e)
+
+
+def _scored(req: RolloutRequest, rid: str, value: float, result: AttemptResult) -> RolloutOutcome:
+    """The outcome of a rollout whose attempt was graded (or rewarded by its harness)."""
+    return RolloutOutcome(
+        rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, value, timed_out=result.timed_out
+    )
 
 
 def _write_grader_error(workdir: Path, error: str) -> None:

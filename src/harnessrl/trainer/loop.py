@@ -54,10 +54,14 @@ class EvalResult:
     n: int
     rewards: list[float] = field(default_factory=list)
     failed: int = 0  # tasks whose rollout could not be run or graded: left out of the mean, reported
+    timed_out: int = 0  # graded tasks whose harness ran past its time limit: in the mean, reported
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {"mean": self.mean, "ci95": [self.lo, self.hi], "n": self.n, "failed": self.failed}
+        return {
+            "mean": self.mean, "ci95": [self.lo, self.hi], "n": self.n, "failed": self.failed,
+            "timed_out": self.timed_out,
+        }  # fmt: skip
 
 
 @dataclass
@@ -121,8 +125,15 @@ async def evaluate(ctx: TrainContext, tasks: list[Task], label: str, temperature
             f"warning: {label}: {len(failed)} of {len(outcomes)} rollouts could not be run or graded "
             f"(left out of the mean); first error: {failed[0].error}"
         )
+    timed_out = sum(o.timed_out for o in outcomes if o.reward is not None)
+    if timed_out:
+        log.warning("event=eval_timeouts label=%s timed_out=%d of=%d", label, timed_out, len(outcomes))
+        ctx.notify(
+            f"warning: {label}: {timed_out} of {len(outcomes)} harnesses ran past their time limit and were "
+            "graded as they stood (a model engine too slow for controller.harness_timeout_s looks like this)"
+        )
     mean, lo, hi = mean_ci95(rewards)
-    return EvalResult(mean, lo, hi, len(rewards), rewards, len(failed))
+    return EvalResult(mean, lo, hi, len(rewards), rewards, len(failed), timed_out)
 
 
 async def maybe_eval(ctx: TrainContext, step: int) -> dict[str, Any]:
@@ -238,6 +249,7 @@ def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any
         "rollouts_failed": sum(o.state != RolloutState.SUCCEEDED for o in outcomes),
         "rollouts_grader_error": sum(o.failure == "grader" for o in outcomes),
         "rollouts_infra_error": sum(o.failure == "infra" for o in outcomes),
+        "rollouts_timed_out": sum(o.timed_out for o in outcomes),
         "first_error": next((o.error for o in outcomes if o.error), None),
         "rows": len(batch.rows),
         "rows_per_rollout": stats["rows_per_rollout"],
