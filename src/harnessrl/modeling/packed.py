@@ -250,21 +250,28 @@ class _OneDNNLinear(torch.autograd.Function):
     """y = x @ W.T through a oneDNN-packed copy of W; backward: dW = dy.T @ x and dx = dy @ W, the latter
     through a packed copy of W.T for layers that widen it (in_features > out_features: MLP down
     projections, where it runs 165 -> 60 ms for 4,000 rows of SmolLM2), else as a plain matrix product
-    (as fast or faster for the other shapes, and no second copy of every weight held)."""
+    (as fast or faster for the other shapes).
+
+    The packed copy is made for the call and dropped with it: packing one layer's weight is a reorder of
+    a few MB that costs ~1 % of the product on a micro-batch, while keeping a packed copy of every layer
+    through an update held another full copy of the weights (0.5-1 GB on SmolLM2) at the update's peak.
+    A copy made from the weight as it is now can never be stale."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: _TrainPackedForward) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, transposed: bool) -> Tensor:
         ctx.save_for_backward(x, weight)  # autograd refuses the backward if W changed in place meanwhile
-        ctx.layer = layer
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed(), None, "none", [], "")
+        ctx.transposed = transposed
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0] and ctx.layer.transposed:
-            dx = torch.ops.mkldnn._linear_pointwise(grad, ctx.layer.packed_t(), None, "none", [], "")
+        if ctx.needs_input_grad[0] and ctx.transposed:
+            packed_t = torch.ops.mkldnn._reorder_linear_weight(weight.detach().t().contiguous(), PACK_ROWS_HINT)
+            dx = torch.ops.mkldnn._linear_pointwise(grad, packed_t, None, "none", [], "")
         elif ctx.needs_input_grad[0]:
             dx = grad @ weight
         if ctx.needs_input_grad[1]:
@@ -273,56 +280,15 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 class _TrainPackedForward:
-    """The replacement `forward` of one trainable linear layer. The packed copies follow the weight:
-    they are rebuilt whenever its version counter moved (every optimizer step or weight load bumps it),
-    so a stale copy can never be used; `release` frees them between updates."""
+    """The replacement `forward` of one trainable linear layer: the product through oneDNN, packing the
+    weight per call (it holds no copy between calls)."""
 
     def __init__(self, layer: nn.Linear) -> None:
         self.layer = layer
         self.transposed = layer.in_features > layer.out_features  # dx through a packed W.T (see above)
-        self._key: tuple[int, int] | None = None
-        self._packed: Tensor | None = None
-        self._packed_t: Tensor | None = None
-
-    def _current(self) -> None:
-        w = self.layer.weight
-        key = (w._version, w.data_ptr())
-        if key != self._key:
-            self._key, self._packed, self._packed_t = key, None, None
-
-    def packed(self) -> Tensor:
-        self._current()
-        if self._packed is None:
-            w = self.layer.weight.detach()
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
-        return self._packed
-
-    def packed_t(self) -> Tensor:
-        self._current()
-        if self._packed_t is None:
-            wt = self.layer.weight.detach().t().contiguous()
-            self._packed_t = torch.ops.mkldnn._reorder_linear_weight(wt, PACK_ROWS_HINT)
-        return self._packed_t
 
     def __call__(self, x: Tensor) -> Tensor:
-        return _OneDNNLinear.apply(x, self.layer.weight, self)  # type: ignore[no-any-return]
-
-    def release(self) -> int:
-        """Forget the packed copies (rebuilt on the next call); returns the bytes they held."""
-        held = sum(t.numel() * t.element_size() for t in (self._packed, self._packed_t) if t is not None)
-        self._key, self._packed, self._packed_t = None, None, None
-        return held
-
-
-def release_training_packs(model: nn.Module) -> int:
-    """Free the packed weight copies of a model trained through oneDNN (after an optimizer step they are
-    stale and would be rebuilt at the next forward anyway); returns the bytes freed (0 on `F.linear`)."""
-    freed = 0
-    for lin in _bias_free_linears(model):
-        fwd = lin.__dict__.get("forward")
-        if isinstance(fwd, _TrainPackedForward):
-            freed += fwd.release()
-    return freed
+        return _OneDNNLinear.apply(x, self.layer.weight, self.transposed)  # type: ignore[no-any-return]
 
 
 def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device) -> str:
@@ -347,7 +313,6 @@ def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device
         install()
         return "onednn (asked)"
     gap = _probe_gap(model, install)
-    release_training_packs(model)  # the probe's copies: the first update packs its own
     release_freed_memory()
     if gap > PROBE_BOUND:
         for lin in _bias_free_linears(model):

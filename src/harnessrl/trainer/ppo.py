@@ -24,9 +24,9 @@ batch's gradient. One optimizer step per epoch over the batch; the learning-rate
 steps once per update.
 
 Memory: a micro-batch's logits are computed chunk by chunk and, with `checkpoint_layers`, its layer
-activations are recomputed in the backward pass (`trainer.forward`); after the update the gradients,
-the stale oneDNN-packed weight copies and the heap the update freed are given back (`release_memory`),
-so the trainer's resident size returns to about parameters + optimizer state between updates.
+activations are recomputed in the backward pass (`trainer.forward`); after the update the gradients and
+the heap the update freed are given back (`release_memory`), so the trainer's resident size returns
+to about parameters + optimizer state between updates.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from torch import Tensor
 from harnessrl.adapter import Batch
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.memory import release_freed_memory, trim_heap
-from harnessrl.modeling.packed import release_training_packs
 from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
 
 
@@ -292,7 +291,6 @@ def update_epochs(
             summed = sum_over_ranks([total_loss, *(agg[k] for k in _STAT_KEYS)])
             total_loss, agg = summed[0], dict(zip(_STAT_KEYS, summed[1:], strict=True))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-        release_training_packs(model)  # copies of the weights the step is about to change
         if math.isfinite(grad_norm):
             optimizer.step()
         n = max(agg["tokens"], 1.0)
@@ -312,11 +310,10 @@ def update_epochs(
 
 
 def release_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Give back what an update no longer needs: the gradients (the next update zeroes them anyway), the
-    oneDNN-packed copies of the old weights (rebuilt from the new ones at the next forward), and the
-    heap glibc keeps after large frees (`malloc_trim`), so the resident size drops back."""
+    """Give back what an update no longer needs: the gradients (the next update zeroes them anyway) and
+    the heap glibc keeps after large frees (`malloc_trim`), so the resident size drops back. (The
+    oneDNN path packs each weight per call and keeps no copies to release.)"""
     optimizer.zero_grad(set_to_none=True)
-    release_training_packs(model)
     release_freed_memory()
 
 
