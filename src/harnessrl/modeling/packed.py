@@ -270,7 +270,9 @@ class _OneDNNLinear(torch.autograd.Function):
         grad = grad.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0] and ctx.transposed:
-            packed_t = torch.ops.mkldnn._reorder_linear_weight(weight.detach().t().contiguous(), PACK_ROWS_HINT)
+            packed_t = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach().t().contiguous(), PACK_ROWS_HINT
+            )
             dx = torch.ops.mkldnn._linear_pointwise(grad, packed_t, None, "none", [], "")
         elif ctx.needs_input_grad[0]:
             dx = grad @ weight
