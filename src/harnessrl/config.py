@@ -115,7 +115,8 @@ class ControllerSection(_Section):
     # (docs/operations.md), saving each attempt's interpreter start and imports. With `sandbox` or
     # `ray_address` it does not apply (those runners start every attempt themselves).
     fork_server: bool = False
-    preload: list[str] = Field(default_factory=list)  # modules the fork server imports once (e.g. [openai])
+    # modules the fork server imports once, e.g. [harnessrl.preload_openai] (openai, first request warmed)
+    preload: list[str] = Field(default_factory=list)
     sandbox_cpu_seconds: int | None = None  # CPU seconds per process (RLIMIT_CPU)
     sandbox_memory_mb: int | None = 4096  # per process (RLIMIT_AS)
     sandbox_max_processes: int | None = 256  # processes per user in the sandbox (RLIMIT_NPROC)
