@@ -69,10 +69,12 @@ screenshots: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
-# About 10 minutes: the llama.cpp baseline is built into .bench/venv-llamacpp on first use.
+# About 10 minutes: the llama.cpp baseline is built into .bench/venv-llamacpp on first use; vLLM joins
+# the comparison when `make install-vllm` has made its venv.
 bench-engine: $(STAMP)
 	bash bench/setup_baselines.sh llamacpp
-	$(PY) bench/engine.py --llamacpp-python .bench/venv-llamacpp/bin/python
+	$(PY) bench/engine.py --llamacpp-python .bench/venv-llamacpp/bin/python \
+		$(if $(wildcard $(VLLM_VENV)/bin/python),--vllm-python $(VLLM_VENV)/bin/python)
 
 # Long (about 15 minutes): baselines in their own venvs under .bench/, load from wrk.
 bench-gateway: $(STAMP)
