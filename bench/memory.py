@@ -351,13 +351,12 @@ def write_result(out: Path, label: str, result: dict[str, Any], overrides: list[
     data: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
     runs = data.get("runs", {})
     runs[label] = result
-    main = runs.get("after") or result
+    data.setdefault("note", "RSS/PSS in MB per process of the demo's workload (bench/memory.py); TRL's "
+                    "GRPOTrainer peak on the same task and machine class: 8 GB (issue 23)")  # fmt: skip
+    data.setdefault("workload", {"config": "calc example", "overrides": overrides})
     data.update({
-        "note": "RSS/PSS in MB per process of the demo's workload (bench/memory.py); TRL's GRPOTrainer "
-        "peak on the same task and machine class: 8 GB (issue 23)",
-        "workload": {"config": "calc example", "overrides": overrides},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        **{k: main[k] for k in ("peak_rss_mb_largest_process", "peak_rss_mb_sum", "peak_pss_mb_sum", "per_process")},
+        **{k: result[k] for k in ("peak_rss_mb_largest_process", "peak_rss_mb_sum", "peak_pss_mb_sum", "per_process")},
         "runs": runs,
     })  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
