@@ -253,9 +253,10 @@ class _OneDNNLinear(torch.autograd.Function):
     (as fast or faster for the other shapes).
 
     The packed copy is made for the call and dropped with it: packing one layer's weight is a reorder of
-    a few MB that costs ~1 % of the product on a micro-batch, while keeping a packed copy of every layer
-    through an update held another full copy of the weights (0.5-1 GB on SmolLM2) at the update's peak.
-    A copy made from the weight as it is now can never be stale."""
+    a few MB, lost in the products (a demo-shaped update took the same time either way), while keeping a
+    packed copy of every layer through an update held another copy of the weights (~0.6 GB more at the
+    update's peak on SmolLM2; docs/benchmarks.md, Memory). A copy made from the weight as it is now can
+    never be stale."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, transposed: bool) -> Tensor:
