@@ -2,8 +2,8 @@
 
 Importing `openai` alone leaves most of a first request's work to each forked harness: the SDK imports
 its resources, httpx its transports, and pydantic builds the validators of the request and response
-types lazily, at the first call. Done in every child, that is ~14 MB of private memory per harness
-(32 harnesses at once: ~0.45 GB). Importing this module instead makes one chat-completions call with
+types lazily, at the first call. Done in every child, that is ~15 MB of private memory per harness
+(32 harnesses at once: ~0.5 GB). Importing this module instead makes one chat-completions call with
 tools, one streamed call and one legacy completions call against an in-process transport, and one call
 through the SDK's default client to a loopback socket that never answers (cut after 50 ms; no network,
 no server), so those imports and validators are built once, in the fork server, and shared by every
@@ -72,7 +72,7 @@ def _answer(request: Any) -> Any:
 
 
 def warm() -> None:
-    """Make the SDK's first calls once, in this process, against an in-process transport."""
+    """Make the SDK's first calls once, in this process: in-process transport, then a silent loopback socket."""
     with _http.Client(transport=_http.MockTransport(_answer)) as http:
         client = openai.OpenAI(base_url="http://preload.invalid/v1", api_key="preload", http_client=http)
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
