@@ -164,6 +164,17 @@ def test_fresh_refuses_a_folder_that_holds_no_run(project: Path, tmp_path: Path)
     assert sorted(p.name for p in precious.iterdir()) == ["thesis.tex"]
 
 
+def test_a_preload_that_does_not_import_is_one_line_not_a_traceback(
+    project: Path, engine_tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli(["check", "--config", str(project / "config.yaml"), f"engine.model={engine_tiny_dir}",
+                f"run_dir={tmp_path / 'run'}", "controller.sandbox=false", "controller.fork_server=true",
+                "controller.preload=[harnessrl.preload_openaii]"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "preload 'harnessrl.preload_openaii': ModuleNotFoundError" in err and "Traceback" not in err
+
+
 def test_rerun_with_another_config_refuses_and_shows_the_difference(project: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = load_config(project / "config.yaml", [f"run_dir={run_dir}"])

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM ends a run like Ctrl-C: its `finally` blocks stop the engine and gateway it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from harnessrl.config import ConfigError, load_config
+    from harnessrl.controller.runners.forkserver import ForkServerError
     from harnessrl.rundir import Mode, RunDirError
 
     try:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = Mode.RESUME if args.resume else Mode.FRESH if args.fresh else Mode.NEW
         again = " ".join(["harnessrl train --config", str(args.config), *args.overrides, "--resume"])
         return _run(cfg, mode, not args.no_check, again)
-    except (ConfigError, RunDirError) as e:
+    except (ConfigError, RunDirError, ForkServerError) as e:  # a bad preload: one line, not a traceback
         print(f"harnessrl: {e}", file=sys.stderr)
         return 2
 
