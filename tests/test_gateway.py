@@ -54,7 +54,9 @@ def test_call_is_recorded_with_the_engines_exact_tokens(
     assert call.prompt_ids == engine_tokens["tokens"]
     assert len(call.completion_ids) == len(call.completion_logprobs) == resp.usage.completion_tokens  # type: ignore[union-attr]
     # Special tokens (<|im_end|>, or one the random tiny model samples mid-text) are sampled but not shown.
-    assert tok.decode(call.completion_ids, skip_special_tokens=True) == (resp.choices[0].message.content or "")
+    assert tok.decode(call.completion_ids, skip_special_tokens=True) == (
+        resp.choices[0].message.content or ""
+    )
     assert call.request["messages"] == messages and call.response is not None
     assert "prompt_token_ids" not in resp.model_dump() or resp.model_dump().get("prompt_token_ids") is None
 

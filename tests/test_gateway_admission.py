@@ -1,17 +1,21 @@
 """The gateway's admission (in flight, pause, hand-over to streams) and its bounded rollout cache, as
-units; the HTTP behaviour they carry is tested over loopback in test_gateway.py / test_reliability.py."""
+units (and the cache's size as a gateway process takes it); the HTTP behaviour they carry is tested over
+loopback in test_gateway.py / test_reliability.py."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from pathlib import Path
 
+import httpx
 import pytest
 
 from harnessrl.gateway.access import RolloutCache
 from harnessrl.gateway.admission import Admission
 from harnessrl.gateway.errors import APIError
 from harnessrl.schema import RolloutCreate
+from harnessrl.services import Service, free_port, start_gateway
 from harnessrl.store import SQLiteStore
 
 
@@ -34,6 +38,44 @@ def test_the_rollout_cache_is_bounded_and_drops_the_least_recently_used(tmp_path
     none = RolloutCache(0)  # replicas on a shared store keep nothing: another replica may change it
     none.put(rollouts[0])
     assert none.get(rollouts[0].rollout_id) is None and len(none) == 0
+
+
+def test_a_gateway_with_a_one_rollout_cache_reads_the_others_from_its_store(
+    engine: Service, tmp_path: Path
+) -> None:
+    """`gateway.rollout_cache_size` reaches the process: with room for one rollout, calls of three
+    interleaved rollouts all go through, and a state change is seen on the next call."""
+    admin = "admin-" + secrets.token_hex(8)
+    gw = start_gateway(tmp_path / "s.sqlite", engine.url, free_port(), admin, tmp_path, default_max_tokens=2,
+                       rollout_cache_size=1)  # fmt: skip
+    try:
+        gw.wait_healthy(60)
+        with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {admin}"}, timeout=60) as c:
+            made = [
+                c.post("/control/rollouts", json={"client_id": f"k{i}", "task_id": "t"}).json()
+                for i in range(3)
+            ]
+            ids = [m["rollout"]["rollout_id"] for m in made]
+            for rid in ids:
+                c.post(f"/control/rollouts/{rid}/attempts").raise_for_status()
+
+            def call(i: int) -> httpx.Response:
+                body = {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}]}
+                return c.post(
+                    "/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {made[i]['api_key']}"},
+                )
+
+            assert [call(i).status_code for i in (0, 1, 2, 0, 2, 1)] == [200] * 6
+            c.post(f"/control/rollouts/{ids[1]}/state", json={"state": "cancelled"}).raise_for_status()
+            refused = call(1)
+            assert refused.status_code == 409 and "cancelled" in refused.text
+            assert call(0).status_code == 200
+            counts = [len(c.get(f"/control/rollouts/{rid}").json()["calls"]) for rid in ids]
+            assert counts == [3, 2, 2]
+    finally:
+        gw.stop()
 
 
 def test_admission_counts_calls_hands_them_to_streams_and_pause_drains_them() -> None:

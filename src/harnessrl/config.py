@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
-from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH, ROLLOUT_CACHE_SIZE
 from harnessrl.errors import ConfigError
 from harnessrl.store import is_postgres_url
 
@@ -90,6 +90,9 @@ class GatewaySection(_Section):
     # controller and the harnesses reach them, the admin key in $HARNESSRL_ADMIN_KEY. Several URLs are
     # replicas on one PostgreSQL store (the `store` setting names it too, for `inspect` and the index).
     urls: list[str] = Field(default_factory=list)
+    # rollouts each gateway keeps in memory (keys, state; least recently used out, re-read from the
+    # store when needed again)
+    rollout_cache_size: int = Field(default=ROLLOUT_CACHE_SIZE, ge=1)
 
 
 class ControllerSection(_Section):

@@ -5,3 +5,5 @@ engine's `EngineConfig`, the gateway's `GatewayConfig`), defined once here. Impo
 ENGINE_MAX_BATCH = 32
 # completion budget of a call whose request sets none (and whose rollout sets none)
 DEFAULT_MAX_TOKENS = 256
+# rollouts a gateway keeps in memory (their keys and state; least recently used out, re-read from the store)
+ROLLOUT_CACHE_SIZE = 50_000

@@ -91,7 +91,7 @@ def start_services(
             cfg.store or run_dir / "store.sqlite", engine_url, port, admin_key, run_dir / "logs",
             cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
             upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
-            name="gateway" if r == 0 else f"gateway{r}",
+            name="gateway" if r == 0 else f"gateway{r}", rollout_cache_size=cfg.gateway.rollout_cache_size,
         ))  # fmt: skip
     try:
         if isinstance(engine, ManagedVLLM):

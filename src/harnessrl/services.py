@@ -152,6 +152,7 @@ def start_gateway(
     tokenizer: Path | None = None,
     upstream_kind: str = "openai",
     name: str = "gateway",
+    rollout_cache_size: int | None = None,
 ) -> Service:
     """The gateway over the store `store_path`: a SQLite file, or a postgresql:// URL (`name`: its
     service and log name, e.g. `gateway1` for a second replica)."""
@@ -166,4 +167,6 @@ def start_gateway(
     ]
     if tokenizer is not None:
         args += ["--tokenizer", str(tokenizer)]
+    if rollout_cache_size is not None:
+        args += ["--rollout-cache-size", str(rollout_cache_size)]
     return start_service(name, args, port, log_dir, env={"HARNESSRL_ADMIN_KEY": admin_key})

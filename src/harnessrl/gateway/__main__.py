@@ -12,7 +12,7 @@ import uvicorn
 from pydantic import ValidationError
 from starlette.types import ASGIApp
 
-from harnessrl.defaults import DEFAULT_MAX_TOKENS
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ROLLOUT_CACHE_SIZE
 from harnessrl.gateway import http
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
@@ -82,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's headers")  # fmt: skip
     p.add_argument("--body-timeout", type=float, default=http.BODY_TIMEOUT_S,
                    help="seconds a client has to send a request's body")  # fmt: skip
+    p.add_argument("--rollout-cache-size", type=int, default=ROLLOUT_CACHE_SIZE,
+                   help="rollouts kept in memory (least recently used out; the rest are read from the store)")  # fmt: skip
     p.add_argument("--wal-limit-mb", type=float, default=64.0, help="bound on the store's SQLite WAL file")
     p.add_argument(
         "--model-map",
@@ -120,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             upstream_timeout_s=args.upstream_timeout,
             stream_open_timeout_s=args.stream_open_timeout,
             call_timeout_s=args.call_timeout,
+            rollout_cache_size=args.rollout_cache_size,
         )
     except ValidationError as e:
-        problems = (err["msg"].removeprefix("Value error, ") for err in e.errors())
+        problems = (".".join(map(str, err["loc"])) + ": " * bool(err["loc"]) + err["msg"].removeprefix("Value error, ")
+                    for err in e.errors())  # fmt: skip
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
     http.BODY_TIMEOUT_S = args.body_timeout  # read_json's default, for every route

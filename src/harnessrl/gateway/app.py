@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from harnessrl.defaults import DEFAULT_MAX_TOKENS
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ROLLOUT_CACHE_SIZE
 from harnessrl.gateway import control
 from harnessrl.gateway.access import Access
 from harnessrl.gateway.admission import Admission
@@ -58,7 +58,7 @@ class GatewayConfig(BaseModel):
     upstream_retries: int = 3
     stream_open_timeout_s: float = 30.0  # one streamed try: until the engine's headers (sent at once)
     call_timeout_s: float = 600.0  # every try of one call together, on all replicas (a pause can drain)
-    rollout_cache_size: int = Field(default=50_000, ge=1)  # rollouts kept in memory (least recently used out)
+    rollout_cache_size: int = Field(default=ROLLOUT_CACHE_SIZE, ge=1)  # rollouts kept in memory (LRU out)
     mode: Literal["passthrough", "tito"] = "passthrough"
     tokenizer_path: str | None = None  # model directory with tokenizer.json; required for tito
     # wire of the upstream: "openai" = the engine protocol (builtin engine, vLLM's OpenAI server);
