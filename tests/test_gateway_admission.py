@@ -78,6 +78,23 @@ def test_a_gateway_with_a_one_rollout_cache_reads_the_others_from_its_store(
         gw.stop()
 
 
+def test_the_gateway_command_names_the_setting_it_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harnessrl.gateway.__main__ import main
+
+    monkeypatch.setenv("HARNESSRL_ADMIN_KEY", "admin-" + secrets.token_hex(8))
+    store = str(tmp_path / "s.sqlite")
+    assert main(["--store", store, "--rollout-cache-size", "0"]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "error: rollout_cache_size: Input should be greater than or equal to 1"
+    )
+    assert main(["--store", store, "--upstream-kind", "sglang"]) == 2  # a rule across settings names none
+    assert capsys.readouterr().err.startswith("error: upstream_kind 'sglang' needs mode 'tito'")
+    assert not (tmp_path / "s.sqlite").exists()  # refused before the store was opened
+
+
 def test_admission_counts_calls_hands_them_to_streams_and_pause_drains_them() -> None:
     async def scenario() -> None:
         adm = Admission(pause_wait_s=0.2)

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
@@ -95,6 +96,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _problem(err: Any) -> str:
+    """One settings error: the setting it names (none for a rule across settings), then what is wrong."""
+    where = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY."""
     args = parser().parse_args(argv)
@@ -125,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             rollout_cache_size=args.rollout_cache_size,
         )
     except ValidationError as e:
-        problems = (".".join(map(str, err["loc"])) + ": " * bool(err["loc"]) + err["msg"].removeprefix("Value error, ")
-                    for err in e.errors())  # fmt: skip
-        print("error: " + "; ".join(problems), file=sys.stderr)
+        print("error: " + "; ".join(_problem(err) for err in e.errors()), file=sys.stderr)
         return 2
     http.BODY_TIMEOUT_S = args.body_timeout  # read_json's default, for every route
     try:
