@@ -9,7 +9,7 @@ from pathlib import Path
 
 from harnessrl.config import load_config
 from harnessrl.examples import get_example
-from harnessrl.run import run
+from harnessrl.runs.flow import run
 from harnessrl.schema import CallStatus, RolloutState
 from harnessrl.store import SQLiteStore
 

@@ -16,7 +16,7 @@ from bench.dashboard import synthetic_run
 
 from harnessrl.dashboard import RunData, create_dashboard
 from harnessrl.dashboard.cli import main as dashboard_main
-from harnessrl.inspect import rollout_report
+from harnessrl.inspection import rollout_report
 from harnessrl.schema import RewardIn, RolloutCreate
 from harnessrl.store import SQLiteStore
 from tests.conftest import ThreadServer

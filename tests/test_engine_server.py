@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harnessrl.engine.protocol import ChatCompletionRequest, chat_response
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 from harnessrl.engine.server import ServerThread
 from harnessrl.modeling.llama import LlamaForCausalLM
 from tests.conftest_engine import (

@@ -14,7 +14,8 @@ import torch
 
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import EngineSequence, GenerationResult, Scheduler
+from harnessrl.engine.scheduler import Scheduler
+from harnessrl.engine.sequence import EngineSequence, GenerationResult
 from harnessrl.engine.server import ServerThread
 from harnessrl.modeling.loading import load_model, load_tokenizer
 from tests.conftest_engine import full_forward_logprobs, start_server, tiny_dir

@@ -21,7 +21,7 @@ from harnessrl.cli import main as harnessrl
 from harnessrl.config import RunConfig
 from harnessrl.export import otlp, schemas
 from harnessrl.export.writers import read_parquet_rows
-from harnessrl.inspect import index_report, rollout_report
+from harnessrl.inspection import index_report, rollout_report
 from harnessrl.store import SQLiteStore
 from tests.conftest import GatewayHandle, ThreadServer
 from tests.run_fixtures import Fixture

@@ -352,7 +352,7 @@ def test_run_config_names_an_external_engine_by_kind_and_url() -> None:
     with pytest.raises(Exception, match=r"needs engine\.url"):
         load_config(None, ["engine.kind=sglang"])
     assert load_config(None, ["engine.kind=vllm"]).engine.url is None  # managed: the run starts vLLM
-    from harnessrl.run import gateway_mode
+    from harnessrl.services.stack import gateway_mode
 
     # vLLM's chat template for SmolLM2 has no tools: the gateway renders (tito) unless told otherwise
     assert gateway_mode(load_config(None, ["engine.kind=vllm"])) == "tito"
@@ -367,7 +367,7 @@ def test_run_config_names_an_external_engine_by_kind_and_url() -> None:
 
 
 def test_managed_vllm_without_its_venv_says_how_to_install(tmp_path: Path) -> None:
-    from harnessrl.vllm_server import VLLMNotInstalled, find_vllm_python
+    from harnessrl.services.vllm import VLLMNotInstalled, find_vllm_python
 
     with pytest.raises(VLLMNotInstalled, match=r"is not an interpreter.*make install-vllm"):
         find_vllm_python(str(tmp_path / "missing" / "python"))
@@ -377,7 +377,7 @@ def test_untied_view_links_the_files_and_copies_the_embeddings_as_lm_head(tmp_pa
     from safetensors.torch import load_file
 
     from harnessrl.modeling.loading import make_tiny_model_dir
-    from harnessrl.vllm_server import LM_HEAD_FILE, ManagedVLLM, VLLMSettings, untied_model_dir
+    from harnessrl.services.vllm import LM_HEAD_FILE, ManagedVLLM, VLLMSettings, untied_model_dir
 
     src = make_tiny_model_dir(tmp_path / "m")
     out = untied_model_dir(src, tmp_path / "view")
@@ -402,7 +402,7 @@ def test_untied_view_links_the_files_and_copies_the_embeddings_as_lm_head(tmp_pa
 
 
 def test_reward_curve_survives_an_interval_that_misses_zero_by_rounding(tmp_path: Path) -> None:
-    from harnessrl.plot import reward_curve
+    from harnessrl.runs.plot import reward_curve
 
     metrics = tmp_path / "metrics.jsonl"  # the vLLM smoke run's numbers: 0/4 rewarded, lo = 1e-17
     metrics.write_text(

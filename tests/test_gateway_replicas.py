@@ -43,7 +43,7 @@ def test_replicas_need_a_postgres_store() -> None:
 
 
 def test_running_gateways_by_url_need_their_admin_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from harnessrl.run import external_admin_key
+    from harnessrl.services.stack import external_admin_key
 
     with pytest.raises(ConfigError, match="set one"):
         load_config(None, ["gateway.replicas=2", "store=postgresql://u@h/db", "gateway.urls=[http://a:1]"])

@@ -18,7 +18,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from harnessrl.config import RunConfig
-from harnessrl.inspect import index_report, main, rollout_place, rollout_report, write_rollout_index
+from harnessrl.inspection import index_report, main, rollout_place, rollout_report, write_rollout_index
 from harnessrl.schema import (
     Rollout,
 )
@@ -167,15 +167,15 @@ def _python(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_module_entry_point_and_no_torch(fixture_run: Fixture) -> None:
     run = str(fixture_run.run_dir)
-    done = _python("-m", "harnessrl.inspect", run, "--rollout", "roaaaa2", "--json")
+    done = _python("-m", "harnessrl.inspection", run, "--rollout", "roaaaa2", "--json")
     assert done.returncode == 0, done.stderr
     rep = json.loads(done.stdout)
     assert rep["calls"][1]["break_cause"] == "retokenized" and rep["calls"][0]["completion_text"].startswith(
         "Hello"
     )
-    bad = _python("-m", "harnessrl.inspect", run, "--rollout", "nope")
+    bad = _python("-m", "harnessrl.inspection", run, "--rollout", "nope")
     assert bad.returncode == 2 and "no rollout matches 'nope'" in bad.stderr and "Traceback" not in bad.stderr
-    code = f"import sys, harnessrl.inspect as i; rc = i.main([{run!r}]); assert 'torch' not in sys.modules; print(rc)"
+    code = f"import sys, harnessrl.inspection as i; rc = i.main([{run!r}]); assert 'torch' not in sys.modules; print(rc)"
     light = _python("-c", code)
     assert light.returncode == 0 and light.stdout.strip().endswith("0"), light.stderr
 

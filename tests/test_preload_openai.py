@@ -1,4 +1,4 @@
-"""`harnessrl.preload_openai` (a fork-server preload): importing it makes the SDK's first calls once, so a
+"""`harnessrl.preload.openai` (a fork-server preload): importing it makes the SDK's first calls once, so a
 harness forked after it builds little of its own. Measured the way the fork server uses it: a fresh
 interpreter preloads, forks, and the child makes the calc harness's kind of call (chat completions with a
 tool, the SDK's default client, over loopback HTTP to a real server); the child's private memory after
@@ -88,7 +88,7 @@ def _child_private_mb(url: str, *preload: str) -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps_rollup")
 def test_a_child_forked_after_the_preload_builds_less_of_its_own(server_url: str) -> None:
     plain = _child_private_mb(server_url, "openai")
-    warmed = _child_private_mb(server_url, "harnessrl.preload_openai")
+    warmed = _child_private_mb(server_url, "harnessrl.preload.openai")
     assert warmed < 0.6 * plain, (warmed, plain)  # ~8.5 MB against ~24 MB here
 
 
@@ -100,7 +100,7 @@ def loopback_only(self, address):
     assert address[0] == "127.0.0.1", address
     return connect(self, address)
 socket.socket.connect = loopback_only
-import harnessrl.preload_openai
+import harnessrl.preload.openai
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

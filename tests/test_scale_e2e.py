@@ -12,7 +12,7 @@ import pytest
 
 from harnessrl.config import load_config
 from harnessrl.examples import get_example
-from harnessrl.run import run
+from harnessrl.runs.flow import run
 from harnessrl.services import free_port, start_gateway
 from harnessrl.store.postgres import PostgresStore
 

@@ -178,7 +178,7 @@ def test_a_training_run_logs_to_all_three(tiny_model_dir: Path, tmp_path: Path) 
     import yaml
 
     import harnessrl
-    from harnessrl.scaffold import init_project
+    from harnessrl.runs.scaffold import init_project
 
     init_project(tmp_path / "agent")
     run_dir = tmp_path / "run"

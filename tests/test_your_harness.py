@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.check import preflight
 from harnessrl.cli import main as cli
 from harnessrl.config import ConfigError, load_config
 from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
 from harnessrl.controller.grader import GraderError, as_reward
 from harnessrl.gateway.client import ControlClient
-from harnessrl.project import read_tasks, resolve_project
-from harnessrl.rundir import Mode, RunDirError, config_diff, prepare
-from harnessrl.scaffold import ScaffoldError, init_project, make_tasks
+from harnessrl.runs.preflight import preflight
+from harnessrl.runs.project import read_tasks, resolve_project
+from harnessrl.runs.rundir import Mode, RunDirError, config_diff, prepare
+from harnessrl.runs.scaffold import ScaffoldError, init_project, make_tasks
 from harnessrl.schema import RewardIn, RolloutState, Task
 from tests.conftest import GatewayHandle
 
@@ -286,11 +286,11 @@ def _create(req: RolloutRequest):  # type: ignore[no-untyped-def]
 def test_config_reference_matches_the_models() -> None:
     from pydantic import BaseModel
 
-    from harnessrl.configdoc import field_comments, render, sections
+    from harnessrl.config.doc import field_comments, render, sections
 
     doc = Path(__file__).parent.parent / "docs" / "config.md"
     assert doc.read_text() == render(), (
-        "docs/config.md is stale: python -m harnessrl.configdoc > docs/config.md"
+        "docs/config.md is stale: python -m harnessrl.config.doc > docs/config.md"
     )
     for key, model in sections():
         comments = field_comments(model)

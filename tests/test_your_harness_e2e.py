@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import harnessrl
-from harnessrl.run import run
+from harnessrl.runs.flow import run
 
 SMALL = [
     "engine.max_batch=8",
@@ -64,7 +64,7 @@ def _no_nan(name: str) -> float:
 
 
 def test_python_api_ctrl_c_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from harnessrl.scaffold import init_project
+    from harnessrl.runs.scaffold import init_project
 
     init_project(tmp_path / "agent")
     run_dir = tmp_path / "run"

@@ -45,7 +45,7 @@ from harnessrl.engine.detok import StopChecker, TokenText
 from harnessrl.engine.protocol import error_body
 from harnessrl.engine.routes import EngineRoutes
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 from harnessrl.modeling.loading import load_tokenizer, smollm2_tokenizer_dir
 
 log = logging.getLogger(__name__)

@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 from harnessrl.chat.chatml import (
+    SMOLLM2,
     ChatFormatError,
     ChatTemplate,
     ParsedCompletion,
-    SMOLLM2,
     StreamingParser,
     content_text,
     generation_prompt,
@@ -24,10 +24,10 @@ from harnessrl.chat.chatml import (
 )
 
 __all__ = [
+    "SMOLLM2",
     "ChatFormatError",
     "ChatTemplate",
     "ParsedCompletion",
-    "SMOLLM2",
     "StreamingParser",
     "content_text",
     "generation_prompt",

@@ -38,7 +38,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from harnessrl.dashboard.data import Filters, RunData
-from harnessrl.inspect.runview import RunError
+from harnessrl.inspection.runview import RunError
 from harnessrl.schema import RolloutState
 
 log = logging.getLogger(__name__)

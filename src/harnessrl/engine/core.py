@@ -15,7 +15,8 @@ from harnessrl.chat import render_chat
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import EngineSequence, GenerationResult, Maintenance, Scheduler, WeightLoad
+from harnessrl.engine.scheduler import Scheduler
+from harnessrl.engine.sequence import EngineSequence, GenerationResult, Maintenance, WeightLoad
 from harnessrl.engine.state import EngineOp, EngineState
 from harnessrl.modeling.loading import (
     check_state_dict,

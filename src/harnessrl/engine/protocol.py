@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.chat import parse_completion
 from harnessrl.engine.detok import TokenText
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 
 MAX_TOP_LOGPROBS = 20
 

@@ -32,7 +32,7 @@ from harnessrl.engine.protocol import (
     error_body,
 )
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 from harnessrl.engine.state import InvalidEngineTransition
 from harnessrl.engine.streaming import chat_events, completion_events
 

@@ -21,7 +21,7 @@ from typing import Any
 from harnessrl.chat import StreamingParser
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 
 
 @dataclass

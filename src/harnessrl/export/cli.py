@@ -13,7 +13,7 @@ from harnessrl.export.rows import iter_rows
 from harnessrl.export.schemas import InvalidFile, validate_file
 from harnessrl.export.traces import TraceError, import_trace, run_files, trace_lines, write_lines
 from harnessrl.export.writers import write_jsonl, write_parquet
-from harnessrl.inspect.runview import RunError, advantages, all_rollouts, open_store, read_settings
+from harnessrl.inspection.runview import RunError, advantages, all_rollouts, open_store, read_settings
 
 FORMATS = ("parquet", "jsonl", "trace", "otlp-json")
 OTLP_BATCH_ROLLOUTS = 50

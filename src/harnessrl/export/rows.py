@@ -18,7 +18,7 @@ from typing import Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.adapter import build_batch
-from harnessrl.inspect.runview import Place, RunSettings, all_rollouts, rollout_place
+from harnessrl.inspection.runview import Place, RunSettings, all_rollouts, rollout_place
 from harnessrl.schema import Rollout
 from harnessrl.store import SQLiteStore
 

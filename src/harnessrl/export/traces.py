@@ -21,7 +21,7 @@ from typing import IO, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from harnessrl.inspect.runview import RunError, all_rollouts
+from harnessrl.inspection.runview import RunError, all_rollouts
 from harnessrl.schema import TRACE_SCHEMA_VERSION, RolloutDetail
 from harnessrl.store import SQLiteStore
 from harnessrl.store.base import Conflict

@@ -30,7 +30,7 @@ from harnessrl.gateway.recording import chat_record
 from harnessrl.schema import Call
 
 if TYPE_CHECKING:
-    from harnessrl.gateway.app import Gateway
+    from harnessrl.gateway.state import Gateway
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -64,6 +64,9 @@ class EvalResult:
         }  # fmt: skip
 
 
+Progress = Callable[[str, int, int], None]  # (label, done, total) as rollouts finish
+
+
 @dataclass
 class TrainContext:
     """Everything the schedule talks to."""
@@ -77,7 +80,7 @@ class TrainContext:
     model: LlamaForCausalLM
     optimizer: torch.optim.Optimizer
     metrics: MetricsLogger
-    progress: Callable[[str, int, int], None] = lambda label, done, total: None
+    progress: Progress = lambda label, done, total: None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     ref_model: LlamaForCausalLM | None = None  # frozen initial weights, for the KL penalty
     heldout: list[Task] = field(default_factory=list)  # for `eval.every`

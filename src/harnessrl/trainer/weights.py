@@ -59,6 +59,15 @@ class EngineAdmin:
         """Take the memory back and serve again."""
         await self._call("POST", "/admin/wake_up")
 
+    async def initial_version(self) -> int | None:
+        """The version to record on the gateway before the first call, for an engine whose answers carry
+        no version (None: the builtin engine's answers carry theirs)."""
+        return None
+
+    def sync_report(self) -> dict[str, Any]:
+        """What the run's summary says about the weight syncs into this engine (empty: nothing)."""
+        return {}
+
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self._http.aclose()
@@ -74,7 +83,7 @@ class VLLMAdmin(EngineAdmin):
     A weight sync (`sync="reload"`) is: `POST /pause?mode=wait` (in-flight requests finish),
     `POST /collective_rpc` with `{"method": "reload_weights", "kwargs": {"weights_path": ...}}` (vLLM
     reloads the checkpoint in place; an `lm_head.safetensors` is added to a tied checkpoint first, see
-    `harnessrl.vllm_server`), `POST /reset_prefix_cache` (cached K/V came from the old weights),
+    `harnessrl.services.vllm`), `POST /reset_prefix_cache` (cached K/V came from the old weights),
     `POST /update_weight_version`, `POST /resume`; the version returned is the one vLLM then reports
     (`GET /weight_info`), which the gateway records on every call after the resume. The path must be
     readable by the vLLM server.
@@ -103,9 +112,17 @@ class VLLMAdmin(EngineAdmin):
         self.sync = sync
         self.syncs: list[dict[str, Any]] = []  # {"version", "method", "seconds"} per load
 
+    async def initial_version(self) -> int | None:
+        """vLLM's answers carry no version: the one it reports now."""
+        return await self.weight_version()
+
+    def sync_report(self) -> dict[str, Any]:
+        """How each weight sync into vLLM went (method, seconds)."""
+        return {"vllm_weight_syncs": self.syncs}
+
     async def load_weights(self, path: Path, version: int) -> int:
         """Reload in place (or restart), tag the version, return the version vLLM reports."""
-        from harnessrl.vllm_server import add_lm_head
+        from harnessrl.services.vllm import add_lm_head
 
         t0 = time.perf_counter()
         await asyncio.to_thread(add_lm_head, path)

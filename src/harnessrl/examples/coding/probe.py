@@ -67,21 +67,21 @@ def probe_solve_counts(
     with its controller settings (sandbox included), stop them; returns the solve counts."""
     from harnessrl.config import load_config
     from harnessrl.modeling.loading import resolve_model
-    from harnessrl.run import start_services
+    from harnessrl.services.stack import start_services
 
     cfg = load_config(config_path)
     run_dir = (run_dir or Path(cfg.run_dir) / "probe").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     admin_key = secrets.token_hex(16)
-    engine, gateways, _ = start_services(cfg, run_dir, resolve_model(cfg.engine.model), admin_key)
-    gateway = gateways[0]  # the first replica serves every request here
+    stack = start_services(cfg, run_dir, resolve_model(cfg.engine.model), admin_key)
+    gateway_url = stack.gateway_urls[0]  # the first replica serves every request here
     runner = make_runner(cfg.controller)
     try:
         return asyncio.run(
             probe_with_gateway(
                 tasks,
                 k,
-                gateway.url,
+                gateway_url,
                 admin_key,
                 run_dir,
                 runner=runner,
@@ -92,7 +92,4 @@ def probe_solve_counts(
         )
     finally:
         runner.close()
-        for g in gateways:
-            g.stop()
-        if engine is not None:
-            engine.stop()
+        stack.stop()

@@ -1,8 +1,10 @@
-"""Starting the engine and gateway as child processes, each with its own log, and stopping them."""
+"""Child processes: what a child does to itself before exec (shared with the controller's runners), a
+service (an HTTP server in a child process with its own log), starting and stopping one."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -15,7 +17,13 @@ from pathlib import Path
 
 import httpx
 
-from harnessrl.process import die_with_parent
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when its parent dies (Linux PR_SET_PDEATHSIG), so a run or a
+    controller killed with -9 leaves no engine, gateway or harness running unowned."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -118,55 +126,3 @@ def start_service(
             preexec_fn=die_with_parent, start_new_session=group,
         )  # fmt: skip
     return Service(name=name, proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, group=group)
-
-
-def start_engine(
-    model_dir: Path,
-    port: int,
-    log_dir: Path,
-    max_batch: int,
-    max_model_len: int | None,
-    threads: int | None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    matmul: str = "auto",
-) -> Service:
-    """The builtin engine serving `model_dir` (`max_model_len` None: the model's own context)."""
-    args = ["harnessrl.engine", "--model", str(model_dir), "--port", str(port), "--max-batch", str(max_batch)]
-    if max_model_len is not None:
-        args += ["--max-model-len", str(max_model_len)]
-    args += ["--device", device, "--dtype", dtype, "--matmul", matmul]
-    if threads:
-        args += ["--threads", str(threads)]
-    return start_service("engine", args, port, log_dir)
-
-
-def start_gateway(
-    store_path: Path | str,
-    upstream_url: str,
-    port: int,
-    admin_key: str,
-    log_dir: Path,
-    default_max_tokens: int,
-    mode: str = "passthrough",
-    tokenizer: Path | None = None,
-    upstream_kind: str = "openai",
-    name: str = "gateway",
-    rollout_cache_size: int | None = None,
-) -> Service:
-    """The gateway over the store `store_path`: a SQLite file, or a postgresql:// URL (`name`: its
-    service and log name, e.g. `gateway1` for a second replica)."""
-    args = ["harnessrl.gateway", "--store", str(store_path), "--upstream", upstream_url, "--port", str(port)]
-    args += [
-        "--default-max-tokens",
-        str(default_max_tokens),
-        "--mode",
-        mode,
-        "--upstream-kind",
-        upstream_kind,
-    ]
-    if tokenizer is not None:
-        args += ["--tokenizer", str(tokenizer)]
-    if rollout_cache_size is not None:
-        args += ["--rollout-cache-size", str(rollout_cache_size)]
-    return start_service(name, args, port, log_dir, env={"HARNESSRL_ADMIN_KEY": admin_key})

@@ -9,7 +9,7 @@ from typing import Any
 
 from harnessrl.adapter import MergeResult
 from harnessrl.chat import tool_call_parts
-from harnessrl.inspect.runview import (
+from harnessrl.inspection.runview import (
     RolloutSummary,
     RunError,
     RunSettings,
@@ -22,7 +22,7 @@ from harnessrl.inspect.runview import (
     rollout_rows,
     summarize,
 )
-from harnessrl.inspect.tokens import Decoder, load_decoder
+from harnessrl.inspection.tokens import Decoder, load_decoder
 from harnessrl.schema import Call, Rollout
 from harnessrl.store import SQLiteStore
 

@@ -1,4 +1,4 @@
-"""A fork-server preload for harnesses on the `openai` SDK: `controller.preload: [harnessrl.preload_openai]`.
+"""A fork-server preload for harnesses on the `openai` SDK: `controller.preload: [harnessrl.preload.openai]`.
 
 Importing `openai` alone leaves most of a first request's work to each forked harness: the SDK imports
 its resources, httpx its transports, and pydantic builds the validators of the request and response

@@ -9,10 +9,10 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from harnessrl.inspect.cli import main
-from harnessrl.inspect.index_file import write_rollout_index
-from harnessrl.inspect.report import index_report, rollout_report
-from harnessrl.inspect.runview import Place, RunError, rollout_place
+from harnessrl.inspection.cli import main
+from harnessrl.inspection.index_file import write_rollout_index
+from harnessrl.inspection.report import index_report, rollout_report
+from harnessrl.inspection.runview import Place, RunError, rollout_place
 
 __all__ = [
     "Place",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harnessrl.inspect.runview import all_rollouts, open_store, rollout_place
+from harnessrl.inspection.runview import all_rollouts, open_store, rollout_place
 
 INDEX_FILE = "index.tsv"
 COLUMNS = (

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harnessrl.services import Service, start_service
+from harnessrl.services.process import Service, start_service
 
 log = logging.getLogger(__name__)
 
@@ -250,11 +250,11 @@ class ManagedVLLM:
 
 
 def main() -> None:
-    """`python -m harnessrl.vllm_server untie SRC OUT`: the untied view of a model directory, for an
+    """`python -m harnessrl.services.vllm untie SRC OUT`: the untied view of a model directory, for an
     external vLLM server that harnessrl should sync weights into (docs/vllm.md)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m harnessrl.vllm_server", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m harnessrl.services.vllm", description=main.__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("untie", help="write the untied view of SRC (a model dir or 'smollm2') into OUT")
     u.add_argument("src")

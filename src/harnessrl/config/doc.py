@@ -1,7 +1,7 @@
 """The config reference (docs/config.md), generated from the pydantic models in `harnessrl.config`:
 every key with its type, default, allowed values and the comment written beside it in the source.
 
-    python -m harnessrl.configdoc > docs/config.md     # a test checks the file is up to date
+    python -m harnessrl.config.doc > docs/config.md     # a test checks the file is up to date
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from harnessrl import config
 
 HEADER = """# Config reference
 
-Generated from `src/harnessrl/config.py` by `python -m harnessrl.configdoc > docs/config.md`
+Generated from `src/harnessrl/config/` by `python -m harnessrl.config.doc > docs/config.md`
 (a test keeps this file and the models in step). A config is a YAML file of these sections; any key
 can also be set on the command line as a dotted override (`train.lr=2e-5`) or from Python
 (`harnessrl.train("config.yaml", train={"lr": 2e-5})`). Relative paths in `harness`, `tasks` and

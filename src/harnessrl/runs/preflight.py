@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harnessrl.config import RunConfig, check_model
 from harnessrl.controller import Controller, RolloutRequest
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import tail
 from harnessrl.gateway.client import Control, ControlClient
+from harnessrl.modeling.loading import resolve_model
+from harnessrl.runs.project import resolve_project
 from harnessrl.schema import RolloutState, SamplingOverrides, Task
+from harnessrl.services.stack import start_services
 
 STDERR_LINES = 15  # lines of the harness's stderr shown in a report
 
@@ -131,14 +135,9 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def run_check(cfg: Any, task_index: int = 0) -> CheckReport:
+def run_check(cfg: RunConfig, task_index: int = 0) -> CheckReport:
     """`harnessrl check`: start the engine and gateway for `cfg`, run the preflight on one training
     task in a scratch directory (kept: its path is in the report), stop everything."""
-    from harnessrl.config import check_model
-    from harnessrl.modeling.loading import resolve_model
-    from harnessrl.project import resolve_project
-    from harnessrl.run import start_services
-
     check_model(cfg)
     project = resolve_project(cfg)
     train, _ = project.splits(cfg)
@@ -147,14 +146,14 @@ def run_check(cfg: Any, task_index: int = 0) -> CheckReport:
     task = train[min(task_index, len(train) - 1)]
     scratch = Path(tempfile.mkdtemp(prefix="harnessrl-check-"))
     admin_key = secrets.token_hex(16)
-    engine, gateways, _ = start_services(cfg, scratch, resolve_model(cfg.engine.model), admin_key)
-    gateway = gateways[0]  # the first replica serves every request here
+    stack = start_services(cfg, scratch, resolve_model(cfg.engine.model), admin_key)
+    gateway_url = stack.gateway_urls[0]  # the first replica serves every request here
 
     async def go() -> CheckReport:
-        client = ControlClient(gateway.url, admin_key)
+        client = ControlClient(gateway_url, admin_key)
         runner = make_runner(cfg.controller)
         controller = Controller(
-            client, gateway.url, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
+            client, gateway_url, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
             scratch, concurrency=1, max_attempts=1, grader_timeout_s=cfg.controller.grader_timeout_s,
             runner=runner,
         )  # fmt: skip
@@ -168,7 +167,4 @@ def run_check(cfg: Any, task_index: int = 0) -> CheckReport:
     try:
         return asyncio.run(go())
     finally:
-        for g in gateways:
-            g.stop()
-        if engine is not None:
-            engine.stop()
+        stack.stop()

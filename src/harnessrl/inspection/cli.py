@@ -10,10 +10,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from harnessrl.inspect.index_file import write_rollout_index
-from harnessrl.inspect.render import render_index, render_rollout
-from harnessrl.inspect.report import index_report, rollout_report
-from harnessrl.inspect.runview import RunError
+from harnessrl.inspection.index_file import write_rollout_index
+from harnessrl.inspection.render import render_index, render_rollout
+from harnessrl.inspection.report import index_report, rollout_report
+from harnessrl.inspection.runview import RunError
 
 DEFAULT_LIMIT = 200
 
