@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from harnessrl.engine.protocol import ChatCompletionRequest, chat_response
+from harnessrl.engine.protocol import EngineChatCompletionRequest, chat_response
 from harnessrl.engine.sequence import GenerationResult
 from harnessrl.engine.server import ServerThread
 from harnessrl.modeling.llama import LlamaForCausalLM
@@ -198,7 +198,7 @@ def test_chat_with_tools_shape_and_prompt_ids(engine_server: ServerThread) -> No
 def test_chat_response_parses_tool_calls() -> None:
     text = 'Let me compute.<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
     result = GenerationResult([1, 2], [5, 6, 2], [-0.1, -0.2, -0.3], [[], [], []], text, "stop", None, 3, 0)
-    req = ChatCompletionRequest(messages=MESSAGES)
+    req = EngineChatCompletionRequest(messages=MESSAGES)
     body = chat_response(result, "m", None, req)  # type: ignore[arg-type]  # no logprobs asked: text unused
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"

@@ -22,7 +22,8 @@ from harnessrl.schema import (
     now,
 )
 from harnessrl.store import StoreError, open_store
-from harnessrl.store.postgres import MIGRATIONS, SCHEMA_VERSION, PostgresStore
+from harnessrl.store.pg_schema import MIGRATIONS, SCHEMA_VERSION
+from harnessrl.store.postgres import PostgresStore
 
 psycopg = pytest.importorskip("psycopg", reason="the postgres extra is not installed")
 

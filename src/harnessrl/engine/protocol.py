@@ -38,7 +38,7 @@ class _Request(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class CompletionRequest(_Request):
+class EngineCompletionRequest(_Request):
     """POST /v1/completions: the prompt is text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -47,7 +47,7 @@ class CompletionRequest(_Request):
     echo: bool | None = None
 
 
-class ChatCompletionRequest(_Request):
+class EngineChatCompletionRequest(_Request):
     """POST /v1/chat/completions: messages (+ tools) rendered with the shared chat convention."""
 
     messages: list[dict[str, Any]]
@@ -120,7 +120,7 @@ def completion_logprobs(result: GenerationResult, text: TokenText) -> dict[str, 
 
 
 def completion_response(
-    result: GenerationResult, model: str, text: TokenText, req: CompletionRequest
+    result: GenerationResult, model: str, text: TokenText, req: EngineCompletionRequest
 ) -> dict[str, Any]:
     """The `text_completion` body; token ids/logprobs as asked, `weight_version` always."""
     choice: dict[str, Any] = {
@@ -161,7 +161,7 @@ def chat_logprobs(result: GenerationResult, text: TokenText) -> dict[str, Any]:
 
 
 def chat_response(
-    result: GenerationResult, model: str, text: TokenText, req: ChatCompletionRequest
+    result: GenerationResult, model: str, text: TokenText, req: EngineChatCompletionRequest
 ) -> dict[str, Any]:
     """The `chat.completion` body: parsed content and tool calls, exact ids, logprobs, weight_version."""
     parsed = parse_completion(result.text)

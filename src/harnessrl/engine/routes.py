@@ -22,9 +22,9 @@ from starlette.routing import Route
 from harnessrl.chat import ChatFormatError
 from harnessrl.engine.core import Engine, EngineError
 from harnessrl.engine.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
+    EngineChatCompletionRequest,
+    EngineCompletionRequest,
     LoadWeightsRequest,
     TokenizeRequest,
     chat_response,
@@ -77,13 +77,13 @@ def _guard(fn: Handler) -> Handler:
     return wrapped
 
 
-def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+def _check_common(req: EngineCompletionRequest | EngineChatCompletionRequest) -> None:
     if req.n not in (None, 1):
         raise EngineError("only n=1 is supported; send one request per sample", "n")
 
 
 def _sampling(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, top_logprobs: int
+    req: EngineCompletionRequest | EngineChatCompletionRequest, max_tokens: int, top_logprobs: int
 ) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -139,7 +139,7 @@ class EngineRoutes:
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
         engine = self.engine
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, EngineCompletionRequest)
         _check_common(req)
         if req.echo:
             raise EngineError("echo=true is not supported by the builtin engine", "echo")
@@ -157,7 +157,7 @@ class EngineRoutes:
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
         engine = self.engine
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, EngineChatCompletionRequest)
         _check_common(req)
         tools = None if req.tool_choice == "none" else req.tools
         prompt_ids = engine.chat_prompt_ids(req.messages, tools)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harnessrl.inspection.runview import all_rollouts, open_store, rollout_place
+from harnessrl.inspection.runview import all_rollouts, open_run_store, rollout_place
 
 INDEX_FILE = "index.tsv"
 COLUMNS = (
@@ -29,7 +29,7 @@ def write_rollout_index(run_dir: Path | str) -> Path:
     """Write `<run_dir>/rollouts/index.tsv` (a header line, then one line per rollout in creation order:
     the columns of `COLUMNS`; empty cells for unknown values) from the run's store; returns its path."""
     run_dir = Path(run_dir)
-    store = open_store(run_dir)
+    store = open_run_store(run_dir)
     lines = ["\t".join(COLUMNS)]
     try:
         for r in all_rollouts(store):

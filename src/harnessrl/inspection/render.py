@@ -75,6 +75,16 @@ def _table(title: str | None, columns: list[tuple[str, str, bool]], rows: list[l
     return table
 
 
+def _filled_table(
+    title: str | None, columns: list[tuple[str, str, bool]], rows: list[list[str | Text]]
+) -> Table:
+    """`_table` with its rows added."""
+    table = _table(title, columns, rows)
+    for cells in rows:
+        table.add_row(*cells)
+    return table
+
+
 def render_index(console: Console, report: dict[str, Any]) -> None:
     """The index table (one line per rollout, a section per step) and the per-step totals."""
     rollouts = report["rollouts"]
@@ -127,10 +137,7 @@ def _step_table(steps: list[dict[str, Any]], evals: bool) -> Table:
         ("rollouts", "right", True), ("mean reward", "right", True), ("calls", "right", True),
         ("rows", "right", True), ("merge breaks", "left", False),
     ]  # fmt: skip
-    table = _table("per step (rollouts shown)", columns, rows)
-    for cells in rows:
-        table.add_row(*cells)
-    return table
+    return _filled_table("per step (rollouts shown)", columns, rows)
 
 
 def render_rollout(console: Console, report: dict[str, Any], tokens: bool = False) -> None:
@@ -194,10 +201,7 @@ def _calls_table(calls: list[dict[str, Any]]) -> Table:
         ("weights", "right", True), ("prompt", "right", True), ("compl", "right", True), ("row", "right", True),
         ("break", "left", True), ("tool calls", "left", False),
     ]  # fmt: skip
-    table = _table("calls", columns, rows)
-    for cells in rows:
-        table.add_row(*cells)
-    return table
+    return _filled_table("calls", columns, rows)
 
 
 def _tool_call(t: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from harnessrl.inspection.runview import (
     advantages,
     all_rollouts,
     find_rollout,
-    open_store,
+    open_run_store,
     read_settings,
     rollout_place,
     rollout_rows,
@@ -72,7 +72,7 @@ def index_report(
     """The index: one entry per rollout (step, task, group, reward, advantage, attempts, calls, rows,
     merge breaks by cause) and per-step totals over the entries shown."""
     settings = read_settings(run_dir)
-    store = open_store(run_dir)
+    store = open_run_store(run_dir)
     try:
         everything = all_rollouts(store)
         chosen = select_rollouts(everything, step, evals)
@@ -119,7 +119,7 @@ def rollout_report(run_dir: Path, key: str, tokenizer: Path | None = None) -> di
     token counts, decoded completion, tool calls, the break it caused); every row's tokens with their
     decoded pieces, loss mask and old logprobs."""
     settings = read_settings(run_dir)
-    store = open_store(run_dir)
+    store = open_run_store(run_dir)
     try:
         everything = all_rollouts(store)
         rollout = find_rollout(everything, key, run_dir)

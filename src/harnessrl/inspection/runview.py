@@ -118,7 +118,7 @@ def read_settings(run_dir: Path) -> RunSettings:
     )
 
 
-def open_store(run_dir: Path) -> SQLiteStore:
+def open_run_store(run_dir: Path) -> SQLiteStore:
     """The run's store; a `RunError` naming the fix when `run_dir` holds no run."""
     if not run_dir.exists():
         raise RunError(f"no run directory at {run_dir}; pass the run_dir of a run (for example runs/demo)")

@@ -41,23 +41,7 @@ def reward_curve(metrics_path: Path, summary: dict[str, Any], out: Path) -> Path
             capsize=3,
             label=f"held-out reward during training at T={summary.get('eval_temperature')}",
         )
-    steps = summary.get("train_steps", 0)
-    markers = iter(["s", "D", "^", "v", "o"])
-    for temp, r in summary.get("heldout_by_temperature", {}).items():
-        marker = next(markers, "s")
-        for x, key in ((0, "before"), (steps, "after")):
-            y, (lo, hi) = r[key]["mean"], r[key]["ci95"]
-            # clamped: a Wilson interval at 0/n or n/n can miss its end by a rounding error
-            ax.errorbar(
-                [x], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]], fmt=marker, color="black", capsize=4
-            )
-        ax.plot(
-            [],
-            [],
-            marker,
-            color="black",
-            label=f"held-out reward at T={temp}, 95% CI (n={summary.get('n_heldout')})",
-        )
+    _heldout_before_after(ax, summary)
     ax.set_xlabel("training step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
@@ -68,3 +52,24 @@ def reward_curve(metrics_path: Path, summary: dict[str, Any], out: Path) -> Path
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def _heldout_before_after(ax: Any, summary: dict[str, Any]) -> None:
+    """The held-out reward before (step 0) and after training at each eval temperature, with its 95%
+    interval (clamped: a Wilson interval at 0/n or n/n can miss its end by a rounding error)."""
+    steps = summary.get("train_steps", 0)
+    markers = iter(["s", "D", "^", "v", "o"])
+    for temp, r in summary.get("heldout_by_temperature", {}).items():
+        marker = next(markers, "s")
+        for x, key in ((0, "before"), (steps, "after")):
+            y, (lo, hi) = r[key]["mean"], r[key]["ci95"]
+            ax.errorbar(
+                [x], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]], fmt=marker, color="black", capsize=4
+            )
+        ax.plot(
+            [],
+            [],
+            marker,
+            color="black",
+            label=f"held-out reward at T={temp}, 95% CI (n={summary.get('n_heldout')})",
+        )

@@ -25,7 +25,7 @@ import torch
 
 from harnessrl.adapter import Batch, build_batch
 from harnessrl.config import RunConfig
-from harnessrl.controller import Controller, RolloutOutcome, RolloutRequest
+from harnessrl.controller import Controller, RolloutOutcome, RolloutRequest, sibling_requests
 from harnessrl.gateway.client import Control
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.schema import RolloutDetail, RolloutState, SamplingOverrides, Task
@@ -162,16 +162,9 @@ def step_requests(ctx: TrainContext, train_tasks: list[Task], step: int) -> list
     rng = random.Random(t.seed * 1_000_003 + step)
     tasks = rng.sample(train_tasks, min(t.batch_groups, len(train_tasks)))
     sampling = SamplingOverrides(temperature=t.temperature)
+    prefix = f"{ctx.run_id}-s{step}"
     return [
-        RolloutRequest(
-            task=task,
-            client_id=f"{ctx.run_id}-s{step}-{task.task_id}-{k}",
-            group_id=f"{ctx.run_id}-s{step}-{task.task_id}",
-            sampling=sampling,
-            metadata={"step": step},
-        )
-        for task in tasks
-        for k in range(t.group_size)
+        r for task in tasks for r in sibling_requests(task, prefix, t.group_size, sampling, {"step": step})
     ]
 
 

@@ -11,7 +11,7 @@ import secrets
 from collections import Counter
 from pathlib import Path
 
-from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
+from harnessrl.controller import Controller, HarnessSpec, sibling_requests
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import Runner
 from harnessrl.gateway.client import ControlClient
@@ -39,17 +39,7 @@ async def probe_with_gateway(
     client = ControlClient(gateway_url, admin_key)
     tag = secrets.token_hex(4)
     sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)
-    requests = [
-        RolloutRequest(
-            task=t,
-            client_id=f"probe-{tag}-{t.task_id}-{i}",
-            group_id=f"probe-{tag}-{t.task_id}",
-            sampling=sampling,
-            metadata={"probe": tag},
-        )
-        for t in tasks
-        for i in range(k)
-    ]
+    requests = [r for t in tasks for r in sibling_requests(t, f"probe-{tag}", k, sampling, {"probe": tag})]
     try:
         controller = Controller(client, gateway_url, HarnessSpec(example.harness_command, timeout_s=timeout_s),
                                 example.grader, run_dir, concurrency=concurrency, runner=runner)  # fmt: skip
