@@ -7,3 +7,6 @@ ENGINE_MAX_BATCH = 32
 DEFAULT_MAX_TOKENS = 256
 # rollouts a gateway keeps in memory (their keys and state; least recently used out, re-read from the store)
 ROLLOUT_CACHE_SIZE = 50_000
+# the environment variable that carries the builtin engine's key (to the engine, and to the gateway that
+# calls it): every route but /health needs it when set
+ENGINE_KEY_ENV = "HARNESSRL_ENGINE_KEY"

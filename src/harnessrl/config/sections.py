@@ -88,6 +88,21 @@ class GatewaySection(_Section):
     # rollouts each gateway keeps in memory (keys, state; least recently used out, re-read from the
     # store when needed again)
     rollout_cache_size: int = Field(default=ROLLOUT_CACHE_SIZE, ge=1)
+    # Every try of one model call together, on all engine replicas; None: CALL_TIMEOUT_SHARE (0.8) of
+    # controller.harness_timeout_s, so a call an overloaded engine cannot finish fails (recorded as
+    # failed) before the harness is killed, not after. Set, it must stay below harness_timeout_s.
+    call_timeout_s: float | None = Field(default=None, gt=0)
+    upstream_timeout_s: float | None = Field(default=None, gt=0)  # one try; None: the call timeout
+    stream_open_timeout_s: float = Field(default=30.0, gt=0)  # one streamed try, until the engine's headers
+    wal_limit_mb: float = Field(default=64.0, gt=0)  # bound on the SQLite store's write-ahead log
+
+    def timeouts(self, harness_timeout_s: float) -> tuple[float, float]:
+        """(upstream try, whole call) in seconds, by the rule above."""
+        call = self.call_timeout_s or CALL_TIMEOUT_SHARE * harness_timeout_s
+        return min(self.upstream_timeout_s or call, call), call
+
+
+CALL_TIMEOUT_SHARE = 0.8  # gateway.call_timeout_s defaults to this share of controller.harness_timeout_s
 
 
 class ControllerSection(_Section):
@@ -352,6 +367,16 @@ class RunConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     data: DataSection = Field(default_factory=DataSection)
+
+    @model_validator(mode="after")
+    def _calls_fail_before_harnesses_die(self) -> RunConfig:
+        call, harness = self.gateway.call_timeout_s, self.controller.harness_timeout_s
+        if call is not None and call >= harness:
+            raise ValueError(
+                f"gateway.call_timeout_s ({call:g}) must be below controller.harness_timeout_s ({harness:g}): "
+                "a call that cannot finish should fail before its harness is killed (unset it for 0.8x)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _replicas_need_a_shared_store(self) -> RunConfig:

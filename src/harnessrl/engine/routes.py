@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,9 +16,11 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from harnessrl.chat import ChatFormatError
 from harnessrl.engine.core import Engine, EngineError
@@ -262,8 +265,29 @@ class EngineRoutes:
         return [Route(path, _guard(fn), methods=[method]) for path, fn, method in table]
 
 
-def build_app(engine: Engine) -> Starlette:
-    """The Starlette app serving `engine`; its lifespan starts and stops the scheduler thread."""
+class RequireKey:
+    """ASGI middleware: every HTTP request but `GET /health` must carry `Authorization: Bearer <key>`
+    (401 otherwise), so a process that finds the engine's port cannot generate, load weights or pause."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body(
+                    "missing or wrong engine key (Authorization: Bearer ...)", code="invalid_api_key"
+                )
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Engine, api_key: str | None = None) -> Starlette:
+    """The Starlette app serving `engine`; its lifespan starts and stops the scheduler thread. With
+    `api_key`, every route but /health requires it (`RequireKey`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -273,4 +297,5 @@ def build_app(engine: Engine) -> Starlette:
         finally:
             engine.shutdown()
 
-    return Starlette(routes=EngineRoutes(engine).routes(), lifespan=lifespan)
+    middleware = [Middleware(RequireKey, key=api_key)] if api_key else []
+    return Starlette(routes=EngineRoutes(engine).routes(), lifespan=lifespan, middleware=middleware)

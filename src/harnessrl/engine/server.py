@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ import time
 import torch
 import uvicorn
 
+from harnessrl.defaults import ENGINE_KEY_ENV
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.core import Engine
 from harnessrl.engine.routes import build_app
@@ -94,8 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     # starts keep one, so no second OpenMP team slows the decode steps (see `Engine.__init__`).
     torch.set_num_threads(1)
     engine = Engine(config)
+    key = os.environ.get(ENGINE_KEY_ENV) or None  # not a flag: command lines are readable by every process
+    if key is None:
+        log.warning(
+            "event=engine_without_key note=%r", f"any local process can call it; set {ENGINE_KEY_ENV}"
+        )
     # the gateway's pool expires idle connections after 4 s, well before the server closes them
     uvicorn.run(
-        build_app(engine), host=config.host, port=config.port, log_level="warning", timeout_keep_alive=30
+        build_app(engine, key), host=config.host, port=config.port, log_level="warning", timeout_keep_alive=30
     )
     return 0

@@ -13,7 +13,7 @@ import uvicorn
 from pydantic import ValidationError
 from starlette.types import ASGIApp
 
-from harnessrl.defaults import DEFAULT_MAX_TOKENS, ROLLOUT_CACHE_SIZE
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_KEY_ENV, ROLLOUT_CACHE_SIZE
 from harnessrl.gateway import http
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
@@ -104,7 +104,9 @@ def _problem(err: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY."""
+    """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY, the
+    engine's key (if it has one) from $HARNESSRL_ENGINE_KEY: keys are not put on command lines, which
+    every process on the machine can read."""
     args = parser().parse_args(argv)
     admin_key = os.environ.get("HARNESSRL_ADMIN_KEY", "")
     if len(admin_key) < 8:
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the settings' rules (tito needs a tokenizer, SGLang needs tito) live in GatewayConfig
         config = GatewayConfig(
             admin_key=admin_key,
+            upstream_key=os.environ.get(ENGINE_KEY_ENV) or None,
             upstream_url=args.upstream,
             replica_urls=args.replica,
             served_model=args.served_model,

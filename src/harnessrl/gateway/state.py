@@ -31,6 +31,9 @@ class GatewayConfig(BaseModel):
 
     admin_key: str = Field(min_length=8)
     upstream_url: str = "http://127.0.0.1:8100"
+    upstream_key: str | None = (
+        None  # the engine's key, sent to every replica (the run's builtin engine has one)
+    )
     replica_urls: list[str] = Field(
         default_factory=list
     )  # more replicas of the same model (sticky per rollout)
@@ -80,7 +83,8 @@ class Gateway:
         urls = [config.upstream_url, *config.replica_urls]
         kind = SGLangUpstream if config.upstream_kind == "sglang" else Upstream
         built = [kind(f"engine{i}", url, timeout_s=config.upstream_timeout_s, max_retries=config.upstream_retries,
-                      open_timeout_s=config.stream_open_timeout_s) for i, url in enumerate(urls)]  # fmt: skip
+                      open_timeout_s=config.stream_open_timeout_s, api_key=config.upstream_key)
+                 for i, url in enumerate(urls)]  # fmt: skip
         for u in built:
             if isinstance(u, SGLangUpstream):
                 u.incremental_streaming = config.sglang_incremental_streaming

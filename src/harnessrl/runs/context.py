@@ -65,7 +65,13 @@ def connect(cfg: RunConfig, run_dir: Path, project: Project, stack: ServiceStack
         else GatewayReplicas(stack.gateway_urls, stack.admin_key)
     )
     restart = None if stack.vllm is None else vllm_restarter(stack.vllm, run_dir)
-    engine = engine_admin(cfg.engine.kind, stack.engine_url, restart=restart, sync=cfg.engine.vllm_sync)
+    engine = engine_admin(
+        cfg.engine.kind,
+        stack.engine_url,
+        restart=restart,
+        sync=cfg.engine.vllm_sync,
+        api_key=stack.engine_key,
+    )
     runner = make_runner(cfg.controller)
     c = cfg.controller
     controller = Controller(

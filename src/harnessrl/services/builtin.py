@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harnessrl.defaults import ENGINE_KEY_ENV
 from harnessrl.services.process import Service, start_service
 
 
@@ -17,15 +18,17 @@ def start_engine(
     device: str = "cpu",
     dtype: str = "float32",
     matmul: str = "auto",
+    api_key: str | None = None,
 ) -> Service:
-    """The builtin engine serving `model_dir` (`max_model_len` None: the model's own context)."""
+    """The builtin engine serving `model_dir` (`max_model_len` None: the model's own context); with
+    `api_key` every route but /health requires it (passed in the environment, not on the command line)."""
     args = ["harnessrl.engine", "--model", str(model_dir), "--port", str(port), "--max-batch", str(max_batch)]
     if max_model_len is not None:
         args += ["--max-model-len", str(max_model_len)]
     args += ["--device", device, "--dtype", dtype, "--matmul", matmul]
     if threads:
         args += ["--threads", str(threads)]
-    return start_service("engine", args, port, log_dir)
+    return start_service("engine", args, port, log_dir, env={ENGINE_KEY_ENV: api_key} if api_key else None)
 
 
 def start_gateway(
@@ -40,6 +43,8 @@ def start_gateway(
     upstream_kind: str = "openai",
     name: str = "gateway",
     rollout_cache_size: int | None = None,
+    upstream_key: str | None = None,
+    settings: dict[str, float] | None = None,
 ) -> Service:
     """The gateway over the store `store_path`: a SQLite file, or a postgresql:// URL (`name`: its
     service and log name, e.g. `gateway1` for a second replica)."""
@@ -56,4 +61,7 @@ def start_gateway(
         args += ["--tokenizer", str(tokenizer)]
     if rollout_cache_size is not None:
         args += ["--rollout-cache-size", str(rollout_cache_size)]
-    return start_service(name, args, port, log_dir, env={"HARNESSRL_ADMIN_KEY": admin_key})
+    for flag, value in (settings or {}).items():  # e.g. {"--call-timeout": 240.0}
+        args += [flag, f"{value:g}"]
+    env = {"HARNESSRL_ADMIN_KEY": admin_key, **({ENGINE_KEY_ENV: upstream_key} if upstream_key else {})}
+    return start_service(name, args, port, log_dir, env=env)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,7 @@ class ServiceStack:
     gateway_urls: list[str]
     admin_key: str
     engine: EngineProcess | None = None
+    engine_key: str | None = None  # the key of the engine the run started (None: an external one)
     gateways: list[Service] = field(default_factory=list)
 
     @property
@@ -103,10 +105,18 @@ def start_services(
 ) -> ServiceStack:
     """Start the engine (the builtin one, or vLLM when `engine.kind=vllm` names no URL; an external one
     is only used) and the gateway (`gateway.replicas` processes); wait until all answer."""
-    engine = _engine_process(cfg, run_dir, model_dir)
+    engine_key: str | None = secrets.token_hex(
+        16
+    )  # for an engine the run starts; an external one has its own
+    engine = _engine_process(cfg, run_dir, model_dir, engine_key)
+    if engine is None:
+        engine_key = None
     engine_url = engine.url if engine is not None else str(cfg.engine.url)
-    stack = ServiceStack(engine_url, list(cfg.gateway.urls), admin_key, engine)
+    stack = ServiceStack(engine_url, list(cfg.gateway.urls), admin_key, engine, engine_key)
     mode = gateway_mode(cfg)
+    upstream_s, call_s = cfg.gateway.timeouts(cfg.controller.harness_timeout_s)
+    settings = {"--upstream-timeout": upstream_s, "--call-timeout": call_s,
+                "--stream-open-timeout": cfg.gateway.stream_open_timeout_s, "--wal-limit-mb": cfg.gateway.wal_limit_mb}  # fmt: skip
     for r in range(0 if cfg.gateway.urls else cfg.gateway.replicas):  # >1 only on PostgreSQL (RunConfig)
         port = (cfg.gateway.port + r if cfg.gateway.port else 0) or free_port()
         stack.gateways.append(start_gateway(
@@ -114,6 +124,7 @@ def start_services(
             cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
             upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
             name="gateway" if r == 0 else f"gateway{r}", rollout_cache_size=cfg.gateway.rollout_cache_size,
+            upstream_key=engine_key, settings=settings,
         ))  # fmt: skip
     stack.gateway_urls = stack.gateway_urls or [g.url for g in stack.gateways]
     try:
@@ -127,15 +138,16 @@ def start_services(
     return stack
 
 
-def _engine_process(cfg: RunConfig, run_dir: Path, model_dir: Path) -> EngineProcess | None:
-    """The engine process the run starts (not yet healthy), or None for an external server."""
+def _engine_process(cfg: RunConfig, run_dir: Path, model_dir: Path, key: str | None) -> EngineProcess | None:
+    """The engine process the run starts (not yet healthy), with `key` required on every route but
+    /health, or None for an external server."""
     e = cfg.engine
     if e.kind == "builtin":
         service = start_engine(model_dir, e.port or free_port(), run_dir / "logs", e.max_batch,
-                               e.max_model_len, e.threads, e.device, e.dtype, e.matmul)  # fmt: skip
+                               e.max_model_len, e.threads, e.device, e.dtype, e.matmul, api_key=key)  # fmt: skip
         return BuiltinEngine(service)
     if e.kind == "vllm" and not e.url:
-        vllm = managed_vllm(cfg, run_dir, model_dir)
+        vllm = managed_vllm(cfg, run_dir, model_dir, key)
         vllm.start()
         return VLLMEngine(vllm, e.vllm_start_timeout_s)
     return None
@@ -165,9 +177,10 @@ def gateway_mode(cfg: RunConfig) -> str:
     return cfg.gateway.mode
 
 
-def managed_vllm(cfg: RunConfig, run_dir: Path, model_dir: Path) -> ManagedVLLM:
+def managed_vllm(cfg: RunConfig, run_dir: Path, model_dir: Path, api_key: str | None = None) -> ManagedVLLM:
     """The vLLM server of a run (not started): the untied view of `model_dir` under `<run_dir>/vllm/`,
-    its log in `<run_dir>/logs/vllm.log`."""
+    its log in `<run_dir>/logs/vllm.log`; with `api_key`, vLLM's own key check (VLLM_API_KEY: its
+    /v1 routes; its dev-mode admin routes stay open, docs/security.md)."""
     e = cfg.engine
     settings = VLLMSettings(
         python=find_vllm_python(e.vllm_python), dtype=e.dtype, max_model_len=e.max_model_len,
@@ -175,7 +188,7 @@ def managed_vllm(cfg: RunConfig, run_dir: Path, model_dir: Path) -> ManagedVLLM:
         enforce_eager=e.vllm_enforce_eager, seed=cfg.train.seed, extra_args=list(e.vllm_args),
     )  # fmt: skip
     served = untied_model_dir(model_dir, run_dir / "vllm" / "model")
-    vllm = ManagedVLLM(settings, served, e.port or free_port(), run_dir / "logs")
+    vllm = ManagedVLLM(settings, served, e.port or free_port(), run_dir / "logs", api_key=api_key)
     vllm.tokenizer_dir = model_dir
     return vllm
 

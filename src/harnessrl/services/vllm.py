@@ -148,8 +148,11 @@ class ManagedVLLM:
     another directory (the fallback weight sync). Its log is `<log_dir>/vllm.log` (appended across
     restarts)."""
 
-    def __init__(self, settings: VLLMSettings, model_dir: Path, port: int, log_dir: Path) -> None:
+    def __init__(
+        self, settings: VLLMSettings, model_dir: Path, port: int, log_dir: Path, api_key: str | None = None
+    ) -> None:
         self.settings = settings
+        self.api_key = api_key  # VLLM_API_KEY: vLLM requires it on its /v1 routes
         self.model_dir = Path(model_dir)
         self.tokenizer_dir = self.model_dir  # the tokenizer files a restart on bare weights links in
         self.port = port
@@ -189,6 +192,8 @@ class ManagedVLLM:
             env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if s.threads:
             env["OMP_NUM_THREADS"] = str(s.threads)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         return env
 
     def start(self) -> None:

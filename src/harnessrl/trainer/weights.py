@@ -27,8 +27,9 @@ class EngineAdmin:
 
     kind = "builtin"
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         resp = await self._http.request(method, path, **kwargs)
@@ -101,8 +102,9 @@ class VLLMAdmin(EngineAdmin):
         timeout_s: float = 600.0,
         restart: Callable[[Path], Awaitable[float]] | None = None,
         sync: str = "reload",
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(base_url, timeout_s)
+        super().__init__(base_url, timeout_s, api_key)
         if sync not in ("reload", "restart") or (sync == "restart" and restart is None):
             raise ValueError(
                 f"vllm weight sync must be 'reload' or (managed vLLM only) 'restart', not {sync!r}"
@@ -220,15 +222,16 @@ def engine_admin(
     timeout_s: float = 600.0,
     restart: Callable[[Path], Awaitable[float]] | None = None,
     sync: str = "reload",
+    api_key: str | None = None,
 ) -> EngineAdmin:
     """The admin client for an engine kind: "builtin", "vllm" or "sglang" (`restart` and `sync`: vLLM's
-    weight sync, see `VLLMAdmin`)."""
+    weight sync, see `VLLMAdmin`; `api_key`: the engine's key, sent with every request)."""
     kinds: dict[str, type[EngineAdmin]] = {"builtin": EngineAdmin, "vllm": VLLMAdmin, "sglang": SGLangAdmin}
     if kind not in kinds:
         raise ValueError(f"engine kind must be one of {sorted(kinds)}, not {kind!r}")
     if kind == "vllm":
-        return VLLMAdmin(base_url, timeout_s, restart=restart, sync=sync)
-    return kinds[kind](base_url, timeout_s)
+        return VLLMAdmin(base_url, timeout_s, restart=restart, sync=sync, api_key=api_key)
+    return kinds[kind](base_url, timeout_s, api_key)
 
 
 async def publish_weights(
