@@ -153,6 +153,9 @@ def test_meta_keeps_the_first_value_and_calls_page_from_the_end(store_factory: S
     assert store.set_meta_if_absent("secret", "a") == "a"
     assert store.set_meta_if_absent("secret", "b") == "a"
     assert store_factory.open().get_meta("secret") == "a"
+    store.set_meta("paused", "1")
+    store.set_meta("paused", "0")  # set_meta: the last write wins
+    assert store_factory.open().get_meta("paused") == "0"
     store.create_rollout(RolloutCreate(client_id="c", task_id="t"), "r")
     stored = store.add_calls([_call("r", f"c-{i}") for i in range(5)])
     assert [c.index for c in stored] == list(range(5))

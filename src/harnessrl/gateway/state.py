@@ -25,6 +25,9 @@ from harnessrl.store import Store
 
 log = logging.getLogger(__name__)
 
+PAUSED_META = "gateway_paused"  # "1" between a pause and its resume
+WEIGHT_VERSION_META = "gateway_weight_version"  # the engine's weight version the last resume named
+
 
 class GatewayConfig(BaseModel):
     """Settings of one gateway process."""
@@ -89,11 +92,17 @@ class Gateway:
             if isinstance(u, SGLangUpstream):
                 u.incremental_streaming = config.sglang_incremental_streaming
         self.upstreams = UpstreamPool(upstreams or list(built), call_timeout_s=config.call_timeout_s)
-        self.weight_version: int | None = None
+        # what the trainer last told the gateways (pause, the engine's weight version), kept in the store
+        # so that a replica restarted during a weight update starts paused, with the version it must record
+        saved_version = store.get_meta(WEIGHT_VERSION_META)
+        self.weight_version: int | None = int(saved_version) if saved_version is not None else None
         self.tito: TitoTokenizer | None = None
         if config.mode == "tito" and config.tokenizer_path:  # GatewayConfig requires the path for tito
             self.tito = TitoTokenizer.from_dir(config.tokenizer_path)
         self.admission = Admission(config.pause_wait_s)
+        if store.get_meta(PAUSED_META) == "1":
+            self.admission.hold()
+            log.info("event=gateway_starts_paused weight_version=%s", self.weight_version)
         self.metrics = Metrics()
         self.recorder = CallRecorder(store, self.metrics, lambda: self.weight_version, remember=not shared)
         self.budget = ContextBudget(self.tito)  # max_tokens vs the served model's context
@@ -123,13 +132,18 @@ class Gateway:
 
     # pause ----------------------------------------------------------------------------------------
     async def pause(self, drain_timeout_s: float, preempt: bool = False) -> bool:
-        """Stop admitting calls and wait for in-flight ones; True if drained (see `Admission.pause`)."""
+        """Stop admitting calls and wait for in-flight ones; True if drained (see `Admission.pause`).
+        The pause is kept in the store, for a replica that restarts before the resume."""
+        self.store.set_meta(PAUSED_META, "1")
         return await self.admission.pause(drain_timeout_s, preempt)
 
     def resume(self, weight_version: int | None) -> None:
-        """Admit calls again, optionally recording the engine's new weight version."""
+        """Admit calls again, optionally recording the engine's new weight version (both kept in the
+        store, see `pause`)."""
         if weight_version is not None:
             self.weight_version = weight_version
+            self.store.set_meta(WEIGHT_VERSION_META, str(weight_version))
+        self.store.set_meta(PAUSED_META, "0")
         self.admission.resume()
 
     @property

@@ -44,11 +44,11 @@ class RunParts:
 
     async def start(self) -> None:
         """Start the runner (a fork server that cannot preload fails the run here, not per attempt) and
-        record the engine's weight version where its answers carry none (vLLM)."""
+        resume the gateways: a store left paused by an earlier run that stopped mid-update would hold
+        every call (a gateway starts paused when its store says so), and where the engine's answers carry
+        no version (vLLM) the resume records the one it reports."""
         await self.runner.start()
-        version = await self.engine.initial_version()
-        if version is not None:
-            await self.client.resume(weight_version=version)
+        await self.client.resume(weight_version=await self.engine.initial_version())
 
     async def aclose(self) -> None:
         """Close the clients and the runner."""
