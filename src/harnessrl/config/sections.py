@@ -356,7 +356,8 @@ class RunConfig(_Section):
     run_dir: str = "runs/demo"  # where the run keeps its store, logs, checkpoints and summary (relative to the current folder)
     # Where the gateway records rollouts and calls: "" is `<run_dir>/store.sqlite`; another path is a
     # SQLite file; a postgresql://user@host:port/db URL is a PostgreSQL database (the `postgres` extra;
-    # migrations are applied at start; docs/operations.md). `harnessrl inspect` reads SQLite stores only.
+    # migrations are applied at start; docs/operations.md). `inspect` and `export` read either; the
+    # dashboard reads SQLite stores.
     store: str = ""
     harness: HarnessSection = Field(default_factory=HarnessSection)
     tasks: TasksSection = Field(default_factory=TasksSection)

@@ -24,7 +24,7 @@ from harnessrl.inspection.runview import (
 )
 from harnessrl.inspection.tokens import Decoder, load_decoder
 from harnessrl.schema import Call, Rollout
-from harnessrl.store import SQLiteStore
+from harnessrl.store import Store
 
 
 def _sort_key(r: Rollout) -> tuple[int, int, int, str]:
@@ -129,7 +129,7 @@ def rollout_report(run_dir: Path, key: str, tokenizer: Path | None = None) -> di
         store.close()
 
 
-def rollout_view(store: SQLiteStore, run_dir: Path, settings: RunSettings, rollout: Rollout,
+def rollout_view(store: Store, run_dir: Path, settings: RunSettings, rollout: Rollout,
                  group: list[Rollout], decoder: Decoder) -> dict[str, Any]:  # fmt: skip
     """The report of one rollout read from an open store; `group` holds (at least) the rollouts of its
     group, for its advantage."""

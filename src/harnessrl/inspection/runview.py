@@ -18,7 +18,7 @@ from typing import Any
 from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, MergeResult, ZeroVariance, merge_calls
 from harnessrl.adapter.advantage import rollout_advantages, sample_level_advantages
 from harnessrl.schema import Rollout, RolloutDetail, RolloutState
-from harnessrl.store import SQLiteStore
+from harnessrl.store import SQLiteStore, Store, StoreError, is_postgres_url, open_store
 
 STORE_FILE = "store.sqlite"
 
@@ -118,12 +118,29 @@ def read_settings(run_dir: Path) -> RunSettings:
     )
 
 
-def open_run_store(run_dir: Path) -> SQLiteStore:
-    """The run's store; a `RunError` naming the fix when `run_dir` holds no run."""
+def run_store_spec(run_dir: Path) -> str | None:
+    """The store the run's config names (`store:` in config.json), when it is not the run's own
+    `store.sqlite`: a PostgreSQL URL, or a SQLite file elsewhere."""
+    try:
+        spec = json.loads((run_dir / "config.json").read_text()).get("store")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return spec if isinstance(spec, str) and spec else None
+
+
+def open_run_store(run_dir: Path) -> Store:
+    """The run's store (its `store.sqlite`, or the PostgreSQL database or file its config names); a
+    `RunError` naming the fix when `run_dir` holds no run."""
     if not run_dir.exists():
         raise RunError(f"no run directory at {run_dir}; pass the run_dir of a run (for example runs/demo)")
     if not run_dir.is_dir():
         raise RunError(f"{run_dir} is a file, not a run directory; pass the folder that holds {STORE_FILE}")
+    spec = run_store_spec(run_dir)
+    if spec is not None and (is_postgres_url(spec) or Path(spec).is_file()):
+        try:
+            return open_store(spec)
+        except (StoreError, sqlite3.DatabaseError) as e:
+            raise RunError(f"the run's store ({_redacted(spec)}) cannot be read: {e}") from e
     if not (run_dir / STORE_FILE).is_file():
         raise RunError(
             f"{run_dir} holds no {STORE_FILE}, so no run recorded anything there; pass the run_dir "
@@ -135,7 +152,12 @@ def open_run_store(run_dir: Path) -> SQLiteStore:
         raise RunError(f"{run_dir / STORE_FILE} is not a readable harnessrl store ({e})") from e
 
 
-def all_rollouts(store: SQLiteStore) -> list[Rollout]:
+def _redacted(spec: str) -> str:
+    """A store URL without its password."""
+    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", spec)
+
+
+def all_rollouts(store: Store) -> list[Rollout]:
     """Every rollout of the store in creation order."""
     out: list[Rollout] = []
     cursor: int | None = 0
@@ -224,7 +246,7 @@ def summarize(detail: RolloutDetail, settings: RunSettings) -> RolloutSummary:
 
 
 def advantages(
-    store: SQLiteStore, wanted: list[Rollout], everything: list[Rollout], settings: RunSettings
+    store: Store, wanted: list[Rollout], everything: list[Rollout], settings: RunSettings
 ) -> dict[str, float]:
     """The advantage the trainer gave each rollout of `wanted`: group statistics over the graded
     (succeeded, rewarded) rollouts of each of their groups, with the run's estimator."""
