@@ -72,6 +72,12 @@ def parser() -> argparse.ArgumentParser:
                    help="openai: builtin engine or vLLM's OpenAI server; sglang: SGLang's /generate (tito)")  # fmt: skip
     p.add_argument("--sglang-incremental-streaming", action="store_true",
                    help="the SGLang server runs with --incremental-streaming-output")  # fmt: skip
+    p.add_argument(
+        "--no-forward-seed",
+        dest="forward_seed",
+        action="store_false",
+        help="drop a harness's seed (noted on the call) instead of sending it to the engine (vLLM-CPU)",
+    )
     p.add_argument("--replica", action="append", default=[], help="another engine URL serving the same model")
     p.add_argument("--upstream-timeout", type=float, default=600.0,
                    help="seconds one engine try may take (streamed: between two pieces of the answer)")  # fmt: skip
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         config = GatewayConfig(
             admin_key=admin_key,
             upstream_key=os.environ.get(ENGINE_KEY_ENV) or None,
+            forward_seed=args.forward_seed,
             upstream_url=args.upstream,
             replica_urls=args.replica,
             served_model=args.served_model,

