@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import socket
 import sys
 from typing import Any
@@ -18,6 +19,8 @@ from harnessrl.gateway import http
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
 from harnessrl.store import Store, StoreError, open_store
+
+log = logging.getLogger(__name__)
 
 # Idle connections are closed after this; our clients expire them sooner (ControlClient after 2 s).
 KEEP_ALIVE_S = 30
@@ -102,6 +105,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (each open stream holds two sockets: the
+    harness's and the engine's; a soft limit of 1,024 would cap a gateway near 500 streams). Returns
+    the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("event=nofile_not_raised soft=%d hard=%d error=%s", soft, hard, e)
+    log.info("event=open_files_limit soft=%d", soft)
+    return soft
+
+
 def _problem(err: Any) -> str:
     """One settings error: the setting it names (none for a rule across settings), then what is wrong."""
     where = ".".join(str(p) for p in err["loc"])
@@ -119,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: set HARNESSRL_ADMIN_KEY to an admin key of at least 8 characters", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    raise_open_files_limit()
     bad = [m for m in args.model_map if "=" not in m]
     if bad:
         print(f"error: --model-map takes NAME=SERVED, got {bad[0]!r}", file=sys.stderr)
