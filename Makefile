@@ -112,6 +112,7 @@ bench-controller: $(STAMP)
 RELIABILITY_BASELINE ?= ad64d71~1
 bench-reliability: $(STAMP)
 	$(PY) -m bench.reliability.run --baseline-ref $(RELIABILITY_BASELINE)
+	$(PY) -m bench.reliability.streams --streams 5000 --stream-seconds 30 --rollouts 20000
 
 # About 30-60 minutes on 2 cores: the demo's workload (2 steps, 8 held-out tasks) with the RSS of every
 # process sampled (trainer, engine, gateway, fork server, harnesses), then the PPO update alone on a fixed

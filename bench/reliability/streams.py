@@ -23,6 +23,7 @@ import asyncio
 import json
 import resource
 import secrets
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             gw.proc.stop()
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results["load_held"] = {"command": "python -m bench.reliability.streams " + " ".join(argv or []),
+    flags = argv if argv is not None else sys.argv[1:]
+    results["load_held"] = {"command": "python -m bench.reliability.streams " + " ".join(flags),
                             "client_nofile": nofile, "stream_seconds": args.stream_seconds, **streams, **served}  # fmt: skip
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0
