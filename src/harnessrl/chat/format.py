@@ -154,7 +154,9 @@ class ChatFormat:
         """The chat format of a model folder (its own template; `tool_parser_name` overrides detection)."""
         folder = Path(folder)
         template = load_template(folder)
-        if template is None:
+        if template is not None:
+            template.compiled  # noqa: B018 (a template that does not compile is refused here, not at a call)
+        else:
             log.warning("event=no_chat_template dir=%s using=chatml", folder)
         name = detect_tool_parser(template.source if template else None)
         vocab = _added_token_ids(folder)
