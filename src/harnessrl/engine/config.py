@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from harnessrl.chat.toolcalls import TOOL_PARSERS
 from harnessrl.defaults import ENGINE_MAX_BATCH
 from harnessrl.engine.scheduler import PREFILL_CHUNK
 
@@ -41,6 +42,9 @@ class EngineConfig:
     # Linear layers on CPU: "onednn" (weights packed once, see modeling/packed.py), "aten" (F.linear, as
     # the trainer), "auto" (onednn when a startup probe finds its logprobs within 1e-4 of F.linear's)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
+    # tool-call format of chat completions: "auto" (detected from the model's chat template), "hermes",
+    # "llama3_json" or "none" (harnessrl.chat.toolcalls)
+    tool_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -49,6 +53,10 @@ class EngineConfig:
             raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
         if self.matmul not in ("auto", "onednn", "aten"):
             raise ValueError(f"matmul must be auto, onednn or aten, not {self.matmul!r}")
+        if self.tool_parser != "auto" and self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_parser must be auto or one of {sorted(TOOL_PARSERS)}, not {self.tool_parser!r}"
+            )
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         if self.max_cached_tokens is not None and self.max_cached_tokens < (self.max_model_len or 2):

@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                         "cache (default: max-batch x max-model-len, at most 131072)")  # fmt: skip
     p.add_argument("--matmul", default=d.matmul, choices=["auto", "onednn", "aten"],
                    help="CPU linear layers: oneDNN-packed weights, F.linear, or auto (probe-checked)")  # fmt: skip
+    p.add_argument("--tool-parser", default=d.tool_parser,
+                   help="tool-call format: auto (from the chat template), hermes, llama3_json, none")  # fmt: skip
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     logging.basicConfig(
