@@ -90,7 +90,9 @@ class ContextBudget:
             if self.tito is not None:
                 tok = self.tito
                 return len(
-                    build_prompt(chat.messages, chat.tools, history, tok.encode, tok.eos_id).prompt_ids
+                    build_prompt(
+                        chat.messages, chat.tools, history, tok.encode, tok.eos_id, chat=tok.chat
+                    ).prompt_ids
                 )
             body: dict[str, Any] = {"model": served, "messages": chat.messages, "add_generation_prompt": True}
             if chat.tools:

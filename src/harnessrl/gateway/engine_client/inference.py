@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from harnessrl.chat import StreamingParser, parse_completion
+from harnessrl.chat import CHATML, ChatFormat
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord
 from harnessrl.gateway.engine_client.answers import (
     Accumulator,
@@ -32,19 +32,29 @@ __all__ = ["BadUpstreamResponse"]  # re-exported: the gateway's handlers catch i
 
 @dataclass(frozen=True)
 class TitoTokenizer:
-    """What tito needs of the served model: its tokenizer and end-of-turn token."""
+    """What tito needs of the served model: its tokenizer, end-of-turn token and chat format (the
+    folder's own template, tool-call format and stop ids)."""
 
     tokenizer: Tokenizer
     eos_id: int
+    chat: ChatFormat = CHATML
 
     @classmethod
-    def from_dir(cls, path: str, eos_token: str = "<|im_end|>") -> TitoTokenizer:
-        """Load `tokenizer.json` from a model directory."""
+    def from_dir(cls, path: str, eos_token: str | None = None, tool_parser: str = "auto") -> TitoTokenizer:
+        """Load `tokenizer.json` and the chat format from a model directory (`eos_token`: the
+        end-of-turn token; default the chat format's own, `<|im_end|>` for ChatML)."""
         tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-        eos = tok.token_to_id(eos_token)
+        chat = ChatFormat.from_folder(path, tool_parser)
+        name = eos_token or chat.rules.stop_texts[0]
+        eos = tok.token_to_id(name)
         if eos is None:
-            raise ValueError(f"tokenizer in {path} has no token {eos_token!r}")
-        return cls(tok, eos)
+            raise ValueError(f"tokenizer in {path} has no token {name!r}")
+        return cls(tok, eos, chat)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Token ids that end the model's turn (the family's markers and generation_config's eos)."""
+        return sorted(self.chat.stop_ids | {self.eos_id})
 
     def encode(self, text: str) -> list[int]:
         """Token IDs of `text` (special tokens such as <|im_start|> recognised, nothing added)."""
@@ -91,11 +101,13 @@ async def tito(
     history: Sequence[Call],
 ) -> Generation:
     """Build the prompt's token IDs here (reusing earlier calls' tokens) and send them as a prompt."""
-    prompt = build_prompt(call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id)
+    prompt = build_prompt(
+        call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id, chat=tokenizer.chat
+    )
     body: dict[str, Any] = {
         "model": served,
         "prompt": prompt.prompt_ids,
-        "stop_token_ids": [tokenizer.eos_id],
+        "stop_token_ids": tokenizer.stop_ids,
         "return_token_ids": True,
         "logprobs": call.top_logprobs or 1,
         **_sampling_fields(sampling),
@@ -103,7 +115,7 @@ async def tito(
     resp = await upstream.post("/v1/completions", body)
     a = read_completion(resp, need_text=True)
     check_prompt(a.record, prompt.prompt_ids)
-    parsed = parse_completion(a.text)
+    parsed = tokenizer.chat.parse(a.text)
     choice = resp["choices"][0]
     return Generation(parsed.content, parsed.tool_calls, finish_reason(parsed.tool_calls, a.record), a.record,
                       a.token_texts, stop_string(choice), cached_tokens(resp))  # fmt: skip
@@ -241,17 +253,21 @@ def _take_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[Any]) -> Non
 async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling,
                       tokenizer: TitoTokenizer, history: Sequence[Call]) -> Streamed:  # fmt: skip
     """Stream a tito call from `/v1/completions`; the gateway parses tool calls out of the text."""
-    prompt = build_prompt(call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id)
-    body: dict[str, Any] = {"model": served, "prompt": prompt.prompt_ids, "stop_token_ids": [tokenizer.eos_id],
+    prompt = build_prompt(
+        call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id, chat=tokenizer.chat
+    )
+    body: dict[str, Any] = {"model": served, "prompt": prompt.prompt_ids, "stop_token_ids": tokenizer.stop_ids,
                             "return_token_ids": True, "logprobs": call.top_logprobs or 1, "stream_options": STREAM_USAGE,
                             **_sampling_fields(sampling)}  # fmt: skip
     events = await upstream.open_stream("/v1/completions", body)
     acc = Accumulator()
-    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc))
+    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc, tokenizer.chat))
 
 
-async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int], acc: Accumulator) -> Items:
-    parser, text = StreamingParser(), ""
+async def _tito_events(
+    events: AsyncIterator[dict[str, Any]], sent: list[int], acc: Accumulator, chat: ChatFormat = CHATML
+) -> Items:
+    parser, text = chat.streaming_parser(), ""
     while True:
         try:
             with reading("the engine sent a malformed stream event"):  # an adapter's translation (SGLang)
