@@ -119,3 +119,12 @@ def test_chat_response_in_each_family_format(server: ServerThread) -> None:
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
     assert choice["message"].get("reasoning_content") == ("Add." if family == "qwen3" else None)
+
+
+def test_engine_flags_and_their_errors() -> None:
+    from harnessrl.engine.server import parse_args
+
+    cfg = parse_args(["--tool-parser", "llama3_json", "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert cfg.tool_parser == "llama3_json" and cfg.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match="tool_parser must be auto or one of"):
+        EngineConfig(tool_parser="xml")

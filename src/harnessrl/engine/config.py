@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -45,6 +45,8 @@ class EngineConfig:
     # tool-call format of chat completions: "auto" (detected from the model's chat template), "hermes",
     # "llama3_json" or "none" (harnessrl.chat.toolcalls)
     tool_parser: str = "auto"
+    # variables for the chat template on every call (a request's `chat_template_kwargs` overrides them)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

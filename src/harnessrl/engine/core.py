@@ -76,7 +76,7 @@ class Engine:
         self.max_model_len = self._max_model_len(config, self.model.config.max_position_embeddings)
         self.kv_budget = config.kv_budget(self.max_model_len)
         # the model's own chat template, tool-call format and end-of-turn tokens (harnessrl.chat.format)
-        self.chat = ChatFormat.from_folder(self.model_dir, config.tool_parser)
+        self.chat = ChatFormat.from_folder(self.model_dir, config.tool_parser, config.chat_template_kwargs)
         self.eos_ids = _eos_ids(self.model_dir, self.model.config.eos_token_id) | self.chat.stop_ids
         self.scheduler = Scheduler(
             self.model,

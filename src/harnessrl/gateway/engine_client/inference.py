@@ -40,11 +40,17 @@ class TitoTokenizer:
     chat: ChatFormat = CHATML
 
     @classmethod
-    def from_dir(cls, path: str, eos_token: str | None = None, tool_parser: str = "auto") -> TitoTokenizer:
+    def from_dir(
+        cls,
+        path: str,
+        eos_token: str | None = None,
+        tool_parser: str = "auto",
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> TitoTokenizer:
         """Load `tokenizer.json` and the chat format from a model directory (`eos_token`: the
         end-of-turn token; default the chat format's own, `<|im_end|>` for ChatML)."""
         tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-        chat = ChatFormat.from_folder(path, tool_parser)
+        chat = ChatFormat.from_folder(path, tool_parser, template_kwargs)
         name = eos_token or chat.rules.stop_texts[0]
         eos = tok.token_to_id(name)
         if eos is None:
