@@ -114,7 +114,8 @@ class ContextBudget:
         if context is None:
             return Fit(sampling)
         try:
-            upper_bound = len(render_chat(chat.messages, chat.tools).encode())
+            render = self.tito.chat.render if self.tito is not None else render_chat  # passthrough: ChatML's
+            upper_bound = len(render(chat.messages, chat.tools).encode())
         except ChatFormatError as e:
             raise APIError(400, str(e)) from None
         if upper_bound + sampling.max_tokens <= context:
