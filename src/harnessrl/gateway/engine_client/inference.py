@@ -95,7 +95,7 @@ async def passthrough(
     a = read_chat(resp)
     choice = resp["choices"][0]
     return Generation(a.text, a.tool_calls, finish_reason(a.tool_calls, a.record), a.record, a.token_texts,
-                      stop_string(choice), cached_tokens(resp))  # fmt: skip
+                      stop_string(choice), cached_tokens(resp), a.reasoning)  # fmt: skip
 
 
 async def tito(
@@ -124,7 +124,7 @@ async def tito(
     parsed = tokenizer.chat.parse(a.text)
     choice = resp["choices"][0]
     return Generation(parsed.content, parsed.tool_calls, finish_reason(parsed.tool_calls, a.record), a.record,
-                      a.token_texts, stop_string(choice), cached_tokens(resp))  # fmt: skip
+                      a.token_texts, stop_string(choice), cached_tokens(resp), parsed.reasoning_content)  # fmt: skip
 
 
 def raw_completion_body(
@@ -291,7 +291,8 @@ async def _tito_events(
     if rest:
         yield ContentDelta(rest)
     finish = finish_reason(parsed.tool_calls, record)
-    yield Generation(parsed.content, parsed.tool_calls, finish, record, acc.texts, acc.stop, acc.cached)
+    yield Generation(parsed.content, parsed.tool_calls, finish, record, acc.texts, acc.stop, acc.cached,
+                     parsed.reasoning_content)  # fmt: skip
 
 
 class RawCompletionStream:

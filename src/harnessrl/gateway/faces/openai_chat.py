@@ -164,8 +164,9 @@ class ChatStreamer:
         return [_data(_chunk(self.base, {"content": text}))]
 
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
-        """Tool-call chunks, the finish chunk, usage if asked, `[DONE]`."""
-        frames = []
+        """The reasoning (a reasoning model's, in one chunk), tool-call chunks, the finish chunk, usage if
+        asked, `[DONE]`."""
+        frames = [_data(_chunk(self.base, {"reasoning_content": gen.reasoning}))] if gen.reasoning else []
         for i, tc in enumerate(gen.tool_calls):
             fn = tc["function"]
             head = {
