@@ -10,9 +10,7 @@ Llama architecture today (the Qwen3 architecture comes with the families work, t
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,26 +20,11 @@ from harnessrl.engine.core import Engine
 from harnessrl.engine.protocol import ChatCompletionRequest, chat_response
 from harnessrl.engine.scheduler import GenerationResult
 from harnessrl.engine.server import EngineConfig, ServerThread
-from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
-from harnessrl.modeling.loading import save_model
 from tests.chat.conversations import TOOL_CONVERSATION, TOOLS, tokenizer_dir
+from tests.engine.tiny_families import FAMILY_IDS, tiny_family_dir
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = {"llama3_2": (128256, 128000, 128009), "qwen3": (151936, 151643, 151645)}  # vocab, bos, eos
-
-
-def tiny_family_dir(root: Path, family: str) -> Path:
-    """A one-layer random Llama with the family's real vocabulary, tokenizer and template."""
-    vocab, bos, eos = FAMILIES[family]
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8, intermediate_size=32, max_position_embeddings=4096,
-                      bos_token_id=bos, eos_token_id=eos)  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    model.init_weights(0)
-    out = save_model(model, root / family)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tokenizer_dir(family) / f, out / f)
-    return out
+FAMILIES = FAMILY_IDS
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

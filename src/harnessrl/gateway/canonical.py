@@ -26,6 +26,7 @@ class ChatCall:
     seed: int | None = None
     stop: list[str] | None = None
     top_logprobs: int = 0
+    template_kwargs: dict[str, Any] | None = None  # chat template variables (`enable_thinking`), per call
 
 
 @dataclass(frozen=True)

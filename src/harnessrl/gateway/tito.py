@@ -83,12 +83,14 @@ def build_prompt(
     eos_id: int,
     template: ChatTemplate = SMOLLM2,
     chat: ChatFormat | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> TitoPrompt:
     """Prompt IDs for `messages`: an earlier call's exact tokens plus the rendered new turns, or the
     whole conversation rendered and tokenized when it extends no earlier call. `chat`: the model's
-    own chat format (None or a `chatml` one: the ChatML convention of `template`)."""
+    own chat format (None or a `chatml` one: the ChatML convention of `template`), rendered with
+    `template_kwargs` (the call's own template variables, over the run's)."""
     if chat is not None and chat.renderer != "chatml":
-        return _build_with_format(messages, tools, history, encode, chat)
+        return _build_with_format(messages, tools, history, encode, chat, template_kwargs or {})
     found = find_extended_call(messages, tools, history)
     if found is None:
         return TitoPrompt(encode(render_chat(messages, tools=tools, template=template)))
@@ -108,15 +110,16 @@ def _build_with_format(
     history: Sequence[Call],
     encode: Encode,
     chat: ChatFormat,
+    kwargs: dict[str, Any],
 ) -> TitoPrompt:
     """`build_prompt` for a model's own template: the new text starts after the end-of-turn marker
     that closes the extended call's answer in the rendering of the whole conversation."""
-    full = chat.render(messages, tools)
+    full = chat.render(messages, tools, **kwargs)
     found = find_extended_call(messages, tools, history)
     if found is None:
         return TitoPrompt(encode(full))
     call, covered = found
-    turns = _count_markers(chat.render(messages[:covered], tools, add_generation_prompt=False), chat)
+    turns = _count_markers(chat.render(messages[:covered], tools, False, **kwargs), chat)
     cut = _after_marker(full, chat, turns)
     if cut is None:  # the template renders the covered turns with fewer markers: render it all
         return TitoPrompt(encode(full))

@@ -91,6 +91,8 @@ async def passthrough(
         body["tools"] = call.tools
     if call.top_logprobs:
         body["top_logprobs"] = call.top_logprobs
+    if call.template_kwargs:
+        body["chat_template_kwargs"] = call.template_kwargs
     resp = await upstream.post("/v1/chat/completions", body)
     a = read_chat(resp)
     choice = resp["choices"][0]
@@ -108,7 +110,13 @@ async def tito(
 ) -> Generation:
     """Build the prompt's token IDs here (reusing earlier calls' tokens) and send them as a prompt."""
     prompt = build_prompt(
-        call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id, chat=tokenizer.chat
+        call.messages,
+        call.tools,
+        history,
+        tokenizer.encode,
+        tokenizer.eos_id,
+        chat=tokenizer.chat,
+        template_kwargs=call.template_kwargs,
     )
     body: dict[str, Any] = {
         "model": served,
@@ -260,7 +268,13 @@ async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sam
                       tokenizer: TitoTokenizer, history: Sequence[Call]) -> Streamed:  # fmt: skip
     """Stream a tito call from `/v1/completions`; the gateway parses tool calls out of the text."""
     prompt = build_prompt(
-        call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id, chat=tokenizer.chat
+        call.messages,
+        call.tools,
+        history,
+        tokenizer.encode,
+        tokenizer.eos_id,
+        chat=tokenizer.chat,
+        template_kwargs=call.template_kwargs,
     )
     body: dict[str, Any] = {"model": served, "prompt": prompt.prompt_ids, "stop_token_ids": tokenizer.stop_ids,
                             "return_token_ids": True, "logprobs": call.top_logprobs or 1, "stream_options": STREAM_USAGE,
