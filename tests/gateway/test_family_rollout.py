@@ -90,7 +90,10 @@ def test_qwen3_rollout_in_tito_merges_into_one_row(
             client.chat.completions.create(
                 model="m", messages=first, tools=TOOLS, max_tokens=2, extra_body=NO_THINKING
             )  # type: ignore[arg-type]
-            assert pt.store.calls(rid2)[0].prompt_ids == calls[0].prompt_ids
+            stream = client.chat.completions.create(model="m", messages=first, tools=TOOLS, max_tokens=2,  # type: ignore[arg-type]
+                                                    extra_body=NO_THINKING, stream=True)  # fmt: skip
+            assert [c.choices[0].finish_reason for c in stream if c.choices][-1] is not None
+            assert [c.prompt_ids for c in pt.store.calls(rid2)] == [calls[0].prompt_ids] * 2
         finally:
             pt_srv.__exit__()
     finally:

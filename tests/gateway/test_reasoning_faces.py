@@ -77,3 +77,27 @@ def test_passthrough_reads_the_engines_reasoning() -> None:
             "reasoning_content": "Add."}, "token_ids": [2], "logprobs": {"content": [{"token": "5", "logprob": -0.1}]},
             "finish_reason": "stop"}]}  # fmt: skip
     assert read_chat(resp).reasoning == "Add."
+
+
+def test_passthrough_stream_collects_the_engines_reasoning_deltas() -> None:
+    import asyncio
+
+    from harnessrl.gateway.engine_client.answers import Accumulator
+    from harnessrl.gateway.engine_client.inference import ContentDelta, _passthrough_events
+
+    def event(delta: dict[str, Any], tok: int, finish: str | None = None) -> dict[str, Any]:
+        lp = {"content": [{"token": "t", "logprob": -0.5}]}
+        return {"prompt_token_ids": [1], "choices": [{"delta": delta, "token_ids": [tok], "logprobs": lp,
+                                                      "finish_reason": finish}]}  # fmt: skip
+
+    async def events() -> Any:
+        for e in (event({"reasoning_content": "Add "}, 2), event({"reasoning_content": "them."}, 3),
+                  event({"content": "5"}, 4, "stop")):  # fmt: skip
+            yield e
+
+    async def collect() -> list[Any]:
+        return [item async for item in _passthrough_events(events(), Accumulator())]
+
+    items = asyncio.run(collect())
+    assert [i.text for i in items if isinstance(i, ContentDelta)] == ["5"]
+    assert items[-1].reasoning == "Add them." and items[-1].content == "5"

@@ -227,13 +227,15 @@ async def passthrough_stream(
                             "stream_options": STREAM_USAGE, **_sampling_fields(sampling)}  # fmt: skip
     if call.tools:
         body["tools"] = call.tools
+    if call.template_kwargs:
+        body["chat_template_kwargs"] = call.template_kwargs
     events = await upstream.open_stream("/v1/chat/completions", body)
     acc = Accumulator()
     return EngineStream(acc, _passthrough_events(events, acc))
 
 
 async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: Accumulator) -> Items:
-    content, calls = "", {}  # type: ignore[var-annotated]
+    content, reasoning, calls = "", "", {}  # type: ignore[var-annotated]
     async for event in events:
         with reading("the engine sent a malformed stream event"):
             choice = acc.take(event)
@@ -242,15 +244,15 @@ async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: Accumu
             acc.texts += [str(e.get("token", "")) for e in entries]
             delta = choice.get("delta") or {}
             piece = str(delta.get("content") or "")
+            reasoning += str(delta.get("reasoning_content") or delta.get("reasoning") or "")
             _take_tool_calls(calls, delta.get("tool_calls") or [])
         if piece:
             content += piece
             yield ContentDelta(piece)
     record = acc.record()
     tool_calls = [calls[i] for i in sorted(calls)]
-    yield Generation(
-        content, tool_calls, finish_reason(tool_calls, record), record, acc.texts, acc.stop, acc.cached
-    )
+    yield Generation(content, tool_calls, finish_reason(tool_calls, record), record, acc.texts, acc.stop,
+                     acc.cached, reasoning or None)  # fmt: skip
 
 
 def _take_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[Any]) -> None:
