@@ -59,4 +59,7 @@ def openai_shaped(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def tokenizer_dir(family: str) -> Path:
     """The real tokenizer folder of a family (made by the Makefile's tokenizers target)."""
-    return TOKENIZERS / family
+    folder = TOKENIZERS / family
+    if not (folder / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{folder} is missing: run `make install` (the $(TOKENIZERS) target)")
+    return folder
