@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -37,6 +37,13 @@ class EngineSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # builtin engine on CPU: oneDNN-packed linear weights, F.linear, or auto (see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
+    # tool-call format the engine and the gateway parse completions with: "auto" (detected from the
+    # model's own chat template: hermes for <tool_call>, llama3_json for Llama 3.1+; the hermes
+    # convention for templates without tools), "hermes", "llama3_json" or "none" (docs/models.md)
+    tool_parser: Literal["auto", "hermes", "llama3_json", "none"] = "auto"
+    # extra variables for the model's chat template on every call, e.g. {"enable_thinking": false} for
+    # Qwen3; a request's `chat_template_kwargs` overrides them (docs/models.md)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     # "vllm": vLLM's OpenAI server; at `url` if set (already running, serving `model`), else started and
     # stopped by the run from vLLM's own venv (docs/vllm.md). "sglang": a server already running at
     # `url`. An external server must be able to read the run directory, where new weights are written.

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.chat import parse_completion
+from harnessrl.chat import CHATML, ChatFormat
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sequence import GenerationResult
 
@@ -48,7 +48,7 @@ class EngineCompletionRequest(_Request):
 
 
 class EngineChatCompletionRequest(_Request):
-    """POST /v1/chat/completions: messages (+ tools) rendered with the shared chat convention."""
+    """POST /v1/chat/completions: messages (+ tools) rendered with the model's chat format."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
@@ -57,6 +57,7 @@ class EngineChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's name: e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(BaseModel):
@@ -68,6 +69,7 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -161,12 +163,19 @@ def chat_logprobs(result: GenerationResult, text: TokenText) -> dict[str, Any]:
 
 
 def chat_response(
-    result: GenerationResult, model: str, text: TokenText, req: EngineChatCompletionRequest
+    result: GenerationResult,
+    model: str,
+    text: TokenText,
+    req: EngineChatCompletionRequest,
+    chat: ChatFormat = CHATML,
 ) -> dict[str, Any]:
-    """The `chat.completion` body: parsed content and tool calls, exact ids, logprobs, weight_version."""
-    parsed = parse_completion(result.text)
+    """The `chat.completion` body: parsed content, reasoning and tool calls in the model's own format,
+    exact ids, logprobs, weight_version."""
+    parsed = chat.parse(result.text)
     finish: str = result.finish_reason
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning_content is not None:
+        message["reasoning_content"] = parsed.reasoning_content
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls
         message["content"] = parsed.content if parsed.content.strip() else None

@@ -163,7 +163,7 @@ class EngineRoutes:
         req = await _parse(request, EngineChatCompletionRequest)
         _check_common(req)
         tools = None if req.tool_choice == "none" else req.tools
-        prompt_ids = engine.chat_prompt_ids(req.messages, tools)
+        prompt_ids = engine.chat_prompt_ids(req.messages, tools, True, req.chat_template_kwargs)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = engine.check_length(len(prompt_ids), req.max_completion_tokens or req.max_tokens, param)
         top = (req.top_logprobs or 0) if req.logprobs else 0
@@ -174,13 +174,15 @@ class EngineRoutes:
         result = await _generate(request, engine, prompt_ids, params)
         if result.finish_reason == "abort":
             return _aborted()
-        return JSONResponse(chat_response(result, self.name, engine.text, req))
+        return JSONResponse(chat_response(result, self.name, engine.text, req, engine.chat))
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: text or chat messages (+ tools) to the exact prompt ids."""
         req = await _parse(request, TokenizeRequest)
         if req.messages is not None:
-            tokens = self.engine.chat_prompt_ids(req.messages, req.tools, req.add_generation_prompt)
+            tokens = self.engine.chat_prompt_ids(
+                req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
+            )
         elif req.prompt is not None:
             tokens = self.engine.encode(req.prompt)
         else:

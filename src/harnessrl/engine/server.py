@@ -6,6 +6,7 @@ Run it with `python -m harnessrl.engine --model smollm2 --port 8100` (see `--hel
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -81,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                         "cache (default: max-batch x max-model-len, at most 131072)")  # fmt: skip
     p.add_argument("--matmul", default=d.matmul, choices=["auto", "onednn", "aten"],
                    help="CPU linear layers: oneDNN-packed weights, F.linear, or auto (probe-checked)")  # fmt: skip
+    p.add_argument("--tool-parser", default=d.tool_parser,
+                   help="tool-call format: auto (from the chat template), hermes, llama3_json, none")  # fmt: skip
+    p.add_argument("--chat-template-kwargs", type=json.loads, default={},
+                   help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')  # fmt: skip
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     logging.basicConfig(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 from starlette.requests import Request
@@ -52,6 +52,10 @@ class GatewayConfig(BaseModel):
     rollout_cache_size: int = Field(default=ROLLOUT_CACHE_SIZE, ge=1)  # rollouts kept in memory (LRU out)
     mode: Literal["passthrough", "tito"] = "passthrough"
     tokenizer_path: str | None = None  # model directory with tokenizer.json; required for tito
+    # tito: how completions' tool calls are parsed ("auto": from the model's template) and the chat
+    # template's extra variables on every call (a request's `chat_template_kwargs` overrides them)
+    tool_parser: str = "auto"
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     # wire of the upstream: "openai" = the engine protocol (builtin engine, vLLM's OpenAI server);
     # "sglang" = SGLang's native /generate (token IDs in and out; needs tito mode)
     upstream_kind: Literal["openai", "sglang"] = "openai"
@@ -101,7 +105,11 @@ class Gateway:
         self.weight_version: int | None = int(saved_version) if saved_version is not None else None
         self.tito: TitoTokenizer | None = None
         if config.mode == "tito" and config.tokenizer_path:  # GatewayConfig requires the path for tito
-            self.tito = TitoTokenizer.from_dir(config.tokenizer_path)
+            self.tito = TitoTokenizer.from_dir(
+                config.tokenizer_path,
+                tool_parser=config.tool_parser,
+                template_kwargs=config.chat_template_kwargs,
+            )
         self.admission = Admission(config.pause_wait_s)
         if store.get_meta(PAUSED_META) == "1":
             self.admission.hold()

@@ -114,6 +114,7 @@ def start_services(
     engine_url = engine.url if engine is not None else str(cfg.engine.url)
     stack = ServiceStack(engine_url, list(cfg.gateway.urls), admin_key, engine, engine_key)
     mode = gateway_mode(cfg)
+    chat = {"tool_parser": cfg.engine.tool_parser, "chat_template_kwargs": cfg.engine.chat_template_kwargs}
     upstream_s, call_s = cfg.gateway.timeouts(cfg.controller.harness_timeout_s)
     settings = {"--upstream-timeout": upstream_s, "--call-timeout": call_s,
                 "--stream-open-timeout": cfg.gateway.stream_open_timeout_s, "--wal-limit-mb": cfg.gateway.wal_limit_mb}  # fmt: skip
@@ -124,7 +125,7 @@ def start_services(
             cfg.gateway.default_max_tokens, mode=mode, tokenizer=model_dir if mode == "tito" else None,
             upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
             name="gateway" if r == 0 else f"gateway{r}", rollout_cache_size=cfg.gateway.rollout_cache_size,
-            upstream_key=engine_key, settings=settings, forward_seed=cfg.engine.kind != "vllm",
+            upstream_key=engine_key, settings=settings, forward_seed=cfg.engine.kind != "vllm", chat=chat,
         ))  # fmt: skip
     stack.gateway_urls = stack.gateway_urls or [g.url for g in stack.gateways]
     try:
@@ -144,7 +145,8 @@ def _engine_process(cfg: RunConfig, run_dir: Path, model_dir: Path, key: str | N
     e = cfg.engine
     if e.kind == "builtin":
         service = start_engine(model_dir, e.port or free_port(), run_dir / "logs", e.max_batch,
-                               e.max_model_len, e.threads, e.device, e.dtype, e.matmul, api_key=key)  # fmt: skip
+                               e.max_model_len, e.threads, e.device, e.dtype, e.matmul, api_key=key,
+                               chat={"tool_parser": e.tool_parser, "chat_template_kwargs": e.chat_template_kwargs})  # fmt: skip
         return BuiltinEngine(service)
     if e.kind == "vllm" and not e.url:
         vllm = managed_vllm(cfg, run_dir, model_dir, key)

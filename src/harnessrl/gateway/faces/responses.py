@@ -219,8 +219,12 @@ def call_item(tc: dict[str, Any], tools: ToolMap, item_id: str) -> dict[str, Any
 
 
 def output_items(gen: Generation, ids: ResponseIds, tools: ToolMap | None = None) -> list[dict[str, Any]]:
-    """The response's output items: a message (text), then one item per tool call."""
+    """The response's output items: reasoning (a reasoning model's), a message (text), then one item per
+    tool call."""
     items: list[dict[str, Any]] = []
+    if gen.reasoning:
+        items.append({"type": "reasoning", "id": f"rs_{ids.response_id}", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": gen.reasoning}]})  # fmt: skip
     if gen.content or not gen.tool_calls:
         part = {"type": "output_text", "text": gen.content, "annotations": [], "logprobs": []}
         items.append({"type": "message", "id": f"msg_{ids.response_id}", "status": "completed",
@@ -316,7 +320,7 @@ class ResponseStreamer:
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
         """Close the message item, emit the tool-call items, then the final response."""
         frames = []
-        items = out["output"]
+        items = [item for item in out["output"] if item["type"] != "reasoning"]  # in the final response only
         if items and items[0]["type"] == "message":
             if not self.open:
                 frames += self.delta("")
