@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from harnessrl.engine.core import Engine
-from harnessrl.engine.protocol import ChatCompletionRequest, chat_response
+from harnessrl.engine.protocol import EngineChatCompletionRequest, chat_response
 from harnessrl.engine.scheduler import GenerationResult
 from harnessrl.engine.server import EngineConfig, ServerThread
 from tests.support.conversations import TOOL_CONVERSATION, TOOLS, tokenizer_dir
@@ -97,7 +97,7 @@ def test_chat_response_in_each_family_format(server: ServerThread) -> None:
         "llama3_2": '{"name": "add", "parameters": {"a": 2, "b": 3}}',
         "qwen3": '<think>\nAdd.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
     }[family]
-    req = ChatCompletionRequest(messages=TOOL_CONVERSATION[:2])
+    req = EngineChatCompletionRequest(messages=TOOL_CONVERSATION[:2])
     choice = chat_response(_result(text), "m", None, req, chat)["choices"][0]  # type: ignore[arg-type]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
