@@ -188,7 +188,7 @@ async def test_a_killed_replica_fails_over_and_catches_up_when_it_returns(replic
         paused = await client.pause(drain_timeout_s=5)
         assert paused["replicas"] == 1 and paused["unreachable"] == [replicas.urls[0]]
         replicas.restart(0)
-        assert replicas.status(0)["paused"] is False  # a fresh process knows nothing of the pause
+        assert replicas.status(0)["paused"] is True  # a restarted replica reads the pause from the store
         await asyncio.sleep(0.6)
         await client.rollout(rid)  # any request after retry_down_s probes and catches up the replica
         assert replicas.status(0)["paused"] is True
