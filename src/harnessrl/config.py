@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
+from harnessrl.adapter import AdvantageLevel, Credit, Estimator, LossMode, ZeroVariance
 from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH, ROLLOUT_CACHE_SIZE
 from harnessrl.errors import ConfigError
 from harnessrl.store import is_postgres_url
@@ -167,6 +167,10 @@ class TrainSection(_Section):
     )  # rollout: group statistics over rollouts; sample: over rows (ablation only)
     loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN  # loss normalisation (docs/concepts.md)
     zero_variance: ZeroVariance = ZeroVariance.KEEP  # groups whose rollouts all got the same reward
+    # rollout: one advantage per rollout; step: plus a turn-level term from the grader's step rewards
+    # (and annotations a task allows) on the calls they name (adapter/step_credit.py, docs/credit.md)
+    credit: Credit = Credit.ROLLOUT
+    step_coef: float = Field(default=1.0, ge=0)  # β: scale of the turn-level term under credit: step
     # token-prefix merging of a rollout's calls into rows; False: every call its own row (Agent
     # Lightning's transitions; for ablations)
     merge_calls: bool = True
@@ -222,6 +226,8 @@ class TrainSection(_Section):
                 f"advantage_level 'sample' (an ablation) uses GRPO statistics over rows; it cannot be "
                 f"combined with estimator {self.estimator.value!r}"
             )
+        if self.credit == Credit.STEP and self.advantage_level == AdvantageLevel.SAMPLE:
+            raise ValueError("credit 'step' builds on rollout-level advantages; set advantage_level: rollout")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError("tis_cap must be positive")
         if self.max_staleness is not None and self.max_staleness < 0:

@@ -142,7 +142,10 @@ class Controller:
         """Create the rollout, or find it by its client id. A rollout found cancelled (an interrupted
         run, now resumed) is not reused: it is run again under a fresh client id (`<id>~rN`), so a
         resumed step gets its whole batch; finished and failed ones stand."""
-        metadata = {**req.metadata, "allow_self_reward": True} if req.task.allow_self_reward else req.metadata
+        metadata = dict(req.metadata)
+        for flag in ("allow_self_reward", "allow_annotation_rewards"):  # what the task lets its harness do
+            if getattr(req.task, flag):
+                metadata[flag] = True
         for redo in range(MAX_REDOS + 1):
             created = await self.client.create_rollout(
                 RolloutCreate(

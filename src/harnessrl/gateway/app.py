@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from harnessrl.defaults import DEFAULT_MAX_TOKENS, ROLLOUT_CACHE_SIZE
-from harnessrl.gateway import control
+from harnessrl.gateway import annotations, control
 from harnessrl.gateway.access import Access
 from harnessrl.gateway.admission import Admission
 from harnessrl.gateway.budget import ContextBudget
@@ -242,6 +242,9 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         stored = g.store.set_reward(rollout.rollout_id, value)
         return JSONResponse(stored.model_dump(mode="json"))
 
+    async def annotate(request: Request) -> Response:
+        return await annotations.annotate(gw(), request)
+
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})
 
@@ -271,6 +274,8 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         ),
         Route("/v1/harnessrl/reward", guarded(logged(self_reward)), methods=["PUT"]),
         Route("/r/{rollout_id}/v1/harnessrl/reward", guarded(logged(self_reward)), methods=["PUT"]),
+        Route("/v1/harnessrl/annotations", guarded(logged(annotate)), methods=["POST"]),
+        Route("/r/{rollout_id}/v1/harnessrl/annotations", guarded(logged(annotate)), methods=["POST"]),
         Route("/r/{rollout_id}/v1/models", guarded(logged(models)), methods=["GET"]),
         *[Route(path, guarded(logged(fn)), methods=[m]) for path, m, fn in control.routes(gw)],
     ]

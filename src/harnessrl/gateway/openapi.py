@@ -13,7 +13,7 @@ from harnessrl.gateway.faces.anthropic import MessagesRequest
 from harnessrl.gateway.faces.completions import CompletionRequest
 from harnessrl.gateway.faces.openai_chat import ChatCompletionRequest
 from harnessrl.gateway.faces.responses import ResponsesRequest
-from harnessrl.schema import AttemptFinish, RewardIn, RolloutCreate, RolloutState, StateChange
+from harnessrl.schema import AnnotationIn, AttemptFinish, RewardIn, RolloutCreate, RolloutState, StateChange
 
 _ERRORS = {str(s): {"description": d} for s, d in [
     (400, "invalid request (the message names the field)"), (401, "missing or unknown key"),
@@ -32,6 +32,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "AttemptFinish": AttemptFinish,
     "StateChange": StateChange,
     "RewardIn": RewardIn,
+    "AnnotationIn": AnnotationIn,
     "PauseRequest": PauseRequest,
     "ResumeRequest": ResumeRequest,
 }
@@ -88,6 +89,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/models/{model_id}": {"get": _op("one model (any name resolves to the served model)", None,
                                              params=[_path_param("model_id", {"type": "string", "maxLength": 200})])},
         "/v1/harnessrl/reward": {"put": _op("the harness writes its rollout's reward (only if its task allows)", "RewardIn")},
+        "/v1/harnessrl/annotations": {"post": _op("the harness annotates one of its calls (data; a step reward only if its task allows)", "AnnotationIn")},
         "/control/rollouts": {
             "post": _op("create a rollout (idempotent by client_id)", "RolloutCreate", admin),
             "get": _op("list rollouts", None, admin, list_params),
