@@ -316,8 +316,32 @@ class TasksSection(_Section):
         return self
 
 
+class JudgeSection(_Section):
+    """A model grades the answers (controller/judge.py, docs/credit.md): an OpenAI-compatible endpoint."""
+
+    base_url: str  # the judge's OpenAI-compatible URL, ending in /v1 (an external API or a local engine)
+    model: str = "judge"  # the model name sent to it
+    api_key_env: str | None = None  # the environment variable holding its API key (None: no key)
+    rubric: str = ""  # what a good answer is, in words the judge reads
+    rubric_file: str | None = None  # or: a text file with the rubric (relative to the config's folder)
+    # single: score each rollout alone (SCORE: 0..scale); group: rank a whole group in one call
+    mode: Literal["single", "group"] = "single"
+    answer_file: str = "answer.txt"  # the answer, in the attempt's output folder (HARNESSRL_OUTPUT)
+    scale: float = Field(default=10.0, gt=0)  # single mode: the judge's top score (reward = score / scale)
+    max_tokens: int = Field(default=256, ge=1)  # of the judge's answer
+    temperature: float = Field(default=0.0, ge=0)  # of the judge's sampling
+
+    @model_validator(mode="after")
+    def _has_rubric(self) -> JudgeSection:
+        if not (self.rubric.strip() or self.rubric_file):
+            raise ValueError("grader.judge needs a rubric (or rubric_file): what a good answer is")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"grader.judge.base_url: {self.base_url!r} is not an http(s):// URL")
+        return self
+
+
 class GraderSection(_Section):
-    """The grader, run by the controller outside the harness: a Python function or a command."""
+    """The grader, run by the controller outside the harness: a Python function, a command or a judge."""
 
     # `module:function` called with (task, result); returns a float, (float, details) or RewardIn.
     # A module next to the config (grader.py → `grader:grade`) is found without installing it.
@@ -325,11 +349,12 @@ class GraderSection(_Section):
     # or: argv of a command that gets the task and the attempt's output and prints the reward
     command: list[str] | None = None
     env: dict[str, str] = Field(default_factory=dict)  # extra variables for a grader command
+    judge: JudgeSection | None = None  # or: a judge model scores (or ranks) the answers
 
     @model_validator(mode="after")
     def _one_kind(self) -> GraderSection:
-        if self.python is not None and self.command is not None:
-            raise ValueError("give grader.python or grader.command, not both")
+        if sum(x is not None for x in (self.python, self.command, self.judge)) > 1:
+            raise ValueError("give one of grader.python, grader.command or grader.judge")
         if self.python is not None:
             _check_target(self.python, "grader.python")
         if self.command is not None and not self.command:
@@ -385,8 +410,8 @@ class RunConfig(_Section):
             out.append("harness.command: the argv that starts your harness, e.g. [python, harness.py]")
         if not (self.tasks.train or self.tasks.generator):
             out.append("tasks.train: a JSONL file of tasks (or tasks.generator: module:function)")
-        if not (self.grader.python or self.grader.command):
-            out.append("grader.python: module:function (or grader.command: argv)")
+        if not (self.grader.python or self.grader.command or self.grader.judge):
+            out.append("grader.python: module:function (or grader.command: argv, or grader.judge)")
         return out
 
 
@@ -521,6 +546,11 @@ def resolve_paths(cfg: RunConfig, base: Path) -> list[str]:
     g = cfg.grader
     if g.command:
         g.command = resolve_command(g.command, base)
+    if g.judge is not None and g.judge.rubric_file:
+        rubric = _absolute(g.judge.rubric_file, base)
+        g.judge.rubric_file = str(rubric)
+        if not rubric.is_file():
+            problems.append(f"grader.judge.rubric_file: {rubric} not found")
     if not cfg.config_dir:
         cfg.config_dir = str(base)
     m = cfg.engine.model
