@@ -102,7 +102,9 @@ def iter_rows(store: SQLiteStore, settings: RunSettings, run_id: str | None) -> 
         )  # fmt: skip
         by_id = {d.rollout.rollout_id: d for d in details}
         position: dict[str, int] = {}
-        per_token = batch.token_advantages or [None] * len(batch.rows)
+        per_token: list[list[float] | None] = (
+            list(batch.token_advantages) if batch.token_advantages is not None else [None] * len(batch.rows)
+        )
         for row, adv, weights, toks in zip(
             batch.rows, batch.advantages, batch.weights, per_token, strict=True
         ):
