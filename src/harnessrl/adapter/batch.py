@@ -53,6 +53,8 @@ class Batch:
     # rollout-level part); None: every token of a row has its row's advantage
     token_advantages: list[list[float]] | None = None
     steps: StepReport = field(default_factory=StepReport)
+    # graded rollouts whose grader flagged reward hacking (`details["hacking"]` set: tests edited, ...)
+    flagged_hacking: list[str] = field(default_factory=list)
 
     def has_signal(self, i: int) -> bool:
         """Whether row `i` has a non-zero advantage on some token (else its policy gradient is 0)."""
@@ -113,6 +115,7 @@ def build_batch(
             rows_of[rid].extend(result.rows)
         rewards[rid] = d.reward.value
         groups[rid] = d.rollout.group_id or rid
+    details_by_id = {d.rollout.rollout_id: d for d in details}
     if level == AdvantageLevel.ROLLOUT:
         adv = rollout_advantages(rewards, groups, estimator)
     else:
@@ -149,4 +152,10 @@ def build_batch(
         if credit_of is None
         else [row_token_advantages(r, adv[r.rollout_id], credit_of.spans[r.rollout_id]) for r in rows],
         steps=credit_of.report if credit_of else StepReport(),
+        flagged_hacking=[rid for rid in rewards if _hacking(details_by_id[rid])],
     )
+
+
+def _hacking(detail: RolloutDetail) -> bool:
+    """Whether the grader flagged the rollout as gaming its reward (a non-empty `hacking` detail)."""
+    return bool(detail.reward is not None and detail.reward.details.get("hacking"))

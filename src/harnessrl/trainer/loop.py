@@ -267,6 +267,7 @@ def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any
         "dropped_long_rows": batch.length.dropped_rows,
         "staleness": batch.staleness.as_dict(),
         "dropped_stale_rows": batch.staleness.dropped_rows,
+        "rollouts_flagged_hacking": len(batch.flagged_hacking),
         **({"step_rewards": batch.steps.as_dict()} if batch.token_advantages is not None else {}),
     }
 
