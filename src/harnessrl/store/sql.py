@@ -228,15 +228,13 @@ class SQLStore(Store):
         body = annotation.model_dump_json(exclude_defaults=True)
         with self._tx() as conn:
             self._state(conn, rollout_id)
-            conn.execute(
-                self._q("INSERT INTO annotations (rollout_id, created_at, body) VALUES (?,?,?)"),
+            row = self._one(
+                conn,
+                "INSERT INTO annotations (rollout_id, created_at, body) VALUES (?,?,?) RETURNING seq",
                 (rollout_id, t, body),
             )
-        found = self._rows(
-            f"SELECT {rows.ANNOTATION_COLS} FROM annotations WHERE rollout_id = ? ORDER BY seq DESC LIMIT 1",
-            (rollout_id,),
-        )
-        return rows.to_annotation(found[0])
+        assert row is not None
+        return rows.to_annotation((row[0], rollout_id, t, body))
 
     def annotations(self, rollout_id: str) -> list[Annotation]:
         """The rollout's annotations in the order they were written."""
