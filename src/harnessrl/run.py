@@ -385,6 +385,7 @@ def summarise(
         "rows_per_rollout": _mean([r["rows_per_rollout"] for r in records if "rows_per_rollout" in r]),
         "rollouts_failed_total": sum(r.get("rollouts_failed", 0) for r in records),
         "grader_errors_total": sum(r.get("rollouts_grader_error", 0) for r in records),
+        "rollouts_flagged_hacking_total": sum(r.get("rollouts_flagged_hacking", 0) for r in records),
         "heldout_failed_before": before.failed,
         "heldout_failed_after": after.failed,
         # graded held-out tasks whose harness ran past its time limit (in the means above)
