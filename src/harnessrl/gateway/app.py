@@ -16,10 +16,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from harnessrl.defaults import DEFAULT_MAX_TOKENS, ROLLOUT_CACHE_SIZE
-from harnessrl.gateway import annotations, control
+from harnessrl.gateway import control
 from harnessrl.gateway.access import Access
 from harnessrl.gateway.admission import Admission
 from harnessrl.gateway.budget import ContextBudget
+from harnessrl.gateway.call_annotations import annotate as annotate_call
 from harnessrl.gateway.calls import ModelCalls
 from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from harnessrl.gateway.engine_client.sglang import SGLangUpstream
@@ -243,7 +244,7 @@ def create_app(config: GatewayConfig, store: Store, upstreams: list[Upstream] | 
         return JSONResponse(stored.model_dump(mode="json"))
 
     async def annotate(request: Request) -> Response:
-        return await annotations.annotate(gw(), request)
+        return await annotate_call(gw(), request)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})
