@@ -80,3 +80,28 @@ def test_rows_with_only_a_turn_level_term_are_run() -> None:
     batch.token_advantages[1][first_sampled] = 0.3  # a credited call in an otherwise flat rollout
     batch.token_advantages[3][0] = 0.3  # a prompt token (loss mask 0): no signal
     assert rows_to_run(batch, PPOConfig()) == [1]
+
+
+def test_the_run_config_chooses_the_estimator() -> None:
+    """`train.credit` and `train.step_coef` reach the batch the loop trains on; the default is unchanged."""
+    from types import SimpleNamespace
+
+    from harnessrl.config import RunConfig
+    from harnessrl.schema import StepReward
+    from harnessrl.trainer.loop import batch_metrics, make_batch
+    from tests.adapter.test_step_credit import detail
+
+    details = [
+        detail("a", 1.0, [StepReward(call=0, value=1.0)]),
+        detail("b", 0.0, [StepReward(call=0, value=0.0)]),
+    ]
+    default = make_batch(SimpleNamespace(cfg=RunConfig()), details)  # type: ignore[arg-type]
+    assert default.token_advantages is None and "step_rewards" not in batch_metrics(default, [])
+    cfg = RunConfig.model_validate({"train": {"credit": "step", "step_coef": 0.5, "estimator": "dr_grpo"}})
+    step = make_batch(SimpleNamespace(cfg=cfg), details)  # type: ignore[arg-type]
+    assert step.token_advantages is not None
+    assert step.token_advantages[0][3:5] == pytest.approx([0.5 + 0.25] * 2)  # A = 0.5, β (1 − 0.5) = 0.25
+    metrics = batch_metrics(step, [])
+    assert metrics["step_rewards"]["step_rewards"] == 2 and metrics["rollouts_flagged_hacking"] == 0
+    with pytest.raises(ValueError, match="advantage_level: rollout"):
+        RunConfig.model_validate({"train": {"credit": "step", "advantage_level": "sample"}})
