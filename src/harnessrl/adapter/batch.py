@@ -98,23 +98,7 @@ def build_batch(
     With `credit` STEP the grader's step rewards (and allowed annotations) add a turn-level term to the
     tokens of the calls they name (`adapter.step_credit`, scaled by `step_coef`); a group whose rewards
     are all equal then counts as zero-variance only if none of its calls got a term either."""
-    stats = MergeStats()
-    rows_of: dict[str, list[Row]] = {}
-    rewards: dict[str, float] = {}
-    groups: dict[str, str] = {}
-    for d in details:
-        if d.reward is None or d.rollout.state != RolloutState.SUCCEEDED:
-            continue
-        rid = d.rollout.rollout_id
-        last = max((a.attempt for a in d.attempts), default=0)
-        used = sorted({c.attempt for c in d.calls}) if include_failed_attempts else [last]
-        rows_of[rid] = []
-        for attempt in used:
-            result = merge_calls([c for c in d.calls if c.attempt == attempt], merge=merge)
-            stats.add(result)
-            rows_of[rid].extend(result.rows)
-        rewards[rid] = d.reward.value
-        groups[rid] = d.rollout.group_id or rid
+    stats, rows_of, rewards, groups = _graded_rows(details, include_failed_attempts, merge)
     details_by_id = {d.rollout.rollout_id: d for d in details}
     if level == AdvantageLevel.ROLLOUT:
         adv = rollout_advantages(rewards, groups, estimator)
@@ -154,6 +138,30 @@ def build_batch(
         steps=credit_of.report if credit_of else StepReport(),
         flagged_hacking=[rid for rid in rewards if _hacking(details_by_id[rid])],
     )
+
+
+def _graded_rows(
+    details: Sequence[RolloutDetail], include_failed_attempts: bool, merge: bool
+) -> tuple[MergeStats, dict[str, list[Row]], dict[str, float], dict[str, str]]:
+    """The rows, reward and group of every graded rollout (see `build_batch`), with merge statistics."""
+    stats = MergeStats()
+    rows_of: dict[str, list[Row]] = {}
+    rewards: dict[str, float] = {}
+    groups: dict[str, str] = {}
+    for d in details:
+        if d.reward is None or d.rollout.state != RolloutState.SUCCEEDED:
+            continue
+        rid = d.rollout.rollout_id
+        last = max((a.attempt for a in d.attempts), default=0)
+        used = sorted({c.attempt for c in d.calls}) if include_failed_attempts else [last]
+        rows_of[rid] = []
+        for attempt in used:
+            result = merge_calls([c for c in d.calls if c.attempt == attempt], merge=merge)
+            stats.add(result)
+            rows_of[rid].extend(result.rows)
+        rewards[rid] = d.reward.value
+        groups[rid] = d.rollout.group_id or rid
+    return stats, rows_of, rewards, groups
 
 
 def _hacking(detail: RolloutDetail) -> bool:
