@@ -181,6 +181,9 @@ def _step_printer(cfg: Any, notify: Any) -> Any:
         if m.get("rollouts_grader_error"):
             notify(f"step {step}: the grader failed on {m['rollouts_grader_error']} rollouts (not scored, not "
                    f"trained on): {m.get('first_error')}; see {run_dir}/rollouts/*/attempt-*/grader_error.txt")  # fmt: skip
+        if m.get("rollouts_flagged_hacking"):
+            notify(f"step {step}: the grader flagged {m['rollouts_flagged_hacking']} rollouts as gaming the reward "
+                   f"(details['hacking']); read them with harnessrl inspect {run_dir} --step {step}")  # fmt: skip
         if m.get("rollouts_infra_error"):
             notify(f"step {step}: {m['rollouts_infra_error']} rollouts could not run: {m.get('first_error')}")
         if m.get("rollouts_timed_out"):
