@@ -280,7 +280,7 @@ async def _run_async(
     )
     restart = None if services.vllm is None else vllm_restarter(services.vllm, run_dir)
     engine = engine_admin(cfg.engine.kind, services.engine_url, restart=restart, sync=cfg.engine.vllm_sync)
-    runner = make_runner(cfg.controller)
+    runner = make_runner(cfg.controller, project.harness_spec(cfg.controller.harness_timeout_s))
     controller = Controller(
         client, None, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
         run_dir,
