@@ -9,7 +9,6 @@ environment and volumes) in a bubblewrap "pod" with the Secret's files mounted w
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
@@ -45,7 +44,7 @@ out = pathlib.Path(os.environ["HARNESSRL_OUTPUT"])
 (out / "where.json").write_text(json.dumps({
     "cwd": os.getcwd(), "home": os.environ["HOME"], "output": str(out),
     "task": json.load(open(os.environ["HARNESSRL_TASK"])), "uid": os.getuid(),
-    "scratch": os.path.abspath("scratch.txt")}))
+    "scratch": os.path.abspath("scratch.txt"), "exec": os.access("tool.sh", os.X_OK)}))
 """
 
 
@@ -59,6 +58,8 @@ def project() -> Iterator[Path]:
     (path / "data.txt").write_text("forty two\n")
     (path / "conf").mkdir()
     (path / "conf" / "settings.json").write_text('{"n": 42}')
+    (path / "tool.sh").write_text("#!/bin/sh\necho tool\n")
+    (path / "tool.sh").chmod(0o755)  # an executable file keeps its mode wherever the attempt runs
     for p in (path / "data.txt", path / "conf" / "settings.json"):
         p.chmod(0o600)  # the attempt's uid gets its copies, not the owner's mode bits in its way
     yield path
@@ -69,7 +70,7 @@ def _attempt(project: Path) -> tuple[AttemptSpec, HarnessSpec]:
     """One attempt's spec, with `harness.files` copied as the controller copies them."""
     workdir = project / "run" / "rollouts" / "ro1" / "attempt-0"
     spec = AttemptSpec("ro1", 0, "key-1", "http://127.0.0.1:9", {"question": "q?"}, workdir)
-    files = tuple(project / n for n in ("harness.py", "data.txt", "conf"))
+    files = tuple(project / n for n in ("harness.py", "data.txt", "conf", "tool.sh"))
     harness = HarnessSpec(command=[PYTHON, "harness.py"], timeout_s=60, files=files)
     copy_files(files, workdir)
     return spec, harness
@@ -82,6 +83,7 @@ def _check(where: dict[str, Any], output: Path) -> None:
     assert cwd.name == "home" and where["home"] == where["cwd"], where
     assert Path(where["output"]) == cwd.parent / "output", where
     assert where["scratch"] == str(cwd / "scratch.txt") and where["task"] == {"question": "q?"}
+    assert where["exec"] is True
 
 
 RUNNERS = {
@@ -188,4 +190,3 @@ def test_harness_files_too_big_for_a_secret_are_refused_by_name(project: Path) -
 
 def test_no_files_no_archive(tmp_path: Path) -> None:
     assert pack_home(tmp_path / "attempt-0") == b""
-    asyncio.run(asyncio.sleep(0))
