@@ -5,7 +5,8 @@
 # install, nothing of the project's .venv. Keeps the log and the run's summary.json under OUT.
 #   bash bench/install_from_wheel.sh [OUT]      (default bench/results/install_wheel)
 # Env: PYTHON (default python3), TORCH_INDEX (default: pip's configured indexes; on a machine without a
-# local torch wheel, https://download.pytorch.org/whl/cpu gives the CPU build), KEEP=1 keeps the venv.
+# local torch wheel, https://download.pytorch.org/whl/cpu gives the CPU build), KEEP=1 keeps the venv,
+# OVERRIDES: dotted overrides for check and train (default: a 30-minute harness limit, for a loaded machine).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(mkdir -p "${1:-$REPO/bench/results/install_wheel}" && cd "${1:-$REPO/bench/results/install_wheel}" && pwd)
@@ -31,8 +32,12 @@ cd "$WORK/project"
 export HF_HUB_OFFLINE=1
 run "$WORK/venv/bin/harnessrl" doctor
 run "$WORK/venv/bin/harnessrl" init my_agent
-run "$WORK/venv/bin/harnessrl" check --config my_agent/config.yaml
-run "$WORK/venv/bin/harnessrl" train --config my_agent/config.yaml --no-check train.steps=1 eval.n_heldout=4 \
-    train.checkpoint_every=1
+OVERRIDES=${OVERRIDES:-controller.harness_timeout_s=1800}
+# shellcheck disable=SC2086  # OVERRIDES is a list of words
+run "$WORK/venv/bin/harnessrl" check --config my_agent/config.yaml $OVERRIDES
+# shellcheck disable=SC2086
+run "$WORK/venv/bin/harnessrl" train --config my_agent/config.yaml --no-check train.steps=1 train.batch_groups=1 \
+    train.group_size=2 eval.n_heldout=2 train.checkpoint_every=1 $OVERRIDES
+ls -l runs/my_agent/checkpoints/step-1 >>"$LOG"
 cp runs/my_agent/summary.json "$OUT/summary.json"
 step "done: harnessrl $("$WORK/venv/bin/python" -c 'import harnessrl, sys; sys.stdout.write(harnessrl.__file__)')"
