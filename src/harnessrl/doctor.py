@@ -19,7 +19,8 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-MIN_MEMORY_GIB = 6.0  # the CPU demo: its processes together peaked at 4,750 MB PSS (bench/results/memory.json)
+# the CPU demo: its processes together peaked at 4,750 MiB PSS (bench/results/memory.json)
+MIN_MEMORY_GIB = 6.0
 MIN_CORES = 2
 
 
