@@ -1,7 +1,8 @@
 """What the docs show runs as shown: every `harnessrl …` command line in README.md and docs/*.md parses
 with the real argparse parser of its subcommand, every `import harnessrl…`/`from harnessrl… import …`
 imports (names included), every `python -m harnessrl.…` names a module that exists, and every figure of
-docs/benchmarks.md traces to a result file named beside it or is marked as a quote (`figures.py`)."""
+docs/benchmarks.md and README.md traces to a result file named beside it or is marked as a quote
+(`figures.py`)."""
 
 from __future__ import annotations
 
@@ -193,6 +194,19 @@ def test_each_documented_import_imports(where: str, stmt: str) -> None:
             assert hasattr(mod, name) or importlib.util.find_spec(f"{module}.{name}"), f"{where}: {module} has no {name}"  # fmt: skip
 
 
-def test_every_benchmark_figure_traces_to_a_result_file() -> None:
-    bad = untraced(ROOT / "docs" / "benchmarks.md", ROOT)
+@pytest.mark.parametrize("page", ["docs/benchmarks.md", "README.md"])
+def test_every_benchmark_figure_traces_to_a_result_file(page: str) -> None:
+    bad = untraced(ROOT / page, ROOT)
     assert not bad, "figures with no result file that holds them (name the file in the section, or quote them with '>'):\n" + "\n".join(bad)  # fmt: skip
+
+
+def test_the_figure_check_catches_an_untraced_figure(tmp_path: Path) -> None:
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "r.json").write_text('{"peak_rss_mb": 4152.0, "wall_s": 1494.0}')
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n\n## Traced (`bench/results/r.json`)\n\nPeak 4,152 MiB (4.05 GiB), wall 24 min 54 s.\n\n"
+        "## Not traced\n\nPeak 4.15 GB, wall 25 min.\n\n> Quoted from a log: 16 min 18 s.\n"
+    )
+    bad = untraced(page, tmp_path)
+    assert [b.split(" (")[0] for b in bad] == ["page.md:9: '4.15 GB'", "page.md:9: '25 min'"]
