@@ -19,6 +19,7 @@ EPILOG = """commands:
   import    a trace file into a new run directory: harnessrl import trace.jsonl --run-dir runs/copy
   dashboard browse a run in the browser: harnessrl dashboard --run runs/demo
   demo      train SmolLM2-135M through the calc harness on this CPU and report before/after
+  doctor    what this machine has (Python, torch build, bubblewrap, Chromium, memory, cores) and what is missing
   engine    run the builtin engine server (see: harnessrl engine --help)
   gateway   run the gateway (see: harnessrl gateway --help)
 """
@@ -31,6 +32,7 @@ PASSTHROUGH = {
     "validate": ("harnessrl.export.cli", "validate_main"),
     "import": ("harnessrl.export.cli", "import_main"),
     "dashboard": ("harnessrl.dashboard.cli", "main"),
+    "doctor": ("harnessrl.runs.doctor", "main"),
 }
 
 

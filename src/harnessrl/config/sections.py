@@ -144,7 +144,7 @@ class ControllerSection(_Section):
     sandbox_cgroup: Literal["auto", "required", "never"] = "auto"  # one cgroup bounds the whole attempt
     sandbox_cgroup_memory_mb: int | None = 8192  # all of an attempt's processes together
     sandbox_cgroup_max_pids: int | None = 1024  # processes of one attempt together (cgroup pids.max)
-    sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness may read
+    sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness reads (a venv)
     sandbox_hide_git: bool = False  # `.git` folders in the view are hidden from the harness
     sandbox_disable_git: bool = False  # `git` commands fail inside the sandbox
     # Attempts as Ray tasks on a cluster (docs/ray.md): "auto", "host:port" or "ray://…"; None: local.
@@ -288,7 +288,7 @@ class HarnessSection(_Section):
     # `python`/`python3` as the program means the interpreter harnessrl runs in
     command: list[str] | None = None
     env: dict[str, str] = Field(default_factory=dict)  # extra variables (never the admin key)
-    files: list[str] = Field(default_factory=list)  # files/folders copied into each attempt's workdir
+    files: list[str] = Field(default_factory=list)  # files/folders copied into each attempt's home/ (its cwd)
 
     @field_validator("command")
     @classmethod
