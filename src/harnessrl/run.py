@@ -319,7 +319,8 @@ async def _run_async(
             from harnessrl.trainer.distributed import DataParallel
 
             ctx.data_parallel = DataParallel(model, optimizer, model_dir, tc.world_size, threads=tc.threads,
-                                             matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs")  # fmt: skip
+                                             matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs",
+                                             parallel=tc.parallel)  # fmt: skip
         train = run_async if tc.schedule == "async" else run_sync
         try:
             temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
