@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -115,10 +116,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--groups", type=int, default=1)
-    p.add_argument("--rows", type=int, default=4, help="rows per group")
+    p.add_argument("--rows", type=int, default=2, help="rows per group")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--updates", type=int, default=3)
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     print(json.dumps(bench_fsdp(args.model, args.groups, args.rows, args.threads, args.updates), indent=2))
     return 0
 

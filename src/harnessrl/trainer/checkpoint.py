@@ -34,11 +34,10 @@ def save_checkpoint(
     tmp = ckpt_dir / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(model, tmp)
+    osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     torch.save(
         {
-            "optimizer": optimizer.state_dict()
-            if isinstance(optimizer, torch.optim.Optimizer)
-            else optimizer,
+            "optimizer": osd,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),

@@ -4,7 +4,8 @@ sharded: `trainer.fsdp`); gloo on CPU, NCCL with one GPU per rank (`LOCAL_RANK`)
 
 Rank 0 is the trainer process of the run (it rolls out, publishes weights, writes checkpoints); ranks
 1..k-1 are worker processes it starts (`python -m harnessrl.trainer.distributed`), each holding a full
-copy of the policy and of the optimizer state. For each update rank 0 broadcasts the batch; every rank
+copy of the policy and of the optimizer state (ddp, `trainer.ddp`) or a 1/k shard of them (fsdp, where
+the micro-batch loss runs through FSDP instead of DDP; see `trainer.fsdp`). For each update rank 0 broadcasts the batch; every rank
 takes its share of the rows (`shard_rows`: contiguous runs of the rows in token order, so siblings that
 share a prompt stay together, cut at equal token counts) and runs the single-process update's own epoch
 loop (`trainer.ppo.update_epochs`) on it, with the ordinary micro-batch loss inside DDP; DDP all-reduces
@@ -16,16 +17,17 @@ step: the replicas stay identical, and the update equals the single-process one 
 order (tests/test_distributed.py measures it).
 
 The learning rate comes from rank 0 with each update (its LR schedule is the only one); checkpoints are
-written by rank 0 alone (all ranks hold the same state); after a resume `sync_state` sends rank 0's
-weights and optimizer state to the others.
+written by rank 0 alone (ddp: all ranks hold the same state; fsdp: rank 0 gathers the shards first, and
+a resume reshards); after a ddp resume `sync_state` sends rank 0's weights and optimizer state to the
+others.
 
 On CPU the ranks split the machine's cores (each gets `threads`, default cores // k). Speed-up needs
 more cores than one rank can use: see docs/scale.md for what it gives on 2 cores and the GPU case.
 
 Launch: by default rank 0 starts ranks 1..k-1 itself. Under `torchrun` (or any launcher that sets
 RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) the ranks join by that rendezvous instead: rank 0 runs the
-loop (`python -m harnessrl.trainer.distributed train run.yaml ...` runs `harnessrl train` there), the
-other ranks only serve updates, and receive their settings from rank 0 (`trainer.launch`).
+loop (`python -m harnessrl.trainer.distributed train --config run.yaml ...` runs `harnessrl train`
+there), the other ranks only serve updates and receive their settings from rank 0 (`trainer.launch`).
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ def rank_update(
 
 
 def _sum_over_ranks(values: list[float]) -> list[float]:
-    """Each value summed over all ranks (in float64, the precision of the Python floats they are)."""
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    """Each value summed over all ranks (in float64, the precision of the Python floats they are; a CPU
+    tensor: gloo carries it, also beside NCCL)."""
+    summed = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(summed)
     return [float(v) for v in summed.tolist()]
 
@@ -359,14 +361,15 @@ def serve_from_env() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a worker rank: started by `DataParallel` (--rank, --spec) or by torchrun (rank 0
-    runs `harnessrl <args>`, e.g. `train run.yaml ...`; the other ranks serve)."""
+    runs `harnessrl <args>`, e.g. `train --config run.yaml ...`; the other ranks serve)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if launch.launched_by_env() and "--rank" not in argv:
-        if int(os.environ["RANK"]) == 0:
-            from harnessrl.cli import main as cli_main
+    by_env = launch.launched_by_env() and "--rank" not in argv
+    if by_env and int(os.environ["RANK"]) == 0:  # the run itself (its own logging)
+        from harnessrl.cli import main as cli_main
 
-            return cli_main(argv)
+        return cli_main(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if by_env:
         serve_from_env()
         return 0
     p = argparse.ArgumentParser(prog="python -m harnessrl.trainer.distributed")

@@ -5,7 +5,7 @@ on CPU (gloo) or with one GPU per rank (NCCL).
 A torchrun launch on two machines, one rank each (node 0 runs the loop; node 1 only updates):
 
     torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --master-addr HOST0 --master-port 29500 \\
-        -m harnessrl.trainer.distributed train run.yaml train.world_size=2 train.parallel=fsdp
+        -m harnessrl.trainer.distributed train --config run.yaml train.world_size=2 train.parallel=fsdp
     torchrun --nnodes 2 --nproc-per-node 1 --node-rank 1 --master-addr HOST0 --master-port 29500 \\
         -m harnessrl.trainer.distributed
 
