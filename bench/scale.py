@@ -206,6 +206,9 @@ def main() -> int:
     p.add_argument("--skip-ddp", action="store_true")
     p.add_argument("--skip-fsdp", action="store_true")
     p.add_argument("--fsdp-rows", type=int, default=2, help="rows per FSDP update (3 updates, 1 group)")
+    p.add_argument(
+        "--fsdp-model", default=None, help="the FSDP part's model (default: --model; or small-random)"
+    )
     p.add_argument("--skip-gateways", action="store_true")
     p.add_argument("--gateway-seconds", type=float, default=10.0, help="load per gateway measurement")
     p.add_argument("--gateway-concurrency", type=int, default=16, help="rollouts calling at once")
@@ -224,7 +227,7 @@ def main() -> int:
     if not args.skip_fsdp:
         from bench.scale_fsdp import bench_fsdp
 
-        result["fsdp"] = bench_fsdp(args.model, 1, args.fsdp_rows, args.threads)
+        result["fsdp"] = bench_fsdp(args.fsdp_model or args.model, 1, args.fsdp_rows, args.threads)
         for key in ("fsdp_2rank_max_weight_diff", "fsdp_rank_peak_mb_ratio"):
             result[key] = result["fsdp"][key]
         print(json.dumps(result["fsdp"], indent=2), flush=True)

@@ -10,6 +10,8 @@ batches: part of `make bench-scale` (`bench/scale.py`), or alone:
   figure of the 1-process trainer. From the second update on all three exist at every backward.
 - `gather_s` / `push_s`: gathering the full weights on rank 0, and that plus writing the safetensors
   folder an engine loads (`save_model`), against writing it from one process (`push_s_1rank`).
+- `--model small-random`: SmolLM2's vocabulary with 4 layers of width 256 (16M parameters, random
+  weights), where SmolLM2-135M takes too long (a machine shared by other jobs).
 - resume: the 2-rank checkpoint of update 1 resumed by 1 process, which then does update 2
   (`resume_2to1_max_weight_diff` against the uninterrupted 1-process run); that process's checkpoint
   resumed by 2 sharded ranks, which then do update 3 (`resume_1to2_max_weight_diff`).
@@ -30,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.scale
 
 
+SMALL = "small-random"  # --model small-random: a 16M-parameter model for a loaded machine
+
+
 def _gap(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(float((a[k].detach() - b[k].detach()).abs().max()) for k in a if k != "lm_head.weight")
 
@@ -43,13 +48,18 @@ def bench_fsdp(model_name: str, groups: int, rows: int, threads: int, updates: i
     import torch
     from bench.scale import demo_batch
 
-    from harnessrl.modeling.loading import load_model, resolve_model, save_model
+    from harnessrl.modeling.loading import load_model, make_tiny_model_dir, resolve_model, save_model
     from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from harnessrl.trainer.distributed import DataParallel
     from harnessrl.trainer.fsdp import local_state_bytes
     from harnessrl.trainer.ppo import PPOConfig, ppo_update
 
-    model_dir = resolve_model(model_name)
+    if model_name == SMALL:  # SmolLM2's tokenizer and vocabulary, 4 narrow layers, random weights
+        model_dir = make_tiny_model_dir(
+            Path(tempfile.mkdtemp()) / SMALL, hidden=256, layers=4, intermediate=768
+        )
+    else:
+        model_dir = resolve_model(model_name)
     batches = [demo_batch(groups, rows, seed=s) for s in range(updates)]
     cfg = PPOConfig()
 
@@ -114,7 +124,7 @@ def bench_fsdp(model_name: str, groups: int, rows: int, threads: int, updates: i
 def main() -> int:
     """Print the figures as JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help=f"a model name or folder, or {SMALL}")
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--rows", type=int, default=2, help="rows per group")
     p.add_argument("--threads", type=int, default=2)

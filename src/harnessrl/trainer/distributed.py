@@ -43,7 +43,6 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,7 +68,6 @@ from harnessrl.trainer.ppo import (
 
 log = logging.getLogger("harnessrl.trainer.distributed")  # also when run as __main__ (a worker rank)
 
-COLLECTIVE_TIMEOUT = timedelta(hours=2)  # one update (a collective waits for the slowest rank's share)
 JOIN_TIMEOUT_S = 120.0  # workers to start and join the process group
 
 
@@ -174,7 +172,7 @@ class DataParallel:
         try:
             if launch.launched_by_env():  # torchrun started the ranks: join them, then tell them the spec
                 launch.check_env_world(world_size)
-                launch.join(None, timeout_s=JOIN_TIMEOUT_S)
+                launch.join(None)
                 dist.broadcast_object_list([spec], src=0)
             else:
                 from harnessrl.services import free_port
@@ -353,7 +351,7 @@ def _worker(rank: int, spec: dict[str, Any]) -> None:
 
 def serve_from_env() -> None:
     """A rank started by torchrun (not rank 0): join by the environment, take the spec from rank 0, serve."""
-    launch.join(None, timeout_s=JOIN_TIMEOUT_S)
+    launch.join(None)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
     _worker(dist.get_rank(), box[0])

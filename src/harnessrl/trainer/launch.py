@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# How long a collective may wait: ranks 1..k-1 wait in one for rank 0's next order during a whole
+# rollout phase; a longer phase between two updates fails the ranks (raise it here if yours are longer).
+COLLECTIVE_TIMEOUT = timedelta(hours=6)
 
 
 def launched_by_env() -> bool:
@@ -49,16 +52,23 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-def join(init: str | None, rank: int = -1, world_size: int = -1, timeout_s: float = 120.0) -> None:
-    """Join the process group: by `init` (tcp://host:port) with an explicit rank and size, or, with
-    `init` None, by the launcher's environment (env://)."""
-    timeout = timedelta(seconds=timeout_s)
+def join(init: str | None, rank: int = -1, world_size: int = -1, join_timeout_s: float = 120.0) -> None:
+    """Join the process group: by `init` (tcp://host:port; rank 0 serves the rendezvous store there) with
+    an explicit rank and size, or, with `init` None, by the launcher's environment (env://).
+
+    Two timeouts: joining gives up after `join_timeout_s` (a rank that never starts fails the run
+    quickly), while a collective may wait `COLLECTIVE_TIMEOUT`: the other ranks wait in one for rank 0's
+    next order while it rolls out, and a rank may spend minutes loading its model on a busy machine."""
     if init is None:
-        dist.init_process_group(backend(), init_method="env://", timeout=timeout)
-    else:
-        dist.init_process_group(
-            backend(), init_method=init, rank=rank, world_size=world_size, timeout=timeout
-        )
+        dist.init_process_group(backend(), init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+        return
+    host, port = init.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(
+        host, int(port), world_size, is_master=rank == 0, timeout=timedelta(seconds=join_timeout_s)
+    )
+    dist.init_process_group(
+        backend(), store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+    )
 
 
 def check_env_world(world_size: int) -> None:
