@@ -228,6 +228,7 @@ def main() -> int:
         from bench.scale_fsdp import bench_fsdp
 
         result["fsdp"] = bench_fsdp(args.fsdp_model or args.model, 1, args.fsdp_rows, args.threads)
+        result["fsdp"].update(command=result["command"], load_avg_at_end=os.getloadavg())  # kept by --merge
         for key in ("fsdp_2rank_max_weight_diff", "fsdp_rank_peak_mb_ratio"):
             result[key] = result["fsdp"][key]
         print(json.dumps(result["fsdp"], indent=2), flush=True)
