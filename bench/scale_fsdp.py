@@ -43,23 +43,65 @@ def _snapshot(model: Any) -> dict[str, Any]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _model_dir(model_name: str) -> Path:
+    from harnessrl.modeling.loading import make_tiny_model_dir, resolve_model
+
+    if model_name == SMALL:  # SmolLM2's tokenizer and vocabulary, 4 narrow layers, random weights
+        return make_tiny_model_dir(Path(tempfile.mkdtemp()) / SMALL, hidden=256, layers=4, intermediate=768)
+    return resolve_model(model_name)
+
+
+def _state_bytes(model: Any, opt: Any) -> int:
+    from harnessrl.trainer.fsdp import local_state_bytes
+
+    return sum(local_state_bytes(model, opt).values())
+
+
+def _one_process(
+    fresh: Any, batches: list[Any], cfg: Any
+) -> tuple[list[int], list[dict[str, Any]], list[float]]:
+    """The 1-process updates: peak state bytes after each micro-batch, weights after each update, times."""
+    from harnessrl.trainer.ppo import ppo_update
+
+    single, opt = fresh()
+    peak, after, times = [0], [], []
+    for b in batches:
+        t0 = time.perf_counter()
+        ppo_update(single, opt, b, cfg, progress=lambda d, n: peak.append(_state_bytes(single, opt)))
+        times.append(time.perf_counter() - t0)
+        after.append(_snapshot(single))
+    return peak, after, times
+
+
+def _resumes(
+    dp: Any, fresh: Any, batches: list[Any], after: list[Any], cfg: Any, tmp: Path
+) -> tuple[float, float]:
+    """The 2-rank checkpoint of update 1 resumed by 1 process (then update 2), and that process's
+    checkpoint resumed by the 2 ranks (then update 3): their differences to the 1-process run."""
+    from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from harnessrl.trainer.ppo import ppo_update
+
+    n = len(batches)
+    resumed, opt = fresh()
+    load_checkpoint(tmp / "ck2" / "step-1", resumed, opt)
+    ppo_update(resumed, opt, batches[1 % n], cfg)
+    to_one = _gap(after[1 % n], resumed.state_dict())
+    save_checkpoint(tmp / "ck1", 2, resumed, opt, {})
+    dp.load_checkpoint(tmp / "ck1" / "step-2")
+    dp.update(batches[2 % n], cfg)
+    return to_one, _gap(after[2 % n], dp.full_model().state_dict())
+
+
 def bench_fsdp(model_name: str, groups: int, rows: int, threads: int, updates: int = 3) -> dict[str, Any]:
     """The figures of the module docstring."""
     import torch
     from bench.scale import demo_batch
 
-    from harnessrl.modeling.loading import load_model, make_tiny_model_dir, resolve_model, save_model
-    from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from harnessrl.modeling.loading import load_model, save_model
     from harnessrl.trainer.distributed import DataParallel
-    from harnessrl.trainer.fsdp import local_state_bytes
-    from harnessrl.trainer.ppo import PPOConfig, ppo_update
+    from harnessrl.trainer.ppo import PPOConfig
 
-    if model_name == SMALL:  # SmolLM2's tokenizer and vocabulary, 4 narrow layers, random weights
-        model_dir = make_tiny_model_dir(
-            Path(tempfile.mkdtemp()) / SMALL, hidden=256, layers=4, intermediate=768
-        )
-    else:
-        model_dir = resolve_model(model_name)
+    model_dir = _model_dir(model_name)
     batches = [demo_batch(groups, rows, seed=s) for s in range(updates)]
     cfg = PPOConfig()
 
@@ -67,20 +109,11 @@ def bench_fsdp(model_name: str, groups: int, rows: int, threads: int, updates: i
         model = load_model(model_dir)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    def total(model: Any, opt: Any) -> int:
-        return sum(local_state_bytes(model, opt).values())
-
     torch.set_num_threads(threads)
-    single, opt1 = fresh()
-    peak1, after, t1 = [0], [], []
-    for b in batches:
-        t0 = time.perf_counter()
-        ppo_update(single, opt1, b, cfg, progress=lambda d, n: peak1.append(total(single, opt1)))
-        t1.append(time.perf_counter() - t0)
-        after.append(_snapshot(single))
+    peak1, after, t1 = _one_process(fresh, batches, cfg)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        save_model(single, Path(tmp) / "one")
+        save_model(load_model(model_dir), Path(tmp) / "one")
         push1 = time.perf_counter() - t0
         model, opt2 = fresh()
         dp = DataParallel(model, opt2, model_dir, 2, threads=max(1, threads // 2), parallel="fsdp")
@@ -88,7 +121,7 @@ def bench_fsdp(model_name: str, groups: int, rows: int, threads: int, updates: i
         try:
             for i, b in enumerate(batches):
                 t0 = time.perf_counter()
-                dp.update(b, cfg, progress=lambda d, n: peak2.append(total(model, opt2)))
+                dp.update(b, cfg, progress=lambda d, n: peak2.append(_state_bytes(model, opt2)))
                 t2.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 view = dp.full_model()
@@ -98,14 +131,7 @@ def bench_fsdp(model_name: str, groups: int, rows: int, threads: int, updates: i
                 diffs.append(_gap(after[i], view.state_dict()))
                 if i == 0:
                     dp.save_checkpoint(Path(tmp) / "ck2", 1, {})
-            resumed, opt3 = fresh()  # 2 ranks -> 1
-            load_checkpoint(Path(tmp) / "ck2" / "step-1", resumed, opt3)
-            ppo_update(resumed, opt3, batches[1 % updates], cfg)
-            to_one = _gap(after[1 % updates], resumed.state_dict())
-            save_checkpoint(Path(tmp) / "ck1", 2, resumed, opt3, {})  # 1 -> 2 ranks
-            dp.load_checkpoint(Path(tmp) / "ck1" / "step-2")
-            dp.update(batches[2 % updates], cfg)
-            to_two = _gap(after[2 % updates], dp.full_model().state_dict())
+            to_one, to_two = _resumes(dp, fresh, batches, after, cfg, Path(tmp))
         finally:
             dp.close()
     moved = _gap(after[-1], fresh()[0].state_dict())

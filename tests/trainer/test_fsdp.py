@@ -49,6 +49,30 @@ def test_optimizer_state_forms_round_trip() -> None:
     assert to_name_form(index, names) == osd
 
 
+def _resume_both_ways(
+    dp: DataParallel,
+    model_dir: Path,
+    tmp_path: Path,
+    after: list[dict[str, torch.Tensor]],
+    cfg: PPOConfig,
+    sched2: torch.optim.lr_scheduler.LambdaLR,
+) -> tuple[float, float, float, float]:
+    """The 2-rank checkpoint of update 1 resumed by 1 rank (then update 2), that rank's checkpoint resumed
+    by the 2 ranks (then update 3): the gaps to the uninterrupted 1-rank run, and of the reload itself."""
+    batches = [random_batch(12, seed=s) for s in (21, 22)]
+    lone = Batch([batches[0].rows[0]], [0.7], [batches[0].weights[0]], {})
+    resumed, opt3, sched3 = _trainer(model_dir)  # 2 ranks -> 1: the sharded checkpoint is an ordinary one
+    assert load_checkpoint(tmp_path / "ck2" / "step-1", resumed, opt3, sched3)["step"] == 1
+    at_one = _gap(after[0], _weights(resumed))
+    ppo_update(resumed, opt3, batches[1], cfg, scheduler=sched3)
+    to_one = _gap(after[1], _weights(resumed))
+    save_checkpoint(tmp_path / "ck1", 2, resumed, opt3, {}, sched3)  # 1 rank -> 2: resharded on load
+    assert dp.load_checkpoint(tmp_path / "ck1" / "step-2", sched2)["step"] == 2
+    loaded = _gap(_weights(resumed), dp.full_model().state_dict())
+    dp.update(lone, cfg, scheduler=sched2)
+    return at_one, to_one, loaded, _gap(after[2], dp.full_model().state_dict())
+
+
 def test_two_sharded_ranks_give_the_single_process_update(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Three updates side by side (1 rank, 2 sharded ranks), the last leaving rank 1 without rows; the
     2-rank checkpoint of update 1 resumed by 1 rank, and that rank's checkpoint resumed by 2 ranks."""
@@ -63,40 +87,17 @@ def test_two_sharded_ranks_give_the_single_process_update(tiny_model_dir: Path, 
     diffs, m1, m2, after = [], [], [], []
     try:
         for step, b in enumerate((*batches, lone), start=1):
-            m1.append(
-                ppo_update(
-                    single,
-                    opt1,
-                    b,
-                    cfg,
-                    scheduler=sched1,
-                    progress=lambda d, n: peaks1.append(local_state_bytes(single, opt1)),
-                )
-            )
-            m2.append(
-                dp.update(
-                    b,
-                    cfg,
-                    scheduler=sched2,
-                    progress=lambda d, n: peaks.append(local_state_bytes(model, opt2)),
-                )
-            )
+            m1.append(ppo_update(single, opt1, b, cfg, scheduler=sched1, progress=lambda d, n: peaks1.append(
+                local_state_bytes(single, opt1))))  # fmt: skip
+            m2.append(dp.update(b, cfg, scheduler=sched2, progress=lambda d, n: peaks.append(
+                local_state_bytes(model, opt2))))  # fmt: skip
             after.append(_weights(single))
             diffs.append(_gap(after[-1], dp.full_model().state_dict()))
             if step == 1:
                 dp.save_checkpoint(tmp_path / "ck2", 1, {}, sched2)
-        # 2 ranks -> 1: the sharded checkpoint is an ordinary one
-        resumed, opt3, sched3 = _trainer(tiny_model_dir)
-        assert load_checkpoint(tmp_path / "ck2" / "step-1", resumed, opt3, sched3)["step"] == 1
-        resume_gap_1 = _gap(after[0], _weights(resumed))
-        ppo_update(resumed, opt3, batches[1], cfg, scheduler=sched3)
-        to_one = _gap(after[1], _weights(resumed))
-        # 1 rank -> 2: resharded on load
-        save_checkpoint(tmp_path / "ck1", 2, resumed, opt3, {}, sched3)
-        assert dp.load_checkpoint(tmp_path / "ck1" / "step-2", sched2)["step"] == 2
-        loaded = _gap(_weights(resumed), dp.full_model().state_dict())
-        dp.update(lone, cfg, scheduler=sched2)
-        to_two = _gap(after[2], dp.full_model().state_dict())
+        resume_gap_1, to_one, loaded, to_two = _resume_both_ways(
+            dp, tiny_model_dir, tmp_path, after, cfg, sched2
+        )
     finally:
         dp.close()
     print(f"fsdp_2rank_max_weight_diff after steps 1..3: {', '.join(f'{d:.2e}' for d in diffs)}; "
