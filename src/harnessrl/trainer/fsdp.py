@@ -88,7 +88,10 @@ def idle_loss(policy: LlamaForCausalLM) -> Tensor:
 def mixed_precision(device: torch.device) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 reduction on a GPU that has bf16; fp32 everywhere else (CPU: exact)."""
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # inputs are not cast: the root's include the proximal logprobs (fp32), the layers' are bf16 already
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     return MixedPrecisionPolicy()
 
 
