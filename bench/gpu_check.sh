@@ -3,7 +3,8 @@
 # GPU). Results go to $OUT (default bench/results/gpu): gpu_check.json (exactness per dtype, engine sleep
 # memory), engine_gpu_fp32.json / engine_gpu_bf16.json (bench/engine.py on the GPU against transformers
 # generate on the same GPU), loop_summary.json + loop_metrics.jsonl (the $LOOP_EXAMPLE loop with engine and
-# trainer on the GPU, the engine asleep at level 2 during each update), and log.txt.
+# trainer on the GPU, the engine asleep at level 2 during each update), fsdp_2gpu.txt (with 2+ GPUs: one
+# 2-rank FSDP update over NCCL against one process, bench/torchrun_update.py), and log.txt.
 #
 #   bash bench/gpu_check.sh                       # with the project installed (make install) and a GPU
 #   MODEL_CONFIG=DIR bash bench/gpu_check.sh      # random weights with DIR's config.json + tokenizer
@@ -16,7 +17,7 @@ WORK=${WORK:-/tmp/harnessrl-gpu}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}  # cpu: a dry run of the script itself
 LEVELS=${LEVELS:-1 4 16 64 256}
-STAGES=${STAGES:-checks engine loop}
+STAGES=${STAGES:-checks engine loop fsdp}
 LOOP_EXAMPLE=${LOOP_EXAMPLE:-search}  # needs only the project's own deps (calc needs reasoning-gym)
 mkdir -p "$OUT" "$WORK"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -61,5 +62,13 @@ loop() {
   return $rc
 }
 on loop && stage loop loop
+fsdp() {  # 2 ranks, one GPU each (NCCL, bf16 compute): one sharded update against one process
+  local n
+  n=$($PY -c "import torch; print(torch.cuda.device_count())")
+  if [ "$n" -lt 2 ]; then echo "skipped: $n GPU(s); the 2-rank FSDP step needs 2"; return 0; fi
+  $PY -m torch.distributed.run --standalone --nproc-per-node 2 bench/torchrun_update.py --model-dir "$MODEL" \
+    --device cuda --tol 1e-2 | tee "$OUT/fsdp_2gpu.txt"
+}
+on fsdp && stage fsdp fsdp
 echo "failed stages: $failed"
 exit $failed

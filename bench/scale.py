@@ -6,6 +6,10 @@
    rank (all `--threads` threads) and with 2 ranks over gloo (`--threads`/2 each), from the same weights:
    the update time of each (median of `--repeats`, a fresh update each) and `ddp_2rank_max_weight_diff`,
    the largest absolute weight difference after the step.
+1b. FSDP (`bench/scale_fsdp.py`): 2 sharded ranks against 1 process over 3 AdamW updates on the same
+   weights and batches (`fsdp_2rank_max_weight_diff`), rank 0's peak of parameters + gradients + optimizer
+   state against the 1-process figure (`fsdp_rank_peak_mb_ratio`), the weight gather and push time, and a
+   2-rank checkpoint resumed at 1 rank and back.
 2. Store: `--calls` calls of ~14 kB (about what a calc call weighs) written in group commits of 8, as the
    gateway's writer does under load, on one thread: calls/s and the median commit latency, on a SQLite
    file and on a throwaway local PostgreSQL (fsync on, as a real server); then PostgreSQL with 2 store
@@ -15,7 +19,8 @@
    (`replica_kill_lost_calls`, time for the moved rollouts to get answers again).
 
     python bench/scale.py --out bench/results/scale.json     # make bench-scale (about 5-7 minutes)
-    python bench/scale.py --skip-ddp --skip-store --merge    # only the gateways, kept beside the rest
+    python bench/scale.py --skip-ddp --skip-store --merge    # only the gateways (and FSDP), kept beside the rest
+    python bench/scale.py --skip-ddp --skip-store --skip-gateways --merge    # only the FSDP figures
 """
 
 from __future__ import annotations
@@ -199,6 +204,11 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=4000)
     p.add_argument("--skip-store", action="store_true")
     p.add_argument("--skip-ddp", action="store_true")
+    p.add_argument("--skip-fsdp", action="store_true")
+    p.add_argument("--fsdp-rows", type=int, default=2, help="rows per FSDP update (3 updates, 1 group)")
+    p.add_argument(
+        "--fsdp-model", default=None, help="the FSDP part's model (default: --model; or small-random)"
+    )
     p.add_argument("--skip-gateways", action="store_true")
     p.add_argument("--gateway-seconds", type=float, default=10.0, help="load per gateway measurement")
     p.add_argument("--gateway-concurrency", type=int, default=16, help="rollouts calling at once")
@@ -214,6 +224,14 @@ def main() -> int:
         result["ddp"] = bench_ddp(args.model, args.groups, args.rows, args.threads, args.repeats)
         result["ddp_2rank_max_weight_diff"] = result["ddp"]["ddp_2rank_max_weight_diff"]
         print(json.dumps(result["ddp"], indent=2), flush=True)
+    if not args.skip_fsdp:
+        from bench.scale_fsdp import bench_fsdp
+
+        result["fsdp"] = bench_fsdp(args.fsdp_model or args.model, 1, args.fsdp_rows, args.threads)
+        result["fsdp"].update(command=result["command"], load_avg_at_end=os.getloadavg())  # kept by --merge
+        for key in ("fsdp_2rank_max_weight_diff", "fsdp_rank_peak_mb_ratio"):
+            result[key] = result["fsdp"][key]
+        print(json.dumps(result["fsdp"], indent=2), flush=True)
     if not args.skip_store:
         result["store"] = bench_store(args.calls)
         print(json.dumps(result["store"], indent=2), flush=True)

@@ -209,9 +209,12 @@ class TrainSection(_Section):
     train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
     time_budget_s: float | None = None  # stop after the step during which this much training time ran out
     device: str = "cpu"  # where the policy (and reference) model trains: "cpu" or "cuda[:N]"
-    # data-parallel trainer ranks: k > 1 starts k - 1 worker processes that each take a share of every
-    # update's rows (DDP over gloo, CPU only so far); the update equals the 1-rank one (docs/scale.md)
+    # data-parallel trainer ranks: k > 1 starts k - 1 worker processes (or joins those torchrun started)
+    # that each take a share of every update's rows; the update equals the 1-rank one (docs/scale.md)
     world_size: int = Field(default=1, ge=1)
+    # with world_size > 1: ddp (every rank a full replica) or fsdp (FSDP2: parameters, gradients and
+    # optimizer state sharded over the ranks); gloo on CPU, NCCL with one GPU per rank (train.device: cuda)
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     # linear layers of the policy on CPU: oneDNN-packed (forward and input gradient), F.linear, or auto
     # (oneDNN when its probe logprobs are within 1e-4 of F.linear's; see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
@@ -250,8 +253,11 @@ class TrainSection(_Section):
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
         _check_device(self.device, "train.device")
-        if self.world_size > 1 and self.device != "cpu":
-            raise ValueError("train.world_size > 1 runs CPU ranks (gloo) only so far; set train.device: cpu")
+        if self.world_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"train.device {self.device!r} with train.world_size > 1: set cpu, or cuda (each rank then "
+                "takes cuda:<LOCAL_RANK>, one GPU per rank)"
+            )
         for tracker, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
             if tracker in self.log_to and importlib.util.find_spec(module) is None:
                 raise ValueError(

@@ -111,5 +111,6 @@ def build_trainer(
         from harnessrl.trainer.distributed import DataParallel
 
         ctx.data_parallel = DataParallel(model, optimizer, model_dir, tc.world_size, threads=tc.threads,
-                                         matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs")  # fmt: skip
+                                         matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs",
+                                         parallel=tc.parallel)  # fmt: skip
     return ctx

@@ -27,6 +27,8 @@ RESUMABLE = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.threads",
+    "train.world_size",  # ranks and sharding give the same update; checkpoints load at any world size
+    "train.parallel",
     "eval.every",
     "engine.port",
     "engine.threads",

@@ -24,18 +24,20 @@ def save_checkpoint(
     ckpt_dir: Path,
     step: int,
     model: LlamaForCausalLM,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | dict[str, Any],
     state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> Path:
-    """Write the checkpoint of `step` (the number of completed updates) atomically."""
+    """Write the checkpoint of `step` (the number of completed updates) atomically. `optimizer` may be
+    an optimizer's state dict already gathered (a sharded trainer's, `trainer.fsdp`)."""
     final = ckpt_dir / f"step-{step}"
     tmp = ckpt_dir / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(model, tmp)
+    osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     torch.save(
         {
-            "optimizer": optimizer.state_dict(),
+            "optimizer": osd,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
@@ -70,6 +72,13 @@ def load_checkpoint(
     load_weights_into(model, load_state_dict_file(path))
     blob = torch.load(path / "optimizer.pt", weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
+    return restore_loop_state(path, blob, scheduler)
+
+
+def restore_loop_state(
+    path: Path, blob: dict[str, Any], scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+) -> dict[str, Any]:
+    """Restore the LR schedule and RNG states of a checkpoint's `optimizer.pt` blob; return its loop state."""
     if scheduler is not None and blob.get("scheduler") is not None:
         scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])

@@ -1,8 +1,11 @@
-"""Data-parallel PPO update on torch.distributed: `train.world_size` k trainer ranks, DDP over gloo.
+"""Data-parallel PPO update on torch.distributed: `train.world_size` k trainer ranks, DDP (every rank a
+full replica) or, with `train.parallel: fsdp`, FSDP2 (parameters, gradients and optimizer state
+sharded: `trainer.fsdp`); gloo on CPU, NCCL with one GPU per rank (`LOCAL_RANK`) on CUDA.
 
 Rank 0 is the trainer process of the run (it rolls out, publishes weights, writes checkpoints); ranks
-1..k-1 are worker processes it starts (`python -m harnessrl.trainer.distributed`), each holding a full
-copy of the policy and of the optimizer state. For each update rank 0 broadcasts the batch; every rank
+1..k-1 are worker processes it starts (`python -m harnessrl.trainer.rank`), each holding a full
+copy of the policy and of the optimizer state (ddp, `trainer.ddp`) or a 1/k shard of them (fsdp, where
+the micro-batch loss runs through FSDP instead of DDP; see `trainer.fsdp`). For each update rank 0 broadcasts the batch; every rank
 takes its share of the rows (`shard_rows`: contiguous runs of the rows in token order, so siblings that
 share a prompt stay together, cut at equal token counts) and runs the single-process update's own epoch
 loop (`trainer.ppo.update_epochs`) on it, with the ordinary micro-batch loss inside DDP; DDP all-reduces
@@ -14,16 +17,21 @@ step: the replicas stay identical, and the update equals the single-process one 
 order (tests/trainer/test_distributed.py measures it).
 
 The learning rate comes from rank 0 with each update (its LR schedule is the only one); checkpoints are
-written by rank 0 alone (all ranks hold the same state); after a resume `sync_state` sends rank 0's
-weights and optimizer state to the others.
+written by rank 0 alone (ddp: all ranks hold the same state; fsdp: rank 0 gathers the shards first, and
+a resume reshards); after a ddp resume `sync_state` sends rank 0's weights and optimizer state to the
+others.
 
 On CPU the ranks split the machine's cores (each gets `threads`, default cores // k). Speed-up needs
 more cores than one rank can use: see docs/scale.md for what it gives on 2 cores and the GPU case.
+
+Launch: by default rank 0 starts ranks 1..k-1 itself. Under `torchrun` (or any launcher that sets
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) the ranks join by that rendezvous instead: rank 0 runs the
+loop (`python -m harnessrl.trainer.rank train --config run.yaml ...` runs `harnessrl train`
+there), the other ranks only serve updates and receive their settings from rank 0 (`trainer.launch`).
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import logging
@@ -34,22 +42,24 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import LRScheduler
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.loading import load_state_dict_file
+from harnessrl.trainer import launch
+from harnessrl.trainer.checkpoint import load_checkpoint, restore_loop_state, save_checkpoint
+from harnessrl.trainer.ddp import divergence, sync_state, wrap
+from harnessrl.trainer.fsdp import ShardedLoss, gather_full, load_full, micro_batch_slots, model_view, shard
 from harnessrl.trainer.ppo import (
-    _STAT_KEYS,
     NO_STEP_METRICS,
     PPOConfig,
-    micro_batch_loss,
     row_groups,
     rows_to_run,
     update_epochs,
@@ -57,7 +67,6 @@ from harnessrl.trainer.ppo import (
 
 log = logging.getLogger("harnessrl.trainer.distributed")  # also when run as __main__ (a worker rank)
 
-COLLECTIVE_TIMEOUT = timedelta(hours=2)  # one update (a collective waits for the slowest rank's share)
 JOIN_TIMEOUT_S = 120.0  # workers to start and join the process group
 
 
@@ -77,47 +86,11 @@ def shard_rows(batch: Batch, rows: list[int], world_size: int) -> list[list[int]
     return shards
 
 
-def _sum_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    """DDP communication hook: all-reduce SUM (DDP's own hook divides by the world size)."""
-    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()  # type: ignore[union-attr]
-    return fut.then(lambda f: f.value()[0])
-
-
-# DDP checks the hook's annotations as objects (this module's are strings: `from __future__ import annotations`)
-_sum_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
-
-
-class _Loss(nn.Module):
-    """The micro-batch loss as a module, so DDP sees the forward pass it synchronises."""
-
-    def __init__(self, policy: LlamaForCausalLM) -> None:
-        super().__init__()
-        self.policy = policy
-
-    def forward(
-        self,
-        batch: Batch,
-        idx: list[int],
-        cfg: PPOConfig,
-        prox: Tensor | None,
-        ref_model: LlamaForCausalLM | None,
-        checkpoint_layers: bool | None,
-    ) -> tuple[Tensor, dict[str, float], Tensor | None]:
-        if not idx:  # a rank without rows still joins the all-reduce, with zero gradients
-            zero = sum((p.sum() * 0.0 for p in self.policy.parameters()), torch.zeros(()))
-            return zero, dict.fromkeys(_STAT_KEYS, 0.0), None
-        return micro_batch_loss(self.policy, batch, idx, cfg, prox, ref_model, checkpoint_layers)
-
-
-def wrap(model: LlamaForCausalLM) -> DDP:
-    """The policy inside DDP (parameters broadcast from rank 0 here), gradients reduced by SUM."""
-    ddp = DDP(_Loss(model), find_unused_parameters=False)
-    ddp.register_comm_hook(None, _sum_hook)
-    return ddp
+Root = DDP | ShardedLoss  # the module a rank's micro-batch losses run through
 
 
 def rank_update(
-    ddp: DDP,
+    root: Root,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: PPOConfig,
@@ -134,52 +107,35 @@ def rank_update(
     if not run_rows or batch.n_trainable_tokens == 0:  # the same decision on every rank
         return {**NO_STEP_METRICS, "lr": lr, "skipped_zero_adv_rows": skipped, "ranks": float(world),
                 "rank_rows_max": 0.0}  # fmt: skip
-    mine = shard_rows(batch, run_rows, world)[rank]
-    groups = row_groups(batch, mine, cfg.micro_batch_tokens) or [[]]
+    shards = shard_rows(batch, run_rows, world)
+    if isinstance(root, DDP):  # micro-batches accumulate locally; DDP reduces at the last backward
+        policy, no_sync = root.module.policy, root.no_sync
+        groups = row_groups(batch, shards[rank], cfg.micro_batch_tokens) or [[]]
+    else:  # every rank the same number of micro-batches: each one's collectives are everyone's
+        policy, no_sync = root.policy, None
+        groups = micro_batch_slots(batch, shards, cfg.micro_batch_tokens, rank)
     metrics = update_epochs(
-        ddp.module.policy, optimizer, groups, cfg,
-        lambda idx, prox: ddp(batch, idx, cfg, prox, ref_model, checkpoint_layers),
-        progress=progress, no_sync=ddp.no_sync, sum_over_ranks=_sum_over_ranks,
+        policy, optimizer, groups, cfg,
+        lambda idx, prox: root(batch, idx, cfg, prox, ref_model, checkpoint_layers),
+        progress=progress, no_sync=no_sync, sum_over_ranks=_sum_over_ranks,
     )  # fmt: skip
     return {**metrics, "lr": lr, "skipped_zero_adv_rows": skipped, "ranks": float(world),
-            "rank_rows_max": float(len(mine))}  # fmt: skip
+            "rank_rows_max": float(max(len(s) for s in shards))}  # fmt: skip
 
 
 def _sum_over_ranks(values: list[float]) -> list[float]:
-    """Each value summed over all ranks (in float64, the precision of the Python floats they are)."""
+    """Each value summed over all ranks (in float64, the precision of the Python floats they are; a CPU
+    tensor: gloo carries it, also beside NCCL)."""
     summed = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(summed)
     return [float(v) for v in summed.tolist()]
 
 
-def _flat_params(model: nn.Module) -> Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-
-
-def _sync_state(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank takes rank 0's weights and optimizer state (after a resume on rank 0)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            dist.broadcast(p.data, src=0)
-    box = [optimizer.state_dict() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    if dist.get_rank() != 0:
-        optimizer.load_state_dict(box[0])  # type: ignore[arg-type]
-
-
-def _divergence(model: nn.Module) -> float:
-    """The largest absolute difference between any rank's weights and rank 0's."""
-    mine = _flat_params(model)
-    ref = mine.clone()
-    dist.broadcast(ref, src=0)
-    gap = (mine - ref).abs().max().reshape(1).double()
-    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-    return float(gap[0])
-
-
 class DataParallel:
-    """Rank 0's handle on a k-rank data-parallel trainer: starts ranks 1..k-1, runs each update on all
-    ranks, stops them on `close`. The rank-0 `model` and `optimizer` are the run's own."""
+    """Rank 0's handle on a k-rank data-parallel trainer (`parallel` "ddp": replicas, "fsdp": shards):
+    starts ranks 1..k-1 (or joins those a launcher started), runs each update on all ranks, gathers the
+    weights for the engine and checkpoints, stops the ranks on `close`. The rank-0 `model` and
+    `optimizer` are the run's own (with fsdp, sharded in place)."""
 
     def __init__(
         self,
@@ -193,45 +149,53 @@ class DataParallel:
         kl_coef: float = 0.0,
         log_dir: Path | None = None,
         port: int | None = None,
+        parallel: Literal["ddp", "fsdp"] = "ddp",
     ) -> None:
         if world_size < 2:
             raise ValueError("DataParallel needs world_size >= 2 (1 is the plain single-process update)")
-        if next(model.parameters()).device.type != "cpu":
-            raise ValueError("data-parallel training runs on CPU ranks (gloo) only so far")
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process")
-        from harnessrl.services import free_port
-
-        self.model, self.optimizer, self.world_size = model, optimizer, world_size
+        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+            raise ValueError(f"data-parallel ranks build AdamW, Adam or SGD, not {type(optimizer).__name__}")
+        self.model, self.optimizer, self.world_size, self.parallel = model, optimizer, world_size, parallel
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
-        init = f"tcp://127.0.0.1:{port or free_port()}"
-        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
-            raise ValueError(f"data-parallel ranks build AdamW, Adam or SGD, not {type(optimizer).__name__}")
         defaults = {k: v for k, v in optimizer.defaults.items() if isinstance(v, int | float | bool | tuple)}
-        spec = {"init": init, "world_size": world_size, "model_dir": str(model_dir), "threads": self.threads,
-                "matmul": matmul, "optimizer": type(optimizer).__name__, "defaults": defaults,
-                "kl_coef": kl_coef}  # fmt: skip
+        device = next(model.parameters()).device
+        spec = {"world_size": world_size, "model_dir": str(model_dir), "threads": self.threads, "matmul": matmul,
+                "optimizer": type(optimizer).__name__, "defaults": defaults, "kl_coef": kl_coef,
+                "parallel": parallel, "device": device.type}  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
-        for rank in range(1, world_size):
+        try:
+            if launch.launched_by_env():  # torchrun started the ranks: join them, then tell them the spec
+                launch.check_env_world(world_size)
+                launch.join(None)
+                dist.broadcast_object_list([spec], src=0)
+            else:
+                from harnessrl.services import free_port
+
+                init = spec["init"] = f"tcp://127.0.0.1:{port or free_port()}"
+                self._spawn(spec, log_dir)
+                launch.join(init, 0, world_size, JOIN_TIMEOUT_S)
+            self.root: Root = wrap(model) if parallel == "ddp" else shard(model, optimizer)
+        except BaseException:
+            self._kill()
+            raise
+        log.info("event=data_parallel_started parallel=%s world_size=%d threads_per_rank=%d",
+                 parallel, world_size, self.threads)  # fmt: skip
+
+    def _spawn(self, spec: dict[str, Any], log_dir: Path | None) -> None:
+        for rank in range(1, self.world_size):
             out: Any = subprocess.DEVNULL
             if log_dir is not None:
                 out = open(log_dir / f"trainer-rank{rank}.log", "ab")  # noqa: SIM115 - closed in `_kill`
                 self._logs.append(out)
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "harnessrl.trainer.distributed", "--rank", str(rank), "--spec", json.dumps(spec)],
+                [sys.executable, "-m", "harnessrl.trainer.rank", "--rank", str(rank), "--spec", json.dumps(spec)],
                 stdout=out, stderr=subprocess.STDOUT,
             ))  # fmt: skip
-        try:
-            dist.init_process_group("gloo", init_method=init, rank=0, world_size=world_size,
-                                    timeout=timedelta(seconds=JOIN_TIMEOUT_S))  # fmt: skip
-            self.ddp = wrap(model)
-        except BaseException:
-            self._kill()
-            raise
-        log.info("event=data_parallel_started world_size=%d threads_per_rank=%d", world_size, self.threads)
 
     def update(
         self,
@@ -242,27 +206,59 @@ class DataParallel:
         progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, float]:
         """The update on all ranks (as `ppo_update`); rank 0 steps the LR schedule afterwards."""
-        self._check_alive()
-        lr = self.optimizer.param_groups[0]["lr"]
-        dist.broadcast_object_list([{"op": "update", "batch": batch, "cfg": asdict(cfg), "lr": lr}], src=0)
-        metrics = rank_update(self.ddp, self.optimizer, batch, cfg, ref_model, progress)
+        self._send(
+            {"op": "update", "batch": batch, "cfg": asdict(cfg), "lr": self.optimizer.param_groups[0]["lr"]}
+        )
+        metrics = rank_update(self.root, self.optimizer, batch, cfg, ref_model, progress)
         if scheduler is not None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
                 scheduler.step()
         return metrics
 
+    def full_model(self) -> LlamaForCausalLM:
+        """The whole policy on rank 0, for the engine push: the model itself (ddp), or gathered from the
+        shards into one CPU copy on rank 0 alone (fsdp)."""
+        if self.parallel == "ddp":
+            return self.model
+        t0 = time.perf_counter()
+        self._send({"op": "gather", "optimizer": False})
+        weights, _ = gather_full(self.model, self.optimizer, with_optimizer=False)
+        assert weights is not None  # rank 0
+        log.info("event=weights_gathered seconds=%.2f", time.perf_counter() - t0)
+        return model_view(self.model, weights)
+
+    def save_checkpoint(
+        self, ckpt_dir: Path, step: int, state: dict[str, Any], scheduler: LRScheduler | None = None
+    ) -> Path:
+        """Write an ordinary (single-process format) checkpoint from rank 0: any world size resumes it."""
+        if self.parallel == "ddp":  # every rank holds the same state
+            return save_checkpoint(ckpt_dir, step, self.model, self.optimizer, state, scheduler)
+        self._send({"op": "gather", "optimizer": True})
+        weights, osd = gather_full(self.model, self.optimizer, with_optimizer=True)
+        assert weights is not None and osd is not None  # rank 0
+        return save_checkpoint(ckpt_dir, step, model_view(self.model, weights), osd, state, scheduler)
+
+    def load_checkpoint(self, path: Path, scheduler: LRScheduler | None = None) -> dict[str, Any]:
+        """Restore a checkpoint (of any world size) on every rank; returns its loop state (`step`)."""
+        if self.parallel == "ddp":  # rank 0 loads, the others take its weights and moments
+            state = load_checkpoint(path, self.model, self.optimizer, scheduler)
+            self.sync_state()
+            return state
+        self._send({"op": "load"})
+        blob = torch.load(path / "optimizer.pt", weights_only=False)
+        load_full(self.model, self.optimizer, load_state_dict_file(path), blob["optimizer"])
+        return restore_loop_state(path, blob, scheduler)
+
     def sync_state(self) -> None:
-        """Send rank 0's weights and optimizer state to every rank (after loading a checkpoint)."""
-        self._check_alive()
-        dist.broadcast_object_list([{"op": "sync"}], src=0)
-        _sync_state(self.model, self.optimizer)
+        """Send rank 0's weights and optimizer state to every rank (ddp, after loading a checkpoint)."""
+        self._send({"op": "sync"})
+        sync_state(self.model, self.optimizer)
 
     def divergence(self) -> float:
-        """The largest absolute weight difference between any rank and rank 0 (0.0: in lockstep)."""
-        self._check_alive()
-        dist.broadcast_object_list([{"op": "divergence"}], src=0)
-        return _divergence(self.model)
+        """The largest absolute weight difference between any rank and rank 0 (ddp; 0.0: in lockstep)."""
+        self._send({"op": "divergence"})
+        return divergence(self.model)
 
     def close(self) -> None:
         """Stop the workers and leave the process group."""
@@ -271,17 +267,28 @@ class DataParallel:
         try:
             if all(p.poll() is None for p in self.procs):
                 dist.broadcast_object_list([{"op": "stop"}], src=0)
+        finally:
+            # leave the group before waiting: a rank leaving it can wait for its peers to leave too
+            dist.destroy_process_group()
+            try:
                 for p in self.procs:
                     p.wait(timeout=60)
-        finally:
-            self._kill()
-            dist.destroy_process_group()
-            torch.set_num_threads(self._threads_before)
+            except subprocess.TimeoutExpired:
+                log.warning("event=rank_stop_timeout: killing the ranks still running")
+            finally:
+                self._kill()
+                torch.set_num_threads(self._threads_before)
 
-    def _check_alive(self) -> None:
+    def _send(self, msg: dict[str, Any]) -> None:
+        """Tell every rank what to do next (after checking that the ranks rank 0 started are alive)."""
         dead = [(r + 1, p.returncode) for r, p in enumerate(self.procs) if p.poll() is not None]
         if dead:
             raise RuntimeError(f"trainer rank(s) exited: {dead} (see logs/trainer-rank*.log)")
+        if msg["op"] in ("sync", "divergence") and self.parallel != "ddp":
+            raise ValueError(
+                f"{msg['op']} compares or copies whole replicas: ddp only (this is {self.parallel})"
+            )
+        dist.broadcast_object_list([msg], src=0)
 
     def _kill(self) -> None:
         for p in self.procs:
@@ -293,26 +300,30 @@ class DataParallel:
         self._logs = []
 
 
-def _worker(rank: int, spec: dict[str, Any]) -> None:
-    """Ranks 1..k-1: hold a replica, run each update's share, until rank 0 says stop."""
+def worker(rank: int, spec: dict[str, Any]) -> None:
+    """Ranks 1..k-1: hold a replica or a shard, run each update's share, until rank 0 says stop."""
     from harnessrl.modeling.loading import load_model
     from harnessrl.modeling.packed import use_onednn_for_training
 
     torch.set_num_threads(int(spec["threads"]))
-    dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=int(spec["world_size"]),
-                            timeout=timedelta(seconds=JOIN_TIMEOUT_S))  # fmt: skip
-    model = load_model(spec["model_dir"])
+    device = launch.rank_device(spec.get("device", "cpu"), rank)
+    model = load_model(spec["model_dir"], device=str(device))
     if str(spec["matmul"]).startswith("onednn"):
-        use_onednn_for_training(model, "onednn", torch.device("cpu"))
+        use_onednn_for_training(model, "onednn", device)
     cls = getattr(torch.optim, spec["optimizer"])
     accepted = inspect.signature(cls).parameters
     defaults = {
         k: tuple(v) if isinstance(v, list) else v for k, v in spec["defaults"].items() if k in accepted
     }
-    optimizer = cls(model.parameters(), **defaults)
-    ref = load_model(spec["model_dir"]).requires_grad_(False) if spec["kl_coef"] > 0 else None
-    ddp = wrap(model)
-    log.info("event=rank_ready rank=%d", rank)
+    fsdp = spec.get("parallel", "ddp") == "fsdp"
+    root: Root = shard(model) if fsdp else wrap(model)
+    optimizer = cls(model.parameters(), **defaults)  # after sharding: over this rank's shards
+    ref = (
+        load_model(spec["model_dir"], device=str(device)).requires_grad_(False)
+        if spec["kl_coef"] > 0
+        else None
+    )
+    log.info("event=rank_ready rank=%d parallel=%s device=%s", rank, spec.get("parallel", "ddp"), device)
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
@@ -321,27 +332,25 @@ def _worker(rank: int, spec: dict[str, Any]) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = msg["lr"]
             t0 = time.perf_counter()
-            rank_update(ddp, optimizer, msg["batch"], PPOConfig(**msg["cfg"]), ref)
+            rank_update(root, optimizer, msg["batch"], PPOConfig(**msg["cfg"]), ref)
             log.info("event=rank_update rank=%d seconds=%.2f", rank, time.perf_counter() - t0)
+        elif msg["op"] == "gather":
+            gather_full(model, optimizer, with_optimizer=bool(msg["optimizer"]))
+        elif msg["op"] == "load":
+            load_full(model, optimizer, None, None)
         elif msg["op"] == "sync":
-            _sync_state(model, optimizer)
+            sync_state(model, optimizer)
         elif msg["op"] == "divergence":
-            _divergence(model)
+            divergence(model)
         elif msg["op"] == "stop":
             break
     dist.destroy_process_group()
+    log.info("event=rank_stopped rank=%d", rank)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of a worker rank (started by `DataParallel`)."""
-    p = argparse.ArgumentParser(prog="python -m harnessrl.trainer.distributed")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--spec", required=True, help="JSON settings from rank 0")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    _worker(args.rank, json.loads(args.spec))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def serve_from_env() -> None:
+    """A rank started by torchrun (not rank 0): join by the environment, take the spec from rank 0, serve."""
+    launch.join(None)
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    worker(dist.get_rank(), box[0])

@@ -96,7 +96,7 @@ def selected_logprobs(
     recompute = checkpoint_layers and torch.is_grad_enabled()
     for layer in model.model.blocks:
         args = (layer, xs, xp, cos_s, sin_s, cos_p, sin_p, mask)
-        xs, xp = checkpoint(_layer, *args, use_reentrant=False) if recompute else _layer(*args)
+        xs, xp = checkpoint(run_layer, *args, use_reentrant=False) if recompute else run_layer(*args)
         if recompute:  # after each layer's backward its recomputed activations go back to the OS
             xs.register_hook(_trim_heap_hook)
     row, pos = torch.nonzero(select, as_tuple=True)
@@ -123,7 +123,30 @@ def activation_bytes(model: LlamaForCausalLM, rows: int, suffix: int, prefix: in
     return int(c.num_hidden_layers * per_layer * size)
 
 
-def _layer(
+# A layer sharded by FSDP (trainer/fsdp.py) carries its step under this name, registered as an FSDP forward
+# method: calling it gathers the layer's weights first (and its backward reduces their gradients).
+SHARDED_STEP = "sharded_step"
+
+
+def run_layer(
+    layer: DecoderLayer,
+    xs: Tensor,
+    xp: Tensor | None,
+    cos_s: Tensor,
+    sin_s: Tensor,
+    cos_p: Tensor,
+    sin_p: Tensor,
+    mask: Tensor,
+) -> tuple[Tensor, Tensor | None]:
+    """One decoder layer of the training forward (`layer_forward`), through the layer's FSDP step when sharded."""
+    step = getattr(layer, SHARDED_STEP, None)
+    if step is not None:
+        out: tuple[Tensor, Tensor | None] = step(xs, xp, cos_s, sin_s, cos_p, sin_p, mask)
+        return out
+    return layer_forward(layer, xs, xp, cos_s, sin_s, cos_p, sin_p, mask)
+
+
+def layer_forward(
     layer: DecoderLayer,
     xs: Tensor,
     xp: Tensor | None,

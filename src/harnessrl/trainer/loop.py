@@ -205,7 +205,7 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
     t2 = time.perf_counter()
     if sleep_level:
         await ctx.engine.wake_up()
-    await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", new_version)
+    await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", new_version)
     await ctx.client.resume(weight_version=new_version)
     t3 = time.perf_counter()
     return {
@@ -217,6 +217,11 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
         "preempted_calls_total": paused.get("preempted_calls", 0),
         "weight_version": new_version,
     }
+
+
+def full_model(ctx: TrainContext) -> LlamaForCausalLM:
+    """The whole policy for the engine: the model itself, or gathered on rank 0 from sharded ranks."""
+    return ctx.data_parallel.full_model() if ctx.data_parallel is not None else ctx.model
 
 
 async def train_step(ctx: TrainContext, train_tasks: list[Task], step: int) -> dict[str, Any]:
@@ -275,12 +280,13 @@ async def restore(ctx: TrainContext) -> dict[str, Any]:
     if ckpt is None:
         ctx.metrics.truncate_after(0)
         return {"step": 0}
-    state = load_checkpoint(ckpt, ctx.model, ctx.optimizer, ctx.scheduler)
-    if ctx.data_parallel is not None:  # the other ranks take rank 0's restored weights and moments
-        ctx.data_parallel.sync_state()
+    if ctx.data_parallel is not None:  # every rank takes the checkpoint's weights and moments
+        state = ctx.data_parallel.load_checkpoint(ckpt, ctx.scheduler)
+    else:
+        state = load_checkpoint(ckpt, ctx.model, ctx.optimizer, ctx.scheduler)
     step = int(state["step"])
     ctx.metrics.truncate_after(step)  # steps after the checkpoint are done again: logged once
-    await publish_weights(ctx.model, ctx.engine, ctx.run_dir / "weights", step)
+    await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", step)
     await ctx.client.resume(weight_version=step)
     log.info("event=resumed step=%d checkpoint=%s", step, ckpt)
     return state
@@ -291,7 +297,10 @@ def maybe_checkpoint(ctx: TrainContext, step: int, loop_state: dict[str, Any] | 
     t = ctx.cfg.train
     if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
         state = {"run_id": ctx.run_id, **(loop_state or {})}
-        save_checkpoint(ctx.run_dir / "checkpoints", step, ctx.model, ctx.optimizer, state, ctx.scheduler)
+        if ctx.data_parallel is not None:  # sharded ranks: rank 0 gathers, writes the single-process format
+            ctx.data_parallel.save_checkpoint(ctx.run_dir / "checkpoints", step, state, ctx.scheduler)
+        else:
+            save_checkpoint(ctx.run_dir / "checkpoints", step, ctx.model, ctx.optimizer, state, ctx.scheduler)
         prune_checkpoints(ctx.run_dir / "checkpoints", t.keep_checkpoints)
 
 

@@ -1,0 +1,225 @@
+"""Sharded data parallelism (`train.parallel: fsdp`): FSDP2 (`torch.distributed.fsdp.fully_shard`) on a
+1-D device mesh of the k trainer ranks, so each rank holds 1/k of the parameters, gradients and AdamW
+state instead of a full copy (the DDP path of `trainer.distributed`).
+
+Units. Every decoder layer is one FSDP unit; the rest (embeddings, the final norm, the LM head, tied to
+the embeddings in SmolLM2) belongs to the root unit, `ShardedLoss`, whose forward is the micro-batch
+loss. The trainer's forward (`trainer.forward`) calls a layer's parts directly (its shared-prefix path
+runs each layer once for the prefix and once for the rows), so a sharded layer is called through its
+`sharded_step`, registered as an FSDP forward method: the layer's weights are all-gathered before it,
+freed after it, gathered again in the backward pass and its gradients reduce-scattered. Each rank thus
+holds the full weights of the root unit and of one layer at a time, and 1/k of everything else.
+
+Same update as one process. Every collective must be issued by every rank in the same order, so every
+rank runs the same number of micro-batches: a rank whose share of the rows has fewer runs an idle
+micro-batch (a 1-token forward through every unit whose loss is multiplied by 0) instead. Gradients are
+reduced by SUM (`set_gradient_divide_factor(1)`, with sum-only collectives: gloo has no pre-scaled sum):
+as with DDP, the batch's loss weights are fixed before the update, so the batch's gradient is the sum
+of the ranks' gradients. Each micro-batch's gradients are reduce-scattered as soon as its backward is
+done (the shards accumulate): no rank ever holds a whole model's gradient. `clip_grad_norm_` computes
+the global norm over the shards; AdamW steps each rank's shard.
+
+Weights out. `gather_full` gives rank 0 the full state dict (tensor by tensor, offloaded to CPU; the
+other ranks keep nothing) and, for checkpoints, the full optimizer state in the single-process format
+(keyed by parameter index, as `torch.optim.AdamW.state_dict()`), so a checkpoint written by k sharded
+ranks is an ordinary checkpoint: 1 rank resumes it, and `load_full` reshards one onto any k.
+
+Devices. CPU ranks use gloo and fp32 throughout. With CUDA each rank uses `cuda:<LOCAL_RANK>` and NCCL,
+with bf16 parameters for compute and fp32 gradient reduction and optimizer state (FSDP2's
+`MixedPrecisionPolicy`) where the GPU supports bf16 (then the update is no longer bit-close to fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from harnessrl.adapter import Batch
+from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.trainer.forward import SHARDED_STEP, layer_forward, selected_logprobs
+from harnessrl.trainer.ppo import _STAT_KEYS, PPOConfig, micro_batch_loss, row_groups
+
+
+class ShardedLoss(nn.Module):
+    """The FSDP root: the micro-batch loss of its policy; an empty micro-batch is an idle one."""
+
+    def __init__(self, policy: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(
+        self,
+        batch: Batch,
+        idx: list[int],
+        cfg: PPOConfig,
+        prox: Tensor | None,
+        ref_model: LlamaForCausalLM | None,
+        checkpoint_layers: bool | None,
+    ) -> tuple[Tensor, dict[str, float], Tensor | None]:
+        if idx:
+            return micro_batch_loss(self.policy, batch, idx, cfg, prox, ref_model, checkpoint_layers)
+        return idle_loss(self.policy), dict.fromkeys(_STAT_KEYS, 0.0), None
+
+
+def idle_loss(policy: LlamaForCausalLM) -> Tensor:
+    """A zero loss whose forward and backward pass through every unit (so this rank joins every
+    all-gather and reduce-scatter of a micro-batch) and whose gradients are exactly zero."""
+    device = next(policy.parameters()).device
+    tokens = torch.zeros((1, 2), dtype=torch.long, device=device)
+    select = torch.ones((1, 1), dtype=torch.bool, device=device)
+    sel = selected_logprobs(policy, tokens, select, torch.ones(1, device=device), 0, checkpoint_layers=False)
+    return sel.logprobs.sum() * 0.0
+
+
+def mixed_precision(device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 reduction on a GPU that has bf16; fp32 everywhere else (CPU: exact)."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        # inputs are not cast: the root's include the proximal logprobs (fp32), the layers' are bf16 already
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    return MixedPrecisionPolicy()
+
+
+def shard(policy: LlamaForCausalLM, optimizer: torch.optim.Optimizer | None = None) -> ShardedLoss:
+    """Shard `policy` in place over all ranks of the process group (each layer a unit, the rest the
+    root) and return the root. An `optimizer` built on the unsharded parameters (and not stepped yet) is
+    pointed at the sharded ones."""
+    device = next(policy.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = mixed_precision(device)
+    units: list[FSDPModule] = []
+    for layer in policy.model.blocks:
+        setattr(layer, SHARDED_STEP, functools.partial(layer_forward, layer))
+        units.append(fully_shard(layer, mesh=mesh, mp_policy=mp))
+        register_fsdp_forward_method(layer, SHARDED_STEP)
+    root = fully_shard(ShardedLoss(policy), mesh=mesh, mp_policy=mp)
+    for unit in (*units, root):
+        unit.set_gradient_divide_factor(1.0)  # SUM over ranks, not the mean
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    if optimizer is not None:
+        _adopt(optimizer, policy)
+    return root  # type: ignore[return-value]
+
+
+def _adopt(optimizer: torch.optim.Optimizer, policy: nn.Module) -> None:
+    """Point a fresh single-group optimizer at the policy's (now sharded) parameters."""
+    if optimizer.state or len(optimizer.param_groups) != 1:
+        raise ValueError("shard the policy before the optimizer's first step, with one parameter group")
+    params = list(policy.parameters())
+    if len(params) != len(optimizer.param_groups[0]["params"]):
+        raise ValueError("the optimizer does not hold exactly the policy's parameters")
+    optimizer.param_groups[0]["params"] = params
+
+
+def micro_batch_slots(batch: Batch, shards: list[list[int]], token_budget: int, rank: int) -> list[list[int]]:
+    """This rank's micro-batches, padded with idle ones ([]) to the largest count of any rank (each
+    rank computes every rank's count from the same batch: no communication)."""
+    groups = [row_groups(batch, rows, token_budget) for rows in shards]
+    n = max(1, *(len(g) for g in groups))
+    return groups[rank] + [[] for _ in range(n - len(groups[rank]))]
+
+
+def _names(policy: nn.Module) -> list[str]:
+    """Parameter names in `parameters()` order (a tied weight once): the single-process optimizer's ids."""
+    return [name for name, _ in policy.named_parameters()]
+
+
+def gather_full(
+    policy: LlamaForCausalLM, optimizer: torch.optim.Optimizer, with_optimizer: bool
+) -> tuple[dict[str, Tensor] | None, dict[str, Any] | None]:
+    """Collective: rank 0 gets the full model state dict (and the optimizer's, in the single-process
+    format) on CPU; the other ranks get (None, None). One full tensor at a time is in flight."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = cast("dict[str, Tensor]", get_model_state_dict(policy, options=opts))
+    osd = get_optimizer_state_dict(policy, optimizer, options=opts) if with_optimizer else None
+    if dist.get_rank() != 0:
+        return None, None
+    if policy.config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return weights, None if osd is None else to_index_form(osd, _names(policy))
+
+
+def to_index_form(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name -> keyed by index, as `Optimizer.state_dict()`."""
+    index = {name: i for i, name in enumerate(names)}
+    state = {index[n]: v for n, v in osd["state"].items() if n in index}
+    groups = [
+        {**g, "params": sorted(index[n] for n in g["params"] if n in index)} for g in osd["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def to_name_form(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of `to_index_form`."""
+    state = {names[int(i)]: v for i, v in osd["state"].items()}
+    groups = [{**g, "params": [names[int(i)] for i in g["params"]]} for g in osd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_full(
+    policy: LlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    weights: dict[str, Tensor] | None,
+    osd: dict[str, Any] | None,
+) -> None:
+    """Collective: rank 0's full state (as read from a checkpoint: weights and the single-process
+    optimizer state) is broadcast and resharded onto every rank's shards; the others pass None."""
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd: dict[str, Tensor] = {}
+    optim_sd: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        if weights is None or osd is None:
+            raise ValueError("rank 0 must pass the checkpoint's weights and optimizer state")
+        model_sd = dict(weights)
+        if policy.config.tie_word_embeddings:
+            model_sd["lm_head.weight"] = model_sd["model.embed_tokens.weight"]
+        optim_sd = to_name_form(osd, _names(policy))
+    set_model_state_dict(policy, cast("dict[str, Any]", model_sd), options=opts)
+    set_optimizer_state_dict(policy, optimizer, optim_sd, options=opts)
+
+
+def model_view(config_of: LlamaForCausalLM, weights: dict[str, Tensor]) -> LlamaForCausalLM:
+    """A plain (unsharded) policy whose parameters are the gathered tensors themselves (no copy): what
+    `save_model`, `publish_weights` and `save_checkpoint` take."""
+    with torch.device("meta"):
+        view = LlamaForCausalLM(config_of.config)
+    state = dict(weights)
+    if view.config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    view.load_state_dict(state, assign=True, strict=True)
+    if view.config.tie_word_embeddings:
+        view.lm_head.weight = view.model.embed_tokens.weight
+    return view.eval()
+
+
+def local_state_bytes(policy: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (a sharded tensor counts its
+    local shard; a tied weight once)."""
+
+    def size(t: Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    params = list(policy.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return {
+        "params": sum(size(p) for p in params),
+        "grads": sum(size(g) for g in grads),
+        "optimizer": sum(size(v) for v in states),
+    }
