@@ -26,7 +26,7 @@ from harnessrl.engine.detok import StopChecker, TokenText
 from harnessrl.engine.sampling import SamplingParams, StepSample, make_generator, sample_step
 from harnessrl.engine.slots import SlotTable
 from harnessrl.engine.state import EngineOp, EngineState, InvalidEngineTransition, engine_transition
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_weights_into
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import PackedLinears
@@ -140,7 +140,7 @@ class Scheduler:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         text: TokenText,
         max_batch: int,
         max_model_len: int,

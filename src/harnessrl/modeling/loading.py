@@ -28,9 +28,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.rope import RopeScaling, RopeType
+from harnessrl.modeling.transformer import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def rope_scaled_config(config: dict[str, Any], rope_type: RopeType | str, factor
     The original context becomes YaRN's `original_max_position_embeddings`. The scaling is written both
     as `rope_scaling` (+ `rope_theta`, transformers 4.x) and `rope_parameters` (5.x), which agree.
     """
-    base = LlamaConfig.from_hf_dict(config)
+    base = ModelConfig.from_hf_dict(config)
     if base.rope_scaling is not None:
         raise ValueError("the model's RoPE is already scaled; scale the original model instead")
     original = base.max_position_embeddings
@@ -135,7 +136,7 @@ def rope_scaled_config(config: dict[str, Any], rope_type: RopeType | str, factor
         rope_scaling=hf,
         rope_parameters={"rope_theta": base.rope_theta, **hf},
     )
-    LlamaConfig.from_hf_dict(out)  # it must read back
+    ModelConfig.from_hf_dict(out)  # it must read back
     return out
 
 
@@ -191,9 +192,11 @@ def resolve_model(name_or_path: str | Path) -> Path:
     return path
 
 
-def load_config(path: str | Path) -> LlamaConfig:
-    """Read `config.json` of a model directory."""
-    return LlamaConfig.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+def load_config(path: str | Path) -> ModelConfig:
+    """Read `config.json` of a model directory (its family from `architectures`; unknown ones refused)."""
+    cfg = ModelConfig.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+    cfg.source_dir = str(path)
+    return cfg
 
 
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -212,7 +215,7 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_state_dict(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def check_state_dict(model: CausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Validate a HF-named state dict against `model` (names and shapes); fill a tied lm_head."""
     state = dict(state)
     if model.config.tie_word_embeddings and "model.embed_tokens.weight" in state:
@@ -228,7 +231,7 @@ def check_state_dict(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) ->
     return state
 
 
-def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
+def load_weights_into(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
     """Copy a HF-named state dict into `model` in place (a tied lm_head may be absent); strict on names."""
     state = check_state_dict(model, state)
     with torch.no_grad():
@@ -236,12 +239,12 @@ def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -
             param.copy_(state[name])
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
-    """Build a LlamaForCausalLM from a model directory (or name) in eval mode."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
+    """Build the model of a model directory (or name) in eval mode, whichever supported family it is."""
     d = resolve_model(path)
     t0 = time.monotonic()
     with torch.device("meta"):
-        model = LlamaForCausalLM(load_config(d))
+        model = CausalLM(load_config(d))
     model = model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -252,7 +255,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return model
 
 
-def save_model(model: LlamaForCausalLM, out_dir: str | Path) -> Path:
+def save_model(model: CausalLM, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors (HF-compatible, tied lm_head omitted) atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -261,6 +264,8 @@ def save_model(model: LlamaForCausalLM, out_dir: str | Path) -> Path:
         state.pop("lm_head.weight")
     cfg = model.config.to_hf_dict()
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    if "dtype" in cfg:  # transformers 5.x's name for it
+        cfg["dtype"] = cfg["torch_dtype"]
     _atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
     _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
     return out
@@ -282,8 +287,10 @@ def make_tiny_model_dir(
     intermediate: int = 128,
     max_positions: int = 8192,
 ) -> Path:
-    """A randomly initialised tiny Llama with SmolLM2's real tokenizer (for tests and demos)."""
-    cfg = LlamaConfig(
+    """A randomly initialised tiny Llama with SmolLM2's real tokenizer (for tests and demos).
+
+    Other families' tiny folders (their real tokenizers): tests/support/families.py."""
+    cfg = ModelConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -292,7 +299,7 @@ def make_tiny_model_dir(
         intermediate_size=intermediate,
         max_position_embeddings=max_positions,
     )
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(seed)
     out = save_model(model, out_dir)
     tok_dir = smollm2_tokenizer_dir()

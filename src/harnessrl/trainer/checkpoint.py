@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_state_dict_file, load_weights_into, save_model
 
 
 def save_checkpoint(
     ckpt_dir: Path,
     step: int,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -61,7 +61,7 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 def load_checkpoint(
     path: Path,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harnessrl.adapter import Batch
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.trainer.ppo import (
     _STAT_KEYS,
     NO_STEP_METRICS,
@@ -90,7 +90,7 @@ _sum_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.fut
 class _Loss(nn.Module):
     """The micro-batch loss as a module, so DDP sees the forward pass it synchronises."""
 
-    def __init__(self, policy: LlamaForCausalLM) -> None:
+    def __init__(self, policy: CausalLM) -> None:
         super().__init__()
         self.policy = policy
 
@@ -100,7 +100,7 @@ class _Loss(nn.Module):
         idx: list[int],
         cfg: PPOConfig,
         prox: Tensor | None,
-        ref_model: LlamaForCausalLM | None,
+        ref_model: CausalLM | None,
         checkpoint_layers: bool | None,
     ) -> tuple[Tensor, dict[str, float], Tensor | None]:
         if not idx:  # a rank without rows still joins the all-reduce, with zero gradients
@@ -109,7 +109,7 @@ class _Loss(nn.Module):
         return micro_batch_loss(self.policy, batch, idx, cfg, prox, ref_model, checkpoint_layers)
 
 
-def wrap(model: LlamaForCausalLM) -> DDP:
+def wrap(model: CausalLM) -> DDP:
     """The policy inside DDP (parameters broadcast from rank 0 here), gradients reduced by SUM."""
     ddp = DDP(_Loss(model), find_unused_parameters=False)
     ddp.register_comm_hook(None, _sum_hook)
@@ -121,7 +121,7 @@ def rank_update(
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: PPOConfig,
-    ref_model: LlamaForCausalLM | None = None,
+    ref_model: CausalLM | None = None,
     progress: Callable[[int, int], None] | None = None,
     checkpoint_layers: bool | None = None,
 ) -> dict[str, float]:
@@ -156,7 +156,7 @@ def _flat_params(model: nn.Module) -> Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
 
-def _sync_state(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer) -> None:
+def _sync_state(model: CausalLM, optimizer: torch.optim.Optimizer) -> None:
     """Every rank takes rank 0's weights and optimizer state (after a resume on rank 0)."""
     with torch.no_grad():
         for p in model.parameters():
@@ -183,7 +183,7 @@ class DataParallel:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         optimizer: torch.optim.Optimizer,
         model_dir: Path,
         world_size: int,
@@ -237,7 +237,7 @@ class DataParallel:
         self,
         batch: Batch,
         cfg: PPOConfig,
-        ref_model: LlamaForCausalLM | None = None,
+        ref_model: CausalLM | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, float]:
