@@ -1,8 +1,12 @@
 """Checkpoints of the training state: model weights, optimizer, LR schedule, step, RNG states, loop
 bookkeeping (for the async schedule: the next group index and the groups still in flight).
 
-Layout: `<dir>/step-<n>/{model.safetensors, config.json, optimizer.pt, state.json}`; a checkpoint is
-written into a temporary directory and renamed, so a crash never leaves a half-written one.
+Layout: `<dir>/step-<n>/` is a complete Hugging Face model folder (config.json, model.safetensors, the
+tokenizer files with the chat template, generation_config.json: modeling/hf_folder.py) that transformers
+and vLLM load as it is, plus `state.json` (the loop state) and `training/optimizer.pt` (optimizer, LR
+schedule, RNG states) kept apart from the model. A checkpoint is written into a temporary directory and
+renamed, so a crash never leaves a half-written one. Checkpoints written before the `training/` folder
+existed (optimizer.pt beside the weights) still resume.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import numpy as np
 import torch
 
 from harnessrl.modeling.causal_lm import CausalLM
-from harnessrl.modeling.loading import load_state_dict_file, load_weights_into, save_model
+from harnessrl.modeling.hf_folder import save_hf_folder
+from harnessrl.modeling.loading import load_state_dict_file, load_weights_into
+
+TRAINING_STATE = Path("training") / "optimizer.pt"
 
 
 def save_checkpoint(
@@ -32,7 +39,8 @@ def save_checkpoint(
     final = ckpt_dir / f"step-{step}"
     tmp = ckpt_dir / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp)
+    save_hf_folder(model, tmp)
+    (tmp / TRAINING_STATE).parent.mkdir()
     torch.save(
         {
             "optimizer": optimizer.state_dict(),
@@ -41,7 +49,7 @@ def save_checkpoint(
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
         },
-        tmp / "optimizer.pt",
+        tmp / TRAINING_STATE,
     )
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     shutil.rmtree(final, ignore_errors=True)
@@ -68,7 +76,10 @@ def load_checkpoint(
     """Restore model, optimizer, LR schedule and RNG states in place; return the saved loop state
     (with `step`)."""
     load_weights_into(model, load_state_dict_file(path))
-    blob = torch.load(path / "optimizer.pt", weights_only=False)
+    blob_path = path / TRAINING_STATE
+    if not blob_path.is_file():  # a checkpoint from before `training/`
+        blob_path = path / "optimizer.pt"
+    blob = torch.load(blob_path, weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
     if scheduler is not None and blob.get("scheduler") is not None:
         scheduler.load_state_dict(blob["scheduler"])
