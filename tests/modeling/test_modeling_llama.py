@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harnessrl.modeling.families import config_from_hf, config_to_hf
 from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
 from harnessrl.modeling.loading import load_model, save_model
 
@@ -56,12 +57,12 @@ def test_config_round_trip_and_transformers5_rope_layout() -> None:
     cfg = LlamaConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
     )
-    d = cfg.to_hf_dict()
+    d = config_to_hf(cfg)
     assert d["architectures"] == ["LlamaForCausalLM"] and d["model_type"] == "llama"
-    assert LlamaConfig.from_hf_dict(d) == cfg
+    assert config_from_hf(d) == cfg
     d.pop("rope_theta")
     d["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
-    assert LlamaConfig.from_hf_dict(d).rope_theta == 5000.0
+    assert config_from_hf(d).rope_theta == 5000.0
 
 
 def test_tiny_matches_transformers(engine_tiny_dir: Path, engine_tiny_model: LlamaForCausalLM) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from harnessrl.engine.config import DEFAULT_KV_TOKENS, EngineConfig
 from harnessrl.engine.server import ServerThread
 from harnessrl.modeling.cache import KVCache
+from harnessrl.modeling.families import config_from_hf, config_to_hf
 from harnessrl.modeling.llama import LlamaConfig
 from harnessrl.modeling.loading import (
     default_cache_dir,
@@ -109,16 +110,16 @@ def test_config_round_trip_and_both_transformers_layouts() -> None:
     scaling = RopeScaling(RopeType.YARN, 2.0, original_max_position_embeddings=8192, beta_fast=16.0)
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       max_position_embeddings=16384, rope_scaling=scaling)  # fmt: skip
-    d = cfg.to_hf_dict()
+    d = config_to_hf(cfg)
     assert d["rope_scaling"]["rope_type"] == "yarn"
     assert d["rope_parameters"] == {"rope_theta": cfg.rope_theta, **d["rope_scaling"]}
-    assert LlamaConfig.from_hf_dict(d) == cfg
+    assert config_from_hf(d) == cfg
     legacy = {k: v for k, v in d.items() if k != "rope_parameters"}  # transformers 4.x
     legacy["rope_scaling"] = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192,
                               "beta_fast": 16}  # fmt: skip
-    assert LlamaConfig.from_hf_dict(legacy) == cfg
+    assert config_from_hf(legacy) == cfg
     new = {k: v for k, v in d.items() if k not in ("rope_scaling", "rope_theta")}  # transformers 5.x
-    assert LlamaConfig.from_hf_dict(new) == cfg
+    assert config_from_hf(new) == cfg
 
 
 @pytest.mark.parametrize(
@@ -141,10 +142,10 @@ def test_config_round_trip_and_both_transformers_layouts() -> None:
     ],
 )
 def test_unsupported_or_bad_scaling_is_refused_by_name(params: dict[str, Any], message: str) -> None:
-    d = LlamaConfig().to_hf_dict()
+    d = config_to_hf(LlamaConfig())
     d["rope_scaling"] = params
     with pytest.raises(ValueError, match=message):
-        LlamaConfig.from_hf_dict(d)
+        config_from_hf(d)
 
 
 @pytest.fixture(scope="module")

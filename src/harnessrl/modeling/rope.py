@@ -21,7 +21,13 @@ Face's `rope_scaling` / `rope_parameters` (the same config.json keys, so both re
   or, with `mscale` and `mscale_all_dim`, g(factor, mscale) / g(factor, mscale_all_dim) with
   g(s, m) = 0.1 m ln(s) + 1; an explicit `attention_factor` wins. Defaults: beta_fast 32, beta_slow 1.
 
-Dynamic NTK, llama3 and longrope scaling are not implemented: a config asking for them is refused.
+- **llama3** (Llama 3.1/3.2): with wavelength w = 2 pi / inv_freq[i], pairs with w < L / high_freq_factor
+  keep their frequency, pairs with w > L / low_freq_factor are divided by `factor`, and between them
+      s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)
+      inv_freq[i] = (1 - s) * inv_freq_default[i] / factor + s * inv_freq_default[i]
+  (no attention factor). Defaults: low_freq_factor 1, high_freq_factor 4.
+
+Dynamic NTK and longrope scaling are not implemented: a config asking for them is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class RopeType(StrEnum):
     DEFAULT = "default"
     LINEAR = "linear"
     YARN = "yarn"
+    LLAMA3 = "llama3"
 
 
 @dataclass(frozen=True)
@@ -56,14 +63,23 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
     def __post_init__(self) -> None:
         if self.rope_type == RopeType.DEFAULT:
             raise ValueError("RopeScaling needs a scaling rope_type (linear or yarn); use None for default")
         if not self.factor >= 1.0:
             raise ValueError(f"rope_scaling.factor must be a number >= 1, not {self.factor!r}")
-        if self.rope_type == RopeType.YARN and not (self.original_max_position_embeddings or 0) > 0:
-            raise ValueError("rope_scaling of type yarn needs original_max_position_embeddings > 0")
+        if (
+            self.rope_type in (RopeType.YARN, RopeType.LLAMA3)
+            and not (self.original_max_position_embeddings or 0) > 0
+        ):
+            raise ValueError(
+                f"rope_scaling of type {self.rope_type} needs original_max_position_embeddings > 0"
+            )
+        if self.rope_type == RopeType.LLAMA3 and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("rope_scaling.high_freq_factor must be greater than low_freq_factor")
         if self.beta_fast < self.beta_slow:
             raise ValueError("rope_scaling.beta_fast must be >= beta_slow")
 
@@ -73,8 +89,8 @@ class RopeScaling:
         kind = str(params.get("rope_type", params.get("type", "default")))
         if kind == RopeType.DEFAULT:
             return None
-        if kind not in (RopeType.LINEAR, RopeType.YARN):
-            raise ValueError(f"rope_type {kind!r} is not supported; use one of default, linear, yarn")
+        if kind not in (RopeType.LINEAR, RopeType.YARN, RopeType.LLAMA3):
+            raise ValueError(f"rope_type {kind!r} is not supported; use one of default, linear, yarn, llama3")
         original = params.get("original_max_position_embeddings")
         if kind == RopeType.YARN and not original:
             original = max_position_embeddings  # HF's default when the key is missing
@@ -98,6 +114,8 @@ class RopeScaling:
             mscale=opt("mscale"),
             mscale_all_dim=opt("mscale_all_dim"),
             truncate=bool(params.get("truncate", True)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -111,6 +129,12 @@ class RopeScaling:
                     d[key] = getattr(self, key)
             if not self.truncate:
                 d["truncate"] = False
+        if self.rope_type == RopeType.LLAMA3:
+            d.update(
+                original_max_position_embeddings=self.original_max_position_embeddings,
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+            )
         return d
 
 
@@ -165,7 +189,20 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
         return base, 1.0
     if scaling.rope_type == RopeType.LINEAR:
         return base / scaling.factor, 1.0
+    if scaling.rope_type == RopeType.LLAMA3:
+        return llama3_inv_freq(base, scaling), 1.0
     interpolated = 1.0 / (scaling.factor * powers)
     ramp = yarn_ramp(scaling, head_dim, theta)
     keep = 1 - ramp  # share of the unscaled (extrapolated) frequency
     return interpolated * (1 - keep) + base * keep, yarn_attention_factor(scaling)
+
+
+def llama3_inv_freq(base: Tensor, s: RopeScaling) -> Tensor:
+    """Llama 3's per-pair frequency scaling of the default `base` inverse frequencies (module docstring)."""
+    length = float(s.original_max_position_embeddings or 0)
+    wavelen = 2 * math.pi / base
+    scaled = torch.where(wavelen > length / s.low_freq_factor, base / s.factor, base)
+    smooth = (length / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= length / s.high_freq_factor) & (wavelen <= length / s.low_freq_factor)
+    return torch.where(medium, blended, scaled)

@@ -1,8 +1,12 @@
 """Checkpoints of the training state: model weights, optimizer, LR schedule, step, RNG states, loop
 bookkeeping (for the async schedule: the next group index and the groups still in flight).
 
-Layout: `<dir>/step-<n>/{model.safetensors, config.json, optimizer.pt, state.json}`; a checkpoint is
-written into a temporary directory and renamed, so a crash never leaves a half-written one.
+Layout: `<dir>/step-<n>/` is a complete Hugging Face model folder (config.json, model.safetensors, the
+tokenizer files with the chat template, generation_config.json: modeling/hf_folder.py) that transformers
+and vLLM load as it is, plus `state.json` (the loop state) and `training/optimizer.pt` (optimizer, LR
+schedule, RNG states) kept apart from the model. A checkpoint is written into a temporary directory and
+renamed, so a crash never leaves a half-written one. Checkpoints written before the `training/` folder
+existed (optimizer.pt beside the weights) still resume.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from harnessrl.modeling.llama import LlamaForCausalLM
-from harnessrl.modeling.loading import load_state_dict_file, load_weights_into, save_model
+from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.modeling.hf_folder import save_hf_folder
+from harnessrl.modeling.loading import load_state_dict_file, load_weights_into
+
+TRAINING_STATE = Path("training") / "optimizer.pt"
 
 
 def save_checkpoint(
     ckpt_dir: Path,
     step: int,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     optimizer: torch.optim.Optimizer | dict[str, Any],
     state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -33,7 +40,8 @@ def save_checkpoint(
     final = ckpt_dir / f"step-{step}"
     tmp = ckpt_dir / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp)
+    save_hf_folder(model, tmp)
+    (tmp / TRAINING_STATE).parent.mkdir()
     osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     torch.save(
         {
@@ -43,7 +51,7 @@ def save_checkpoint(
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
         },
-        tmp / "optimizer.pt",
+        tmp / TRAINING_STATE,
     )
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     shutil.rmtree(final, ignore_errors=True)
@@ -61,16 +69,23 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def training_state_path(path: Path) -> Path:
+    """Where a checkpoint keeps its optimizer, LR schedule and RNG states (`training/optimizer.pt`, or
+    `optimizer.pt` beside the weights in a checkpoint from before `training/`)."""
+    blob_path = path / TRAINING_STATE
+    return blob_path if blob_path.is_file() else path / "optimizer.pt"
+
+
 def load_checkpoint(
     path: Path,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer, LR schedule and RNG states in place; return the saved loop state
     (with `step`)."""
     load_weights_into(model, load_state_dict_file(path))
-    blob = torch.load(path / "optimizer.pt", weights_only=False)
+    blob = torch.load(training_state_path(path), weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
     return restore_loop_state(path, blob, scheduler)
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harnessrl.adapter import Batch
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.trainer.ppo import _STAT_KEYS, PPOConfig, micro_batch_loss
 
 
@@ -27,7 +27,7 @@ _sum_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.fut
 class _Loss(nn.Module):
     """The micro-batch loss as a module, so DDP sees the forward pass it synchronises."""
 
-    def __init__(self, policy: LlamaForCausalLM) -> None:
+    def __init__(self, policy: CausalLM) -> None:
         super().__init__()
         self.policy = policy
 
@@ -37,7 +37,7 @@ class _Loss(nn.Module):
         idx: list[int],
         cfg: PPOConfig,
         prox: Tensor | None,
-        ref_model: LlamaForCausalLM | None,
+        ref_model: CausalLM | None,
         checkpoint_layers: bool | None,
     ) -> tuple[Tensor, dict[str, float], Tensor | None]:
         if not idx:  # a rank without rows still joins the all-reduce, with zero gradients
@@ -46,7 +46,7 @@ class _Loss(nn.Module):
         return micro_batch_loss(self.policy, batch, idx, cfg, prox, ref_model, checkpoint_layers)
 
 
-def wrap(model: LlamaForCausalLM) -> DDP:
+def wrap(model: CausalLM) -> DDP:
     """The policy inside DDP (parameters broadcast from rank 0 here), gradients reduced by SUM."""
     ddp = DDP(_Loss(model), find_unused_parameters=False)
     ddp.register_comm_hook(None, _sum_hook)
@@ -57,7 +57,7 @@ def _flat_params(model: nn.Module) -> Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
 
-def sync_state(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer) -> None:
+def sync_state(model: CausalLM, optimizer: torch.optim.Optimizer) -> None:
     """Every rank takes rank 0's weights and optimizer state (after a resume on rank 0)."""
     with torch.no_grad():
         for p in model.parameters():

@@ -51,10 +51,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import LRScheduler
 
 from harnessrl.adapter import Batch
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_state_dict_file
 from harnessrl.trainer import launch
-from harnessrl.trainer.checkpoint import load_checkpoint, restore_loop_state, save_checkpoint
+from harnessrl.trainer.checkpoint import (
+    load_checkpoint,
+    restore_loop_state,
+    save_checkpoint,
+    training_state_path,
+)
 from harnessrl.trainer.ddp import divergence, sync_state, wrap
 from harnessrl.trainer.fsdp import ShardedLoss, gather_full, load_full, micro_batch_slots, model_view, shard
 from harnessrl.trainer.ppo import (
@@ -94,7 +99,7 @@ def rank_update(
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: PPOConfig,
-    ref_model: LlamaForCausalLM | None = None,
+    ref_model: CausalLM | None = None,
     progress: Callable[[int, int], None] | None = None,
     checkpoint_layers: bool | None = None,
 ) -> dict[str, float]:
@@ -139,7 +144,7 @@ class DataParallel:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         optimizer: torch.optim.Optimizer,
         model_dir: Path,
         world_size: int,
@@ -201,7 +206,7 @@ class DataParallel:
         self,
         batch: Batch,
         cfg: PPOConfig,
-        ref_model: LlamaForCausalLM | None = None,
+        ref_model: CausalLM | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, float]:
@@ -216,7 +221,7 @@ class DataParallel:
                 scheduler.step()
         return metrics
 
-    def full_model(self) -> LlamaForCausalLM:
+    def full_model(self) -> CausalLM:
         """The whole policy on rank 0, for the engine push: the model itself (ddp), or gathered from the
         shards into one CPU copy on rank 0 alone (fsdp)."""
         if self.parallel == "ddp":
@@ -246,7 +251,7 @@ class DataParallel:
             self.sync_state()
             return state
         self._send({"op": "load"})
-        blob = torch.load(path / "optimizer.pt", weights_only=False)
+        blob = torch.load(training_state_path(path), weights_only=False)
         load_full(self.model, self.optimizer, load_state_dict_file(path), blob["optimizer"])
         return restore_loop_state(path, blob, scheduler)
 

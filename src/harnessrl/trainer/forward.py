@@ -23,13 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from harnessrl.modeling.llama import DecoderLayer, LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM, softcap
 from harnessrl.modeling.logprobs import tempered_log_softmax
 from harnessrl.modeling.memory import trim_heap
+from harnessrl.modeling.transformer import DecoderLayer, Rope, window_mask
 
 # Logit elements materialised at once by the head (64 MB of fp32 logits: 341 tokens of a 49,152 vocab).
 LOGIT_CHUNK_ELEMENTS = 1 << 24
@@ -66,7 +66,7 @@ class Selected:
 
 
 def selected_logprobs(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     tokens: Tensor,
     select: Tensor,
     temps: Tensor,
@@ -82,20 +82,19 @@ def selected_logprobs(
     `CHECKPOINT_ABOVE_BYTES` (see the module docstring).
     """
     length = tokens.shape[1]
-    emb = model.model.embed_tokens
-    dtype = emb.weight.dtype
-    xs = emb(tokens[:, prefix:])
-    pos_s = torch.arange(prefix, length, device=tokens.device).unsqueeze(0)
-    cos_s, sin_s = model.rope(pos_s, dtype)
-    xp = emb(tokens[:1, :prefix]) if prefix else None
-    cos_p, sin_p = model.rope(torch.arange(prefix, device=tokens.device).unsqueeze(0), dtype)
+    dtype = model.model.embed_tokens.weight.dtype
+    xs = model.embed(tokens[:, prefix:])
+    pos_s = torch.arange(prefix, length, device=tokens.device)
+    rope_s = model.rope(pos_s.unsqueeze(0), dtype)
+    xp = model.embed(tokens[:1, :prefix]) if prefix else None
+    rope_p = model.rope(torch.arange(prefix, device=tokens.device).unsqueeze(0), dtype)
     s = length - prefix
-    mask = torch.ones(s, prefix + s, dtype=torch.bool, device=tokens.device).tril(prefix)
+    masks = {w: window_mask(pos_s, prefix + s, w) for w in {b.self_attn.window for b in model.model.blocks}}
     if checkpoint_layers is None:
         checkpoint_layers = activation_bytes(model, tokens.shape[0], s, prefix) > CHECKPOINT_ABOVE_BYTES
     recompute = checkpoint_layers and torch.is_grad_enabled()
     for layer in model.model.blocks:
-        args = (layer, xs, xp, cos_s, sin_s, cos_p, sin_p, mask)
+        args = (layer, xs, xp, rope_s, rope_p, masks[layer.self_attn.window])
         xs, xp = checkpoint(run_layer, *args, use_reentrant=False) if recompute else run_layer(*args)
         if recompute:  # after each layer's backward its recomputed activations go back to the OS
             xs.register_hook(_trim_heap_hook)
@@ -103,7 +102,8 @@ def selected_logprobs(
     if bool((pos < prefix).any()):
         raise ValueError("a selected position lies inside the shared prefix")
     hidden = model.model.norm(xs[row, pos - prefix])
-    lp, ent = head_logprobs(model.lm_head, hidden, tokens[row, pos + 1], temps[row], entropy)
+    cap = model.config.final_logit_softcapping
+    lp, ent = head_logprobs(model.lm_head, hidden, tokens[row, pos + 1], temps[row], entropy, cap)
     return Selected(lp, row, pos, ent)
 
 
@@ -111,7 +111,7 @@ def _trim_heap_hook(grad: Tensor) -> None:
     trim_heap()
 
 
-def activation_bytes(model: LlamaForCausalLM, rows: int, suffix: int, prefix: int) -> int:
+def activation_bytes(model: CausalLM, rows: int, suffix: int, prefix: int) -> int:
     """About the bytes autograd keeps for the decoder layers of a micro-batch of `rows` suffixes of
     `suffix` positions after a shared `prefix`: per position and layer ~8 hidden-size and 4
     intermediate-size vectors (norms, projections, SwiGLU), plus each layer's attention weights."""
@@ -129,52 +129,43 @@ SHARDED_STEP = "sharded_step"
 
 
 def run_layer(
-    layer: DecoderLayer,
-    xs: Tensor,
-    xp: Tensor | None,
-    cos_s: Tensor,
-    sin_s: Tensor,
-    cos_p: Tensor,
-    sin_p: Tensor,
-    mask: Tensor,
+    layer: DecoderLayer, xs: Tensor, xp: Tensor | None, rope_s: Rope, rope_p: Rope, mask: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """One decoder layer of the training forward (`layer_forward`), through the layer's FSDP step when sharded."""
     step = getattr(layer, SHARDED_STEP, None)
     if step is not None:
-        out: tuple[Tensor, Tensor | None] = step(xs, xp, cos_s, sin_s, cos_p, sin_p, mask)
+        out: tuple[Tensor, Tensor | None] = step(xs, xp, rope_s, rope_p, mask)
         return out
-    return layer_forward(layer, xs, xp, cos_s, sin_s, cos_p, sin_p, mask)
+    return layer_forward(layer, xs, xp, rope_s, rope_p, mask)
 
 
 def layer_forward(
-    layer: DecoderLayer,
-    xs: Tensor,
-    xp: Tensor | None,
-    cos_s: Tensor,
-    sin_s: Tensor,
-    cos_p: Tensor,
-    sin_p: Tensor,
-    mask: Tensor,
+    layer: DecoderLayer, xs: Tensor, xp: Tensor | None, rope_s: Rope, rope_p: Rope, mask: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """One decoder layer over the rows' suffixes `xs` [B, S, H] and their shared prefix `xp` [1, P, H]
-    (run once, its keys/values broadcast to every row); returns both outputs."""
+    (run once, its keys/values broadcast to every row); returns both outputs. `mask` [S, P + S] is the
+    suffix's (causal, windowed for a sliding layer) view of the keys."""
     b = xs.shape[0]
     attn = layer.self_attn
-    q, k, v = attn._qkv(layer.input_layernorm(xs), cos_s, sin_s)
+    q, k, v = attn._qkv(layer.input_layernorm(xs), *rope_s[layer.kind])
     if xp is not None:
-        qp, kp, vp = attn._qkv(layer.input_layernorm(xp), cos_p, sin_p)
-        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-        xp = layer.finish(xp, attn._out(op))
+        qp, kp, vp = attn._qkv(layer.input_layernorm(xp), *rope_p[layer.kind])
+        xp = layer.finish(xp, attn._out(attn.attend(qp, kp, vp, None)))
         k = torch.cat([kp.expand(b, -1, -1, -1), k], dim=2)
         v = torch.cat([vp.expand(b, -1, -1, -1), v], dim=2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        o = attn.attend(q, k, v, mask)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o = attn.attend(q, k, v, None)
     return layer.finish(xs, attn._out(o)), xp
 
 
 def head_logprobs(
-    head: nn.Linear, hidden: Tensor, targets: Tensor, temps: Tensor, entropy: bool = False
+    head: nn.Linear,
+    hidden: Tensor,
+    targets: Tensor,
+    temps: Tensor,
+    entropy: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs of `targets` [N] under the tempered softmax of `head(hidden)` ([N, H] -> [N, V] logits),
     and (no gradient) the entropy of each position's distribution; chunk by chunk over the N positions,
@@ -186,21 +177,23 @@ def head_logprobs(
     ents: list[Tensor] = []
     for start in range(0, hidden.shape[0], chunk):
         part = slice(start, start + chunk)
-        args = (head, hidden[part], targets[part], temps[part], entropy)
+        args = (head, hidden[part], targets[part], temps[part], entropy, softcap)
         lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if recompute else _head_chunk(*args)
         lps.append(lp)
         if ent is not None:
             ents.append(ent)
     if not lps:  # no selected position: empty results of the right dtype
-        lp, ent = _head_chunk(head, hidden, targets, temps, entropy)
+        lp, ent = _head_chunk(head, hidden, targets, temps, entropy, softcap)
         return lp, ent
     return torch.cat(lps), torch.cat(ents) if entropy else None
 
 
 def _head_chunk(
-    head: nn.Linear, hidden: Tensor, targets: Tensor, temps: Tensor, entropy: bool
+    head: nn.Linear, hidden: Tensor, targets: Tensor, temps: Tensor, entropy: bool, cap: float | None
 ) -> tuple[Tensor, Tensor | None]:
-    full = tempered_log_softmax(head(hidden), temps)  # the same function the engine's logprobs use
+    full = tempered_log_softmax(
+        softcap(head(hidden), cap), temps
+    )  # the same function the engine's logprobs use
     lp = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ent = None
     if entropy:

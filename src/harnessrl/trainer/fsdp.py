@@ -49,7 +49,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from harnessrl.adapter import Batch
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.trainer.forward import SHARDED_STEP, layer_forward, selected_logprobs
 from harnessrl.trainer.ppo import _STAT_KEYS, PPOConfig, micro_batch_loss, row_groups
 
@@ -57,7 +57,7 @@ from harnessrl.trainer.ppo import _STAT_KEYS, PPOConfig, micro_batch_loss, row_g
 class ShardedLoss(nn.Module):
     """The FSDP root: the micro-batch loss of its policy; an empty micro-batch is an idle one."""
 
-    def __init__(self, policy: LlamaForCausalLM) -> None:
+    def __init__(self, policy: CausalLM) -> None:
         super().__init__()
         self.policy = policy
 
@@ -67,7 +67,7 @@ class ShardedLoss(nn.Module):
         idx: list[int],
         cfg: PPOConfig,
         prox: Tensor | None,
-        ref_model: LlamaForCausalLM | None,
+        ref_model: CausalLM | None,
         checkpoint_layers: bool | None,
     ) -> tuple[Tensor, dict[str, float], Tensor | None]:
         if idx:
@@ -75,7 +75,7 @@ class ShardedLoss(nn.Module):
         return idle_loss(self.policy), dict.fromkeys(_STAT_KEYS, 0.0), None
 
 
-def idle_loss(policy: LlamaForCausalLM) -> Tensor:
+def idle_loss(policy: CausalLM) -> Tensor:
     """A zero loss whose forward and backward pass through every unit (so this rank joins every
     all-gather and reduce-scatter of a micro-batch) and whose gradients are exactly zero."""
     device = next(policy.parameters()).device
@@ -95,7 +95,7 @@ def mixed_precision(device: torch.device) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard(policy: LlamaForCausalLM, optimizer: torch.optim.Optimizer | None = None) -> ShardedLoss:
+def shard(policy: CausalLM, optimizer: torch.optim.Optimizer | None = None) -> ShardedLoss:
     """Shard `policy` in place over all ranks of the process group (each layer a unit, the rest the
     root) and return the root. An `optimizer` built on the unsharded parameters (and not stepped yet) is
     pointed at the sharded ones."""
@@ -140,7 +140,7 @@ def _names(policy: nn.Module) -> list[str]:
 
 
 def gather_full(
-    policy: LlamaForCausalLM, optimizer: torch.optim.Optimizer, with_optimizer: bool
+    policy: CausalLM, optimizer: torch.optim.Optimizer, with_optimizer: bool
 ) -> tuple[dict[str, Tensor] | None, dict[str, Any] | None]:
     """Collective: rank 0 gets the full model state dict (and the optimizer's, in the single-process
     format) on CPU; the other ranks get (None, None). One full tensor at a time is in flight."""
@@ -172,7 +172,7 @@ def to_name_form(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 def load_full(
-    policy: LlamaForCausalLM,
+    policy: CausalLM,
     optimizer: torch.optim.Optimizer,
     weights: dict[str, Tensor] | None,
     osd: dict[str, Any] | None,
@@ -193,11 +193,11 @@ def load_full(
     set_optimizer_state_dict(policy, optimizer, optim_sd, options=opts)
 
 
-def model_view(config_of: LlamaForCausalLM, weights: dict[str, Tensor]) -> LlamaForCausalLM:
+def model_view(config_of: CausalLM, weights: dict[str, Tensor]) -> CausalLM:
     """A plain (unsharded) policy whose parameters are the gathered tensors themselves (no copy): what
     `save_model`, `publish_weights` and `save_checkpoint` take."""
     with torch.device("meta"):
-        view = LlamaForCausalLM(config_of.config)
+        view = CausalLM(config_of.config)
     state = dict(weights)
     if view.config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -27,7 +27,7 @@ from harnessrl.adapter import Batch, build_batch
 from harnessrl.config import RunConfig
 from harnessrl.controller import Controller, RolloutOutcome, RolloutRequest, sibling_requests
 from harnessrl.gateway.client import Control
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.schema import RolloutDetail, RolloutState, SamplingOverrides, Task
 from harnessrl.trainer.checkpoint import (
     latest_checkpoint,
@@ -77,12 +77,12 @@ class TrainContext:
     client: Control
     controller: Controller
     engine: EngineAdmin
-    model: LlamaForCausalLM
+    model: CausalLM
     optimizer: torch.optim.Optimizer
     metrics: MetricsLogger
     progress: Progress = lambda label, done, total: None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    ref_model: LlamaForCausalLM | None = None  # frozen initial weights, for the KL penalty
+    ref_model: CausalLM | None = None  # frozen initial weights, for the KL penalty
     heldout: list[Task] = field(default_factory=list)  # for `eval.every`
     eval_seconds: float = 0.0  # spent in evaluations during training (`eval.every`)
     notify: Callable[[str], None] = lambda message: None  # warnings for the user (the CLI prints them)
@@ -219,7 +219,7 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
     }
 
 
-def full_model(ctx: TrainContext) -> LlamaForCausalLM:
+def full_model(ctx: TrainContext) -> CausalLM:
     """The whole policy for the engine: the model itself, or gathered on rank 0 from sharded ranks."""
     return ctx.data_parallel.full_model() if ctx.data_parallel is not None else ctx.model
 

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from harnessrl.adapter import Batch
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.memory import release_freed_memory, trim_heap
 from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
 
@@ -146,12 +146,12 @@ def _advantages(batch: Batch, idx: list[int], length: int) -> Tensor:
 
 
 def micro_batch_loss(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     batch: Batch,
     idx: list[int],
     cfg: PPOConfig,
     prox: Tensor | None = None,
-    ref_model: LlamaForCausalLM | None = None,
+    ref_model: CausalLM | None = None,
     checkpoint_layers: bool | None = None,
 ) -> tuple[Tensor, dict[str, float], Tensor]:
     """Σ w_t ℓ_t over the rows `idx` (a differentiable scalar), statistics of those tokens, and the
@@ -197,11 +197,11 @@ def micro_batch_loss(
 
 
 def ppo_update(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: PPOConfig,
-    ref_model: LlamaForCausalLM | None = None,
+    ref_model: CausalLM | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     progress: Callable[[int, int], None] | None = None,
     checkpoint_layers: bool | None = None,
@@ -259,7 +259,7 @@ def row_groups(batch: Batch, rows: list[int], token_budget: int) -> list[list[in
 
 
 def update_epochs(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     optimizer: torch.optim.Optimizer,
     groups: list[list[int]],
     cfg: PPOConfig,

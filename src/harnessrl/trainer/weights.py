@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import save_model
 
 log = logging.getLogger(__name__)
@@ -234,9 +234,7 @@ def engine_admin(
     return kinds[kind](base_url, timeout_s, api_key)
 
 
-async def publish_weights(
-    model: LlamaForCausalLM, engine: EngineAdmin, weights_dir: Path, version: int
-) -> float:
+async def publish_weights(model: CausalLM, engine: EngineAdmin, weights_dir: Path, version: int) -> float:
     """Save `model` as `version` and load it into the engine; old versions are deleted. Returns seconds."""
     t0 = time.perf_counter()
     target = weights_dir / f"v{version}"
