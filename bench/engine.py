@@ -231,11 +231,11 @@ def bench_vllm(python: str, levels: list[int], words: int, max_tokens: int, dtyp
     managed as a run starts it (`harnessrl.services.stack.managed_vllm`), fp32 SmolLM2 by default."""
     import tempfile
 
-    from harnessrl.config import load_config
+    from harnessrl.config import read_model_config
     from harnessrl.services.stack import managed_vllm
 
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    cfg = load_config(None, ["engine.kind=vllm", f"engine.model={model}", f"engine.dtype={dtype}",
+    cfg = read_model_config(None, ["engine.kind=vllm", f"engine.model={model}", f"engine.dtype={dtype}",
                              f"engine.max_model_len={max_model_len}", f"engine.max_batch={max(levels)}",
                              f"engine.vllm_python={python}", f"engine.vllm_enforce_eager={str(eager).lower()}"])  # fmt: skip
     server = managed_vllm(cfg, work, resolve_model(model))
@@ -321,9 +321,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.skip_hf
         else bench_hf(levels, args.prompt_words, args.max_tokens, args.model, args.device, args.dtype)
     )
-    from harnessrl.modeling.loading import load_config
+    from harnessrl.modeling.loading import read_model_config
 
-    cfg = load_config(resolve_model(args.model))
+    cfg = read_model_config(resolve_model(args.model))
     n_params = (
         cfg.vocab_size * cfg.hidden_size
         + cfg.num_hidden_layers

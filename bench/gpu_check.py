@@ -32,14 +32,14 @@ import torch
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.server import Engine, ServerThread
 from harnessrl.modeling.llama import LlamaForCausalLM
-from harnessrl.modeling.loading import TOKENIZER_FILES, load_config, load_model, save_model
+from harnessrl.modeling.loading import TOKENIZER_FILES, load_model, read_model_config, save_model
 from harnessrl.modeling.logprobs import next_token_logprobs
 
 
 def make_model(config_dir: Path, out: Path, seed: int = 0) -> Path:
     """A model with `config_dir`'s config and tokenizer and random weights (see the module doc): the
     tied embeddings are scaled by 144/sqrt(hidden) (6 for SmolLM2: logits neither near-uniform nor one-hot)."""
-    cfg = load_config(config_dir)
+    cfg = read_model_config(config_dir)
     model = LlamaForCausalLM(cfg)
     model.init_weights(seed)
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch
 
 from harnessrl.modeling.families import FAMILIES as ARCHITECTURES
 from harnessrl.modeling.families import UnsupportedArchitecture, config_from_hf
-from harnessrl.modeling.loading import load_config, load_model
+from harnessrl.modeling.loading import load_model, read_model_config
 from harnessrl.modeling.transformer import SLIDING
 from tests.support.families import FAMILIES, family_config, have_tokenizer, hf_model, tiny_family_dir
 
@@ -53,7 +53,7 @@ def test_trainer_logits_equal_transformers(root: Path, family: str) -> None:
 def test_both_transformers_layouts_read_the_same(root: Path, family: str) -> None:
     """The 4.x config.json (rope_theta, rope_scaling, rope_local_base_freq) as the Hub ships it and the
     5.x one `save_pretrained` wrote (rope_parameters, per layer kind for Gemma 3) give one config."""
-    saved = load_config(tiny_family_dir(family, root))
+    saved = read_model_config(tiny_family_dir(family, root))
     assert config_from_hf(family_config(family)) == saved
     assert saved.architecture == family_config(family)["architectures"][0]
     if family == "gemma3":

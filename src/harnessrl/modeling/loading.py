@@ -224,7 +224,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
     return path
 
 
-def load_config(path: str | Path) -> ModelConfig:
+def read_model_config(path: str | Path) -> ModelConfig:
     """Read `config.json` of a model directory (its family from `architectures`; unknown ones refused)."""
     cfg = config_from_hf(json.loads((Path(path) / "config.json").read_text()))
     cfg.source_dir = str(path)
@@ -276,7 +276,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     d = resolve_model(path)
     t0 = time.monotonic()
     with torch.device("meta"):
-        model = CausalLM(load_config(d))
+        model = CausalLM(read_model_config(d))
     model = model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
