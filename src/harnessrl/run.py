@@ -29,6 +29,7 @@ from harnessrl.examples import write_tasks
 from harnessrl.gateway.client import Control, ControlClient
 from harnessrl.gateway.replicas import GatewayReplicas
 from harnessrl.modeling.loading import load_model, resolve_model
+from harnessrl.modeling.lora import attach_lora
 from harnessrl.modeling.packed import use_onednn_for_training
 from harnessrl.project import Project, resolve_project
 from harnessrl.rundir import Mode, prepare
@@ -304,7 +305,9 @@ async def _run_async(
         matmul = use_onednn_for_training(model, cfg.train.matmul, model.lm_head.weight.device)
         log.info("event=trainer_matmul path=%r", matmul)
         tc = cfg.train
-        optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        lora = attach_lora(model, tc.lora, tc.seed, model_dir) if tc.lora is not None else None
+        trained = model.parameters() if lora is None else lora.parameters()  # LoRA: no state for the base
+        optimizer = torch.optim.AdamW(trained, lr=tc.lr, weight_decay=tc.weight_decay)
         schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
         metrics = MetricsLogger(run_dir, make_trackers(
             tc.log_to, run_dir, run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project, tc.wandb_mode,
@@ -313,7 +316,7 @@ async def _run_async(
             cfg, run_id, run_dir, client, controller, engine, model, optimizer, metrics, progress,
             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
             ref_model=load_model(model_dir, device=tc.device).requires_grad_(False) if tc.kl_coef > 0 else None,
-            heldout=heldout, notify=notify,
+            heldout=heldout, notify=notify, lora=lora,
         )  # fmt: skip
         if tc.world_size > 1:  # ranks 1..k-1 hold replicas; rank 0 (this process) publishes and checkpoints
             from harnessrl.trainer.distributed import DataParallel

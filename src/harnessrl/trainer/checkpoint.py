@@ -2,7 +2,10 @@
 bookkeeping (for the async schedule: the next group index and the groups still in flight).
 
 Layout: `<dir>/step-<n>/{model.safetensors, config.json, optimizer.pt, state.json}`; a checkpoint is
-written into a temporary directory and renamed, so a crash never leaves a half-written one.
+written into a temporary directory and renamed, so a crash never leaves a half-written one. With LoRA
+(`train.lora`) the checkpoint also holds `adapter/` (a PEFT folder: what training resumes from), its
+model.safetensors holds the adapter merged into the base (an HF model folder as it stands), and
+optimizer.pt the adapters' optimizer state alone.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import torch
 
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_state_dict_file, load_weights_into, save_model
+from harnessrl.modeling.lora import LoraAdapter, is_peft_dir, merged_state, read_peft, save_peft
+
+ADAPTER_SUBDIR = "adapter"  # a LoRA run's adapter inside each checkpoint (PEFT layout)
 
 
 def save_checkpoint(
@@ -27,12 +33,17 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    lora: LoraAdapter | None = None,
 ) -> Path:
     """Write the checkpoint of `step` (the number of completed updates) atomically."""
     final = ckpt_dir / f"step-{step}"
     tmp = ckpt_dir / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp)
+    if lora is not None:
+        save_peft(lora, tmp / ADAPTER_SUBDIR, lora.base_model, step)
+        save_model(model, tmp, merged_state(model, lora))
+    else:
+        save_model(model, tmp)
     torch.save(
         {
             "optimizer": optimizer.state_dict(),
@@ -64,10 +75,18 @@ def load_checkpoint(
     model: LlamaForCausalLM,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    lora: LoraAdapter | None = None,
 ) -> dict[str, Any]:
-    """Restore model, optimizer, LR schedule and RNG states in place; return the saved loop state
-    (with `step`)."""
-    load_weights_into(model, load_state_dict_file(path))
+    """Restore model (with `lora`: the adapter; the base is never changed), optimizer, LR schedule and
+    RNG states in place; return the saved loop state (with `step`)."""
+    if lora is not None:
+        if not is_peft_dir(path / ADAPTER_SUBDIR):
+            raise ValueError(
+                f"{path} holds no LoRA adapter: it was written without train.lora; resume without it"
+            )
+        lora.load_peft_tensors(read_peft(path / ADAPTER_SUBDIR)[1])
+    else:
+        load_weights_into(model, load_state_dict_file(path))
     blob = torch.load(path / "optimizer.pt", weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
     if scheduler is not None and blob.get("scheduler") is not None:
