@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,8 +111,9 @@ def _updates(model: Any, trained: list[Any], batch: Any, updates: int, out: dict
     return out
 
 
-def phase_sync(mode: str) -> dict[str, Any]:
-    """Publish new weights (full) or an adapter (LoRA) to a live builtin engine on SmolLM2."""
+def phase_sync(mode: str, syncs: int = 3) -> dict[str, Any]:
+    """Publish new weights (full) or an adapter (LoRA) to a live builtin engine on SmolLM2, `syncs`
+    times: median wall and CPU seconds (write + engine load)."""
     import httpx
     import torch
 
@@ -132,15 +134,19 @@ def phase_sync(mode: str) -> dict[str, Any]:
                 p.mul_(1.001)
     with tempfile.TemporaryDirectory() as tmp:
 
-        async def publish() -> float:
+        async def publish(version: int) -> float:
             admin = EngineAdmin(server.url)
             try:
-                return await publish_weights(model, admin, Path(tmp), 1, adapter)
+                return await publish_weights(model, admin, Path(tmp), version, adapter)
             finally:
                 await admin.aclose()
 
-        seconds = asyncio.run(publish())
-        nbytes = sum(p.stat().st_size for p in (Path(tmp) / "v1").iterdir())
+        walls, cpus = [], []
+        for _ in range(syncs):
+            c0 = time.process_time()  # trainer and engine share this process: CPU time of both
+            walls.append(asyncio.run(publish(len(walls) + 1)))
+            cpus.append(time.process_time() - c0)
+        nbytes = sum(p.stat().st_size for p in (Path(tmp) / f"v{syncs}").iterdir())
     body = {"prompt": [1, 4093, 198, 2683, 314, 253, 1345], "max_tokens": 32, "temperature": 1.0, "seed": 3,
             "ignore_eos": True, "logprobs": 0}  # fmt: skip
     res = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300).json()
@@ -150,12 +156,8 @@ def phase_sync(mode: str) -> dict[str, Any]:
     with torch.no_grad():
         ours = next_token_logprobs(model(ids), ids, 1.0)[0, len(res["prompt_token_ids"]) - 1 :]
     gap = float((torch.tensor(choice["logprobs"]["token_logprobs"]) - ours).abs().max())
-    return {
-        "bytes": nbytes,
-        "seconds": round(seconds, 3),
-        "weight_version": res["weight_version"],
-        "logprob_gap_max": gap,
-    }
+    return {"bytes": nbytes, "seconds": round(statistics.median(walls), 3), "cpu_seconds": round(statistics.median(cpus), 3),
+            "syncs": syncs, "weight_version": res["weight_version"], "logprob_gap_max": gap}  # fmt: skip
 
 
 def phase_decode(steps: int = 8, batch: int = 4) -> dict[str, Any]:
@@ -283,7 +285,8 @@ def table(res: dict[str, Any]) -> str:
         ("update CPU seconds (last)", last(f)["cpu_seconds"], last(lo)["cpu_seconds"]),
         ("trainer peak RSS MB", max(u["rss_peak_mb"] for u in f["updates"]), max(u["rss_peak_mb"] for u in lo["updates"])),
         ("weight sync bytes", sf["bytes"], sl["bytes"]),
-        ("weight sync seconds", sf["seconds"], sl["seconds"]),
+        ("weight sync seconds (median)", sf["seconds"], sl["seconds"]),
+        ("weight sync CPU seconds (median)", sf["cpu_seconds"], sl["cpu_seconds"]),
         ("engine-trainer logprob gap", sf["logprob_gap_max"], sl["logprob_gap_max"]),
     ):  # fmt: skip
         lines.append(f"{label:36} {a:>12.4g} {b:>12.4g} {b / a if a else float('nan'):>10.3f}")
@@ -297,6 +300,12 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent)  # fmt: skip
+    return proc.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: see the module docstring."""
     argv = sys.argv[1:] if argv is None else argv
@@ -308,15 +317,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=1)
     p.add_argument("--big-tokens", type=int, default=128)
     p.add_argument("--skip-big", action="store_true")
+    p.add_argument("--phases", nargs="+", choices=["update", "sync", "decode", "big"],
+                   default=["update", "sync", "decode", "big"],
+                   help="run these phases only; the others' results are kept from --out")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "lora.json")
     args = p.parse_args(argv)
     t0 = time.time()
-    res: dict[str, Any] = {"lora": LORA, "update": {}, "sync": {}}
+    res: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    res.update(lora=LORA, commit=_commit())
     for mode in ("full", "lora"):
-        res["update"][mode] = _child("update", mode, str(args.rows), str(args.updates))
-        res["sync"][mode] = _child("sync", mode)
-    res["decode"] = _child("decode")
-    if not args.skip_big:
+        if "update" in args.phases:
+            res.setdefault("update", {})[mode] = _child("update", mode, str(args.rows), str(args.updates))
+        if "sync" in args.phases:
+            res.setdefault("sync", {})[mode] = _child("sync", mode)
+    if "decode" in args.phases:
+        res["decode"] = _child("decode")
+    if "big" in args.phases and not args.skip_big:
         res["big"] = _child("big", str(args.big_tokens))
     res["wall_seconds"] = round(time.time() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
