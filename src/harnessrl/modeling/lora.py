@@ -191,7 +191,7 @@ def merge_into(
         module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
         b = tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"]
         w = state[f"{module}.weight"]
-        out[f"{module}.weight"] = (w.float() + spec.scale * (b.float() @ a.float())).to(w.dtype)
+        out[f"{module}.weight"] = torch.addmm(w.float(), b.float(), a.float(), alpha=spec.scale).to(w.dtype)
     return out
 
 
