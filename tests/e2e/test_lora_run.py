@@ -66,4 +66,4 @@ def test_lora_run_trains_and_serves_the_adapter(
     }
     assert versions == {0: {0}, 1: {1}}
     engine_log = next((run_dir / "logs").glob("engine*.log")).read_text()
-    assert engine_log.count("event=weights_swapped") == 2
+    assert engine_log.count("event=weights_swapped") == engine_log.count("event=lora_adapter_merged") == 2

@@ -235,6 +235,13 @@ def read_peft(path: str | Path) -> tuple[LoraSpec, dict[str, Tensor]]:
 def merge_peft_dir(state: Mapping[str, Tensor], adapter_dir: str | Path) -> dict[str, Tensor]:
     """`state` (a base model's HF state dict) with the PEFT adapter at `adapter_dir` merged in."""
     spec, tensors = read_peft(adapter_dir)
+    log.info(
+        "event=lora_adapter_merged path=%s r=%d alpha=%g layers=%d",
+        adapter_dir,
+        spec.r,
+        spec.alpha,
+        len(tensors) // 2,
+    )
     return merge_into(state, spec, tensors)
 
 
