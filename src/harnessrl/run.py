@@ -29,7 +29,7 @@ from harnessrl.examples import write_tasks
 from harnessrl.gateway.client import Control, ControlClient
 from harnessrl.gateway.replicas import GatewayReplicas
 from harnessrl.modeling.loading import load_model, resolve_model
-from harnessrl.modeling.lora import attach_lora
+from harnessrl.modeling.lora import attach_lora, reference_model
 from harnessrl.modeling.packed import use_onednn_for_training
 from harnessrl.project import Project, resolve_project
 from harnessrl.rundir import Mode, prepare
@@ -315,7 +315,7 @@ async def _run_async(
         ctx = TrainContext(
             cfg, run_id, run_dir, client, controller, engine, model, optimizer, metrics, progress,
             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-            ref_model=load_model(model_dir, device=tc.device).requires_grad_(False) if tc.kl_coef > 0 else None,
+            ref_model=reference_model(model, model_dir, tc.device, lora) if tc.kl_coef > 0 else None,
             heldout=heldout, notify=notify, lora=lora,
         )  # fmt: skip
         if tc.world_size > 1:  # ranks 1..k-1 hold replicas; rank 0 (this process) publishes and checkpoints

@@ -11,7 +11,15 @@ import torch
 
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_model, load_weights_into
-from harnessrl.modeling.lora import LoraAdapter, LoraSpec, attach, merged_state, read_peft, save_peft
+from harnessrl.modeling.lora import (
+    LoraAdapter,
+    LoraSpec,
+    attach,
+    merged_state,
+    read_peft,
+    reference_model,
+    save_peft,
+)
 from harnessrl.modeling.packed import onednn_available, use_onednn_for_training
 
 IDS = torch.tensor([[1, 4093, 198, 2683, 314, 253, 1345, 28, 906, 30, 4093, 198, 7, 11]])
@@ -107,3 +115,16 @@ def test_peft_loads_the_export_with_the_trainers_logits(engine_tiny_dir: Path, t
         ours = model(IDS)
     assert (ours - load_model(engine_tiny_dir)(IDS)).abs().max() > 1e-3
     assert (theirs - ours).abs().max() < 1e-4
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+def test_reference_under_lora_is_the_base_without_a_copy(engine_tiny_dir: Path) -> None:
+    model, adapter = _adapted(engine_tiny_dir)
+    use_onednn_for_training(model, "onednn", torch.device("cpu"))
+    ref = reference_model(model, engine_tiny_dir, "cpu", adapter)
+    assert {p.data_ptr() for p in ref.parameters()} == {p.data_ptr() for p in model.parameters()}
+    with torch.no_grad():
+        base, policy, reference = load_model(engine_tiny_dir)(IDS), model(IDS), ref(IDS)
+    assert (policy - base).abs().max() > 1e-3
+    assert (reference - base).abs().max() < 1e-5  # the oneDNN path rounds differently from F.linear
+    assert adapter.enabled and not any(p.requires_grad for p in ref.parameters())

@@ -23,6 +23,7 @@ On disk an adapter is a PEFT folder (`adapter_config.json` + `adapter_model.safe
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from harnessrl.defaults import LORA_TARGET_MODULES
+from harnessrl.modeling.loading import load_model
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -170,6 +172,19 @@ def attach(model: nn.Module, spec: LoraSpec, seed: int = 0, base_model: str | Pa
     return adapter
 
 
+def base_view(model: nn.Module, adapter: LoraAdapter) -> nn.Module:
+    """A second model object over the same frozen base tensors, without `adapter`'s hooks: the base
+    model (the KL term's reference) at no extra weight memory. The base must stay frozen (it does under
+    LoRA: only the adapter trains)."""
+    shared: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    view = copy.deepcopy(model, shared)
+    ids = {h.id for h in adapter._handles}
+    for mod in view.modules():
+        for hook_id in ids & set(mod._forward_hooks):
+            del mod._forward_hooks[hook_id]
+    return view
+
+
 def _hook(adapter: LoraAdapter, i: int) -> Any:
     def hook(_: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> Tensor:
         if not adapter.enabled:
@@ -254,3 +269,11 @@ def attach_lora(model: nn.Module, section: Any, seed: int, base_model: str | Pat
         "event=lora_attached r=%d alpha=%g layers=%d params=%d", spec.r, spec.alpha, len(adapter.names), n
     )
     return adapter
+
+
+def reference_model(model: nn.Module, model_dir: str | Path, device: str, adapter: LoraAdapter | None) -> Any:
+    """The frozen initial policy for the KL term: under LoRA the base itself (`base_view`, no copy of
+    the weights), else a second copy loaded from `model_dir`."""
+    if adapter is not None:
+        return base_view(model, adapter)
+    return load_model(model_dir, device=device).requires_grad_(False)
