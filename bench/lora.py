@@ -114,14 +114,12 @@ def _updates(model: Any, trained: list[Any], batch: Any, updates: int, out: dict
 def phase_sync(mode: str, syncs: int = 3) -> dict[str, Any]:
     """Publish new weights (full) or an adapter (LoRA) to a live builtin engine on SmolLM2, `syncs`
     times: median wall and CPU seconds (write + engine load)."""
-    import httpx
     import torch
 
     from harnessrl.engine.config import EngineConfig
     from harnessrl.engine.core import Engine
     from harnessrl.engine.server import ServerThread
     from harnessrl.modeling.loading import load_model, resolve_model
-    from harnessrl.modeling.logprobs import next_token_logprobs
     from harnessrl.trainer.weights import EngineAdmin, publish_weights
 
     model_dir = resolve_model("smollm2")
@@ -147,17 +145,32 @@ def phase_sync(mode: str, syncs: int = 3) -> dict[str, Any]:
             walls.append(asyncio.run(publish(len(walls) + 1)))
             cpus.append(time.process_time() - c0)
         nbytes = sum(p.stat().st_size for p in (Path(tmp) / f"v{syncs}").iterdir())
-    body = {"prompt": [1, 4093, 198, 2683, 314, 253, 1345], "max_tokens": 32, "temperature": 1.0, "seed": 3,
-            "ignore_eos": True, "logprobs": 0}  # fmt: skip
-    res = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300).json()
+    gaps, version = _gaps(server.url, model)
     server.stop()
-    choice = res["choices"][0]
-    ids = torch.tensor([res["prompt_token_ids"] + choice["token_ids"]])
-    with torch.no_grad():
-        ours = next_token_logprobs(model(ids), ids, 1.0)[0, len(res["prompt_token_ids"]) - 1 :]
-    gap = float((torch.tensor(choice["logprobs"]["token_logprobs"]) - ours).abs().max())
     return {"bytes": nbytes, "seconds": round(statistics.median(walls), 3), "cpu_seconds": round(statistics.median(cpus), 3),
-            "syncs": syncs, "weight_version": res["weight_version"], "logprob_gap_max": gap}  # fmt: skip
+            "syncs": syncs, "weight_version": version, "logprob_gap_max": max(gaps),
+            "logprob_gap_mean": sum(gaps) / len(gaps), "sampled_tokens": len(gaps)}  # fmt: skip
+
+
+def _gaps(url: str, model: Any, prompts: int = 4, tokens: int = 48) -> tuple[list[float], int]:
+    """|engine logprob - trainer logprob| of every token sampled (T = 1) for `prompts` prompts."""
+    import httpx
+    import torch
+
+    from harnessrl.modeling.logprobs import next_token_logprobs
+
+    gaps: list[float] = []
+    version = -1
+    for i in range(prompts):
+        body = {"prompt": [1, 4093, 198, 2683 + 7 * i, 314, 253, 1345], "max_tokens": tokens, "temperature": 1.0,
+                "seed": i, "ignore_eos": True, "logprobs": 0}  # fmt: skip
+        res = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()
+        choice, version = res["choices"][0], res["weight_version"]
+        ids = torch.tensor([res["prompt_token_ids"] + choice["token_ids"]])
+        with torch.no_grad():
+            ours = next_token_logprobs(model(ids), ids, 1.0)[0, len(res["prompt_token_ids"]) - 1 :]
+        gaps += (torch.tensor(choice["logprobs"]["token_logprobs"]) - ours).abs().tolist()
+    return gaps, version
 
 
 def phase_decode(steps: int = 8, batch: int = 4) -> dict[str, Any]:
@@ -287,7 +300,8 @@ def table(res: dict[str, Any]) -> str:
         ("weight sync bytes", sf["bytes"], sl["bytes"]),
         ("weight sync seconds (median)", sf["seconds"], sl["seconds"]),
         ("weight sync CPU seconds (median)", sf["cpu_seconds"], sl["cpu_seconds"]),
-        ("engine-trainer logprob gap", sf["logprob_gap_max"], sl["logprob_gap_max"]),
+        ("engine-trainer logprob gap, max", sf["logprob_gap_max"], sl["logprob_gap_max"]),
+        ("engine-trainer logprob gap, mean", sf["logprob_gap_mean"], sl["logprob_gap_mean"]),
     ):  # fmt: skip
         lines.append(f"{label:36} {a:>12.4g} {b:>12.4g} {b / a if a else float('nan'):>10.3f}")
     d = res["decode"]
