@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 		|| echo "postgresql not installed: the postgres store tests will skip"
 	# Headless Chromium and its driver for the dashboard's browser test (it skips, saying so, without them).
 	command -v chromedriver >/dev/null || (apt-get update && apt-get install -y chromium chromium-driver) \
-		|| echo "chromium not installed: tests/test_dashboard_browser.py will skip"
+		|| echo "chromium not installed: tests/dashboard/test_dashboard_browser.py will skip"
 	touch $(STAMP)
 
 # Real tokenizers and chat templates of the model families (Qwen3, Qwen2.5, Llama 3, Llama 3.2, Gemma 3)
@@ -54,7 +54,7 @@ install-vllm:
 
 # A few minutes: the tests marked `vllm`, against one real vLLM server per module (skipped without the venv).
 test-vllm: $(STAMP) install-vllm
-	$(VENV)/bin/pytest -m vllm -q tests/test_vllm_real.py
+	$(VENV)/bin/pytest -m vllm -q tests/services/test_vllm_real.py
 
 # About 8 minutes: vLLM against the trainer, logprob gaps per dtype and the cost of each weight sync.
 bench-vllm: $(STAMP) install-vllm
@@ -79,7 +79,7 @@ test: lint typecheck unit
 
 # The dashboard's browser test, writing its screenshots into docs/img (docs/dashboard.md shows them).
 screenshots: $(STAMP)
-	HARNESSRL_SCREENSHOTS=docs/img $(VENV)/bin/pytest -q tests/test_dashboard_browser.py
+	HARNESSRL_SCREENSHOTS=docs/img $(VENV)/bin/pytest -q tests/dashboard/test_dashboard_browser.py
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
@@ -112,6 +112,7 @@ bench-controller: $(STAMP)
 RELIABILITY_BASELINE ?= ad64d71~1
 bench-reliability: $(STAMP)
 	$(PY) -m bench.reliability.run --baseline-ref $(RELIABILITY_BASELINE)
+	$(PY) -m bench.reliability.streams --streams 5000 --stream-seconds 30 --rollouts 20000
 
 # About 30-60 minutes on 2 cores: the demo's workload (2 steps, 8 held-out tasks) with the RSS of every
 # process sampled (trainer, engine, gateway, fork server, harnesses), then the PPO update alone on a fixed

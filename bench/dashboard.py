@@ -33,7 +33,7 @@ import httpx
 import uvicorn
 
 from harnessrl.dashboard import RunData, create_dashboard
-from harnessrl.inspect import index_report
+from harnessrl.inspection import index_report
 from harnessrl.schema import (
     Attempt,
     AttemptStatus,

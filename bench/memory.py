@@ -1,7 +1,7 @@
 """`make bench-memory`: resident memory of the CPU demo, per process, before and after the memory work.
 
 Runs the demo's workload (the calc example's config, a few steps: `train.steps=2 eval.n_heldout=8` by
-default) in this process through `harnessrl.run.run`, while a sampler thread reads /proc every 0.2 s for
+default) in this process through `harnessrl.runs.flow.run`, while a sampler thread reads /proc every 0.2 s for
 this process and all its descendants, identified by command line and parentage:
 
 - trainer: this process (it hosts the run and the PPO update);
@@ -284,8 +284,8 @@ def measure(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     import harnessrl
     from harnessrl.config import load_config
     from harnessrl.examples import example_config
-    from harnessrl.run import run
-    from harnessrl.rundir import Mode
+    from harnessrl.runs.flow import run
+    from harnessrl.runs.rundir import Mode
 
     cfg = load_config(example_config("calc"), [*overrides, f"run_dir={run_dir}"])
     sampler = Sampler(os.getpid()).start()

@@ -30,7 +30,7 @@ from typing import Any
 
 from harnessrl.config import load_config
 from harnessrl.examples import get_example
-from harnessrl.run import run
+from harnessrl.runs.flow import run
 
 SETTINGS: dict[str, list[str]] = {
     "a_sample_adv_sample_mean": ["train.advantage_level=sample", "train.loss_mode=sample_mean"],

@@ -26,7 +26,7 @@ from typing import Any
 
 from harnessrl.config import load_config
 from harnessrl.examples import get_example
-from harnessrl.run import run
+from harnessrl.runs.flow import run
 
 
 def one(schedule: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from harnessrl.config import RunConfig, load_config
 from harnessrl.examples import get_example
 from harnessrl.examples.instruct.task import build_splits, grpo_reward, reward_text, trl_dataset
 from harnessrl.modeling.loading import resolve_model
-from harnessrl.run import run
+from harnessrl.runs.flow import run
 from harnessrl.trainer.metrics import mean_ci95
 
 ARMS = ("harnessrl", "trl")

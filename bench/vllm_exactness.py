@@ -29,9 +29,9 @@ from harnessrl.config import load_config
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_model, resolve_model
 from harnessrl.modeling.logprobs import next_token_logprobs
-from harnessrl.run import managed_vllm, vllm_restarter
+from harnessrl.services.stack import managed_vllm, vllm_restarter
+from harnessrl.services.vllm import ManagedVLLM
 from harnessrl.trainer.weights import VLLMAdmin, publish_weights
-from harnessrl.vllm_server import ManagedVLLM
 
 
 def _sample(url: str, n: int, tokens: int, seed: int) -> tuple[list[list[int]], list[dict[str, Any]]]:

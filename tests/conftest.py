@@ -3,36 +3,30 @@ and gateways on loopback over real SQLite files."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
-import uvicorn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest_plugins = [
-    "tests.engine_fixtures",
-    "tests.store_fixtures",
-    "tests.run_fixtures",
+    "tests.support.engine_fixtures",
+    "tests.support.store_fixtures",
+    "tests.support.run_fixtures",
 ]  # engine_*, store_*/pg_*, fixture_run
 
 from harnessrl.gateway.app import GatewayConfig, create_app  # noqa: E402
 from harnessrl.services import Service, free_port, start_engine  # noqa: E402
 from harnessrl.store import SQLiteStore  # noqa: E402
+from tests.support.gateway import GatewayHandle, ThreadServer  # noqa: E402
 
 if TYPE_CHECKING:
-    from harnessrl.controller import RolloutOutcome
-    from harnessrl.schema import Task
+    pass
 
 
 @pytest.fixture(scope="session")
@@ -61,80 +55,6 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield svc
     finally:
         svc.stop()
-
-
-class ThreadServer:
-    """uvicorn serving an ASGI app in a background thread on a free loopback port."""
-
-    def __init__(self, app: object) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)  # type: ignore[arg-type]
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> ThreadServer:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-@dataclass
-class GatewayHandle:
-    """A running gateway: its URL, admin key and store."""
-
-    url: str
-    admin_key: str
-    store: SQLiteStore
-    engine_url: str
-
-    def admin(self) -> httpx.Client:
-        """An HTTP client carrying the admin key."""
-        return httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=120
-        )
-
-    def new_rollout(self, client_id: str | None = None, **body: object) -> tuple[str, str]:
-        """Create a rollout (and start its attempt); returns (rollout_id, api_key)."""
-        with self.admin() as c:
-            r = c.post(
-                "/control/rollouts",
-                json={"client_id": client_id or secrets.token_hex(4), "task_id": "t", **body},
-            )
-            r.raise_for_status()
-            rid = r.json()["rollout"]["rollout_id"]
-            c.post(f"/control/rollouts/{rid}/attempts").raise_for_status()
-            return rid, r.json()["api_key"]
-
-
-async def run_example_episode(
-    example_name: str, gw: GatewayHandle, task: Task, client_id: str, run_dir: Path
-) -> tuple[RolloutOutcome, dict[str, Any]]:
-    """One rollout of an example's real harness (a subprocess) through `gw`: its outcome and the
-    `answer.json` the harness wrote."""
-    from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
-    from harnessrl.examples import get_example
-    from harnessrl.gateway.client import ControlClient
-
-    example = get_example(example_name)
-    client = ControlClient(gw.url, gw.admin_key)
-    ctl = Controller(client, gw.url, HarnessSpec(command=example.harness_command, timeout_s=120),
-                     example.grader, run_dir, concurrency=1)  # fmt: skip
-    try:
-        (outcome,) = await ctl.run([RolloutRequest(task=task, client_id=client_id)])
-    finally:
-        await client.aclose()
-    answer_file = run_dir / "rollouts" / outcome.rollout_id / "attempt-0" / "output" / "answer.json"
-    answer = json.loads(answer_file.read_text()) if answer_file.exists() else {}
-    return outcome, answer
 
 
 @pytest.fixture

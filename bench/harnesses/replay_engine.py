@@ -39,13 +39,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from harnessrl.chat import SMOLLM2, render_chat, render_tool_call
+from harnessrl.chat import CHATML, SMOLLM2, render_chat, render_tool_call
 from harnessrl.engine.core import EngineError
 from harnessrl.engine.detok import StopChecker, TokenText
 from harnessrl.engine.protocol import error_body
 from harnessrl.engine.routes import EngineRoutes
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 from harnessrl.modeling.loading import load_tokenizer, smollm2_tokenizer_dir
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ class ReplayEngine:
     def __init__(self, tokenizer_dir: Path, served_model_name: str = "replay",
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:  # fmt: skip
         self.model_dir = tokenizer_dir
+        self.chat = CHATML  # SmolLM2's convention: how answers are parsed back (tool calls)
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.text = TokenText(self.tokenizer)
         self.served_model_name = served_model_name
@@ -171,8 +172,10 @@ class ReplayEngine:
         return list(self.tokenizer.encode(text).ids)
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                        add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
-        """Render messages (+ tools) with the shared chat convention and tokenize the prompt."""
+                        add_generation_prompt: bool = True,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+        """Render messages (+ tools) with SmolLM2's ChatML convention (no template variables) and tokenize
+        the prompt."""
         text = render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import re
+import resource
 import threading
 from typing import Any
 
@@ -211,14 +212,19 @@ async def serve(port: int, default_fault: str = "ok") -> asyncio.Server:
 
 def main() -> None:
     """Serve until killed."""
-    global TOKENS, PROMPT_IDS
+    global TOKENS, PROMPT_IDS, SLOW_TOKENS, SLOW_INTERVAL_S
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("port", type=int)
     p.add_argument("default_fault", nargs="?", default="ok")
     p.add_argument("--tokens", type=int, default=TOKENS, help="completion tokens of an answer")
     p.add_argument("--prompt-tokens", type=int, default=len(PROMPT_IDS), help="prompt tokens reported")
+    p.add_argument("--slow-tokens", type=int, default=SLOW_TOKENS, help="tokens of a `slow` answer")
+    p.add_argument("--slow-interval", type=float, default=SLOW_INTERVAL_S, help="seconds between its tokens")
     args = p.parse_args()
     TOKENS, PROMPT_IDS = args.tokens, list(range(1000, 1000 + args.prompt_tokens))
+    SLOW_TOKENS, SLOW_INTERVAL_S = args.slow_tokens, args.slow_interval
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per open stream
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     try:
         import uvloop
 

@@ -40,7 +40,7 @@ def train(
 
     `resume` continues the run in `run_dir`, `fresh` deletes an earlier run there first (only a
     harnessrl run directory); `check=False` skips the preflight attempt."""
-    from harnessrl.run import run
+    from harnessrl.runs.flow import run
 
     cfg = configure(config_or_path, **overrides)
     return run(cfg, fresh=fresh, resume=resume, check=check, on_step=on_step)
@@ -48,7 +48,7 @@ def train(
 
 def check(config_or_path: RunConfig | str | Path, **overrides: Any) -> Any:
     """Run one graded attempt as `harnessrl check` does; returns its `CheckReport` (`.ok`, `.render()`)."""
-    from harnessrl.check import run_check
+    from harnessrl.runs.preflight import run_check
 
     return run_check(configure(config_or_path, **overrides))
 

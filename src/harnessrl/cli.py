@@ -26,7 +26,7 @@ EPILOG = """commands:
 PASSTHROUGH = {
     "engine": ("harnessrl.engine.server", "main"),
     "gateway": ("harnessrl.gateway.__main__", "main"),
-    "inspect": ("harnessrl.inspect", "main"),
+    "inspect": ("harnessrl.inspection", "main"),
     "export": ("harnessrl.export.cli", "export_main"),
     "validate": ("harnessrl.export.cli", "validate_main"),
     "import": ("harnessrl.export.cli", "import_main"),
@@ -45,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         module, fn = PASSTHROUGH[argv[0]]
         return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
     args = _parser().parse_args(argv)
-    # SIGTERM ends a run like Ctrl-C: its `finally` blocks stop the engine and gateway it started
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM ends a command like Ctrl-C: its `finally` blocks stop the engine and gateway it started
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from harnessrl.config import ConfigError, load_config
     from harnessrl.controller.runners.forkserver import ForkServerError
-    from harnessrl.rundir import Mode, RunDirError
+    from harnessrl.runs.rundir import Mode, RunDirError
 
     try:
         if args.command == "init":
@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _init(directory: Path) -> int:
-    from harnessrl.scaffold import ScaffoldError, init_project
+    from harnessrl.runs.scaffold import ScaffoldError, init_project
 
     try:
         written = init_project(directory)
@@ -114,7 +114,7 @@ def _init(directory: Path) -> int:
 
 
 def _check(cfg: Any, task: int) -> int:
-    from harnessrl.check import run_check
+    from harnessrl.runs.preflight import run_check
 
     print("harnessrl: starting the engine and gateway for one attempt ...", file=sys.stderr)
     report = run_check(cfg, task)
@@ -129,9 +129,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def _run(cfg: Any, mode: Any, check: bool, resume_command: str) -> int:
     from tqdm import tqdm
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-    from harnessrl.run import CheckFailed, run
+    from harnessrl.runs.flow import CheckFailed, run
 
     bars: dict[str, Any] = {}
 

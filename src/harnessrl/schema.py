@@ -247,3 +247,20 @@ class RolloutEvent(BaseModel):
     state: RolloutState
     group_id: str | None = None
     time: float
+
+
+SQL_INT_LIMIT: Final = 2**63
+"""Sequence numbers, cursors and versions are SQL INTEGERs (signed 64-bit): every value is below this."""
+
+
+class PauseRequest(Strict):
+    """Body of `POST /control/pause`."""
+
+    drain_timeout_s: float = Field(default=600.0, ge=0.0)
+    preempt: bool = False  # cut non-streaming calls and resend them after resume instead of waiting
+
+
+class ResumeRequest(Strict):
+    """Body of `POST /control/resume`: optionally the weight version the engine now serves."""
+
+    weight_version: int | None = Field(default=None, ge=0, lt=SQL_INT_LIMIT)

@@ -14,7 +14,7 @@ from harnessrl.config import load_config
 from harnessrl.examples import get_example
 from harnessrl.modeling.loading import load_state_dict_file
 from harnessrl.modeling.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from harnessrl.run import run
+from harnessrl.runs.flow import run
 from harnessrl.store import SQLiteStore
 
 # A tiny random model never answers right, so every group would be zero-variance and nothing would

@@ -198,10 +198,12 @@ def tool_call_parts(tool_calls: Any) -> list[tuple[Any, Any, Any]]:
 
 @dataclass
 class ParsedCompletion:
-    """A completion's text split into plain content and tool calls (OpenAI shape)."""
+    """A completion's text split into plain content, tool calls (OpenAI shape) and, for reasoning
+    models, the thinking text (None when the completion has no thinking block)."""
 
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning_content: str | None = None
 
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

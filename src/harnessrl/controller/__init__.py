@@ -10,7 +10,7 @@ docs/security.md says what each mode guarantees.
 `grader` runs graders outside the harness.
 """
 
-from harnessrl.controller.controller import Controller, RolloutOutcome, RolloutRequest
+from harnessrl.controller.controller import Controller, RolloutOutcome, RolloutRequest, sibling_requests
 from harnessrl.controller.grader import CommandGrader, Grader, GraderError
 from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, Runner, RunnerBase
 from harnessrl.controller.runners.forkserver import ForkServerError, ForkServerRunner
@@ -40,4 +40,5 @@ __all__ = [
     "RunnerBase",
     "SandboxRunner",
     "SandboxSpec",
+    "sibling_requests",
 ]

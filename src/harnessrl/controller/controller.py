@@ -53,6 +53,20 @@ class RolloutRequest:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def sibling_requests(
+    task: Task, prefix: str, n: int, sampling: SamplingOverrides, metadata: dict[str, Any]
+) -> list[RolloutRequest]:
+    """`n` rollouts of `task` in one group: group id `<prefix>-<task_id>`, client ids `<group>-<i>`
+    (ids that depend only on their arguments, so a resumed run finds the rollouts it already has)."""
+    group = f"{prefix}-{task.task_id}"
+    return [
+        RolloutRequest(
+            task=task, client_id=f"{group}-{i}", group_id=group, sampling=sampling, metadata=metadata
+        )
+        for i in range(n)
+    ]
+
+
 @dataclass(frozen=True)
 class RolloutOutcome:
     """How a rollout ended: its final state and reward (None when it could not be graded)."""

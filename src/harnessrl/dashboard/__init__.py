@@ -3,7 +3,7 @@
 Modules, outside in: `cli` (arguments, loopback by default, the admin key off loopback), `app` (the
 Starlette app: static pages under `static/`, a read-only paginated JSON API, server-sent events for
 live updates), `data` (what the pages show, read from the store in read-only mode with the readers of
-`harnessrl.inspect`). The pages are plain HTML, CSS and JavaScript: no build step, no CDN.
+`harnessrl.inspection`). The pages are plain HTML, CSS and JavaScript: no build step, no CDN.
 Nothing here imports torch.
 """
 

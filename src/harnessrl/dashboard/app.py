@@ -34,11 +34,11 @@ from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from harnessrl.dashboard.data import Filters, RunData
-from harnessrl.inspect.runview import RunError
+from harnessrl.inspection.runview import RunError
 from harnessrl.schema import RolloutState
 
 log = logging.getLogger(__name__)
@@ -69,28 +69,30 @@ def _json(data: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(_num(data), status, headers={"Cache-Control": "no-store"})
 
 
-def _int(q: Any, name: str, default: int | None, lo: int | None = None) -> int | None:
-    raw = q.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        value = int(raw)
-    except ValueError as e:
-        raise BadParam(f"{name} must be an integer, not {raw!r}") from e
-    if lo is not None and value < lo:
-        raise BadParam(f"{name} must be >= {lo}, not {value}")
-    return value
-
-
-def _float(q: Any, name: str) -> float | None:
+def _number(q: Any, name: str, kind: type[int] | type[float]) -> int | float | None:
+    """Query parameter `name` as `kind`, None when absent or empty; 400 (BadParam) otherwise."""
     raw = q.get(name)
     if raw in (None, ""):
         return None
     try:
-        value = float(raw)
+        return kind(raw)
     except ValueError as e:
-        raise BadParam(f"{name} must be a number, not {raw!r}") from e
-    if not math.isfinite(value):
+        what = "an integer" if kind is int else "a number"
+        raise BadParam(f"{name} must be {what}, not {raw!r}") from e
+
+
+def _int(q: Any, name: str, default: int | None, lo: int | None = None) -> int | None:
+    value = _number(q, name, int)
+    if value is None:
+        return default
+    if lo is not None and value < lo:
+        raise BadParam(f"{name} must be >= {lo}, not {value}")
+    return int(value)
+
+
+def _float(q: Any, name: str) -> float | None:
+    value = _number(q, name, float)
+    if value is not None and not math.isfinite(value):
         raise BadParam(f"{name} must be finite")
     return value
 
@@ -141,44 +143,53 @@ class KeyMiddleware(BaseHTTPMiddleware):
                              "or send Authorization: Bearer KEY"}, 401)  # fmt: skip
 
 
-def create_dashboard(data: RunData, admin_key: str | None = None) -> Starlette:
-    """The dashboard app over `data`; with `admin_key` every request must carry that key."""
+def _json_endpoint(fn: Callable[[Request], Any]) -> Callable[[Request], Awaitable[Response]]:
+    """Run `fn` off the event loop and answer its result as JSON; a bad parameter is a 400, an unknown
+    rollout or an unreadable run a 404."""
 
-    def guarded(fn: Callable[[Request], Any]) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return _json(await asyncio.to_thread(fn, request))
-            except BadParam as e:
-                return _json({"error": str(e)}, 400)
-            except RunError as e:
-                return _json({"error": str(e)}, 404)
+    async def endpoint(request: Request) -> Response:
+        try:
+            return _json(await asyncio.to_thread(fn, request))
+        except BadParam as e:
+            return _json({"error": str(e)}, 400)
+        except RunError as e:
+            return _json({"error": str(e)}, 404)
 
-        return endpoint
+    return endpoint
 
-    async def index(request: Request) -> Response:
+
+class DashboardRoutes:
+    """The dashboard's handlers over one run's data; `routes()` is its route table."""
+
+    def __init__(self, data: RunData) -> None:
+        self.data = data
+
+    async def index(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
 
-    def rollouts(request: Request) -> Any:
+    def rollouts(self, request: Request) -> Any:
         q = request.query_params
         f = parse_filters(q)
         offset = _int(q, "offset", 0, lo=0) or 0
         limit = _int(q, "limit", 50, lo=1) or 50
-        return data.rollouts(f, offset, limit)
+        return self.data.rollouts(f, offset, limit)
 
-    def groups(request: Request) -> Any:
+    def groups(self, request: Request) -> Any:
         q = request.query_params
         phase = q.get("phase") or "train"
         if phase not in PHASES:
             raise BadParam(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
-        return {"groups": data.groups(_int(q, "step", None), None if phase == "all" else phase)}
+        return {"groups": self.data.groups(_int(q, "step", None), None if phase == "all" else phase)}
 
-    async def live(request: Request) -> Response:
+    async def live(self, request: Request) -> Response:
+        """Server-sent events: the run's live token whenever it changes (for at most LIVE_MAX_S)."""
+
         async def stream() -> AsyncIterator[str]:
             last: dict[str, Any] | None = None
             waited = 0.0
             yield "retry: 2000\n\n"
             while waited < LIVE_MAX_S:
-                token = await asyncio.to_thread(data.live_token)
+                token = await asyncio.to_thread(self.data.live_token)
                 if token != last:
                     last = token
                     yield f"data: {json.dumps(token)}\n\n"
@@ -190,16 +201,26 @@ def create_dashboard(data: RunData, admin_key: str | None = None) -> Starlette:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # fmt: skip
 
-    routes = [
-        Route("/", index),
-        Route("/api/run", guarded(lambda r: data.overview())),
-        Route("/api/steps", guarded(lambda r: data.steps())),
-        Route("/api/groups", guarded(groups)),
-        Route("/api/rollouts", guarded(rollouts)),
-        Route("/api/rollouts/{rollout_id}", guarded(lambda r: data.rollout(r.path_params["rollout_id"]))),
-        Route("/api/live", live),
-        Mount("/static", StaticFiles(directory=STATIC), name="static"),
-    ]
+    def routes(self) -> list[BaseRoute]:
+        """Every route of the dashboard."""
+        data = self.data
+        return [
+            Route("/", self.index),
+            Route("/api/run", _json_endpoint(lambda r: data.overview())),
+            Route("/api/steps", _json_endpoint(lambda r: data.steps())),
+            Route("/api/groups", _json_endpoint(self.groups)),
+            Route("/api/rollouts", _json_endpoint(self.rollouts)),
+            Route(
+                "/api/rollouts/{rollout_id}",
+                _json_endpoint(lambda r: data.rollout(r.path_params["rollout_id"])),
+            ),
+            Route("/api/live", self.live),
+            Mount("/static", StaticFiles(directory=STATIC), name="static"),
+        ]
+
+
+def create_dashboard(data: RunData, admin_key: str | None = None) -> Starlette:
+    """The dashboard app over `data`; with `admin_key` every request must carry that key."""
     middleware = [Middleware(KeyMiddleware, key=admin_key)] if admin_key else []
 
     @asynccontextmanager
@@ -207,4 +228,4 @@ def create_dashboard(data: RunData, admin_key: str | None = None) -> Starlette:
         yield
         data.close()
 
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    return Starlette(routes=DashboardRoutes(data).routes(), middleware=middleware, lifespan=lifespan)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from harnessrl.inspect.runview import RunError
+from harnessrl.inspection.runview import RunError
 
 DEFAULT_PORT = 8765
 KEY_ENV = "HARNESSRL_DASHBOARD_KEY"

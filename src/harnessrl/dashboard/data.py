@@ -20,8 +20,8 @@ from typing import Any
 from harnessrl.adapter import AdvantageLevel
 from harnessrl.adapter.advantage import rollout_advantages
 from harnessrl.export.traces import run_files
-from harnessrl.inspect.report import rollout_view
-from harnessrl.inspect.runview import (
+from harnessrl.inspection.report import rollout_view
+from harnessrl.inspection.runview import (
     Place,
     RunError,
     RunSettings,
@@ -30,7 +30,7 @@ from harnessrl.inspect.runview import (
     read_settings,
     summarize,
 )
-from harnessrl.inspect.tokens import load_decoder
+from harnessrl.inspection.tokens import load_decoder
 from harnessrl.schema import Rollout, RolloutState
 from harnessrl.store import SQLiteStore
 

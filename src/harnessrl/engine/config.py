@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
+from harnessrl.chat.toolcalls import TOOL_PARSERS
 from harnessrl.defaults import ENGINE_MAX_BATCH
 from harnessrl.engine.scheduler import PREFILL_CHUNK
 
@@ -41,6 +42,11 @@ class EngineConfig:
     # Linear layers on CPU: "onednn" (weights packed once, see modeling/packed.py), "aten" (F.linear, as
     # the trainer), "auto" (onednn when a startup probe finds its logprobs within 1e-4 of F.linear's)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
+    # tool-call format of chat completions: "auto" (detected from the model's chat template), "hermes",
+    # "llama3_json" or "none" (harnessrl.chat.toolcalls)
+    tool_parser: str = "auto"
+    # variables for the chat template on every call (a request's `chat_template_kwargs` overrides them)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -49,6 +55,10 @@ class EngineConfig:
             raise ValueError("max_batch must be >= 1 and max_model_len >= 2")
         if self.matmul not in ("auto", "onednn", "aten"):
             raise ValueError(f"matmul must be auto, onednn or aten, not {self.matmul!r}")
+        if self.tool_parser != "auto" and self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_parser must be auto or one of {sorted(TOOL_PARSERS)}, not {self.tool_parser!r}"
+            )
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         if self.max_cached_tokens is not None and self.max_cached_tokens < (self.max_model_len or 2):

@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from harnessrl.chat import render_chat
+from harnessrl.chat import ChatFormat
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import EngineSequence, GenerationResult, Maintenance, Scheduler, WeightLoad
+from harnessrl.engine.scheduler import Scheduler
+from harnessrl.engine.sequence import EngineSequence, GenerationResult, Maintenance, WeightLoad
 from harnessrl.engine.state import EngineOp, EngineState
 from harnessrl.modeling.loading import (
     check_state_dict,
@@ -76,7 +77,9 @@ class Engine:
         self.served_model_name = config.served_model_name or config.model
         self.max_model_len = self._max_model_len(config, self.model.config.max_position_embeddings)
         self.kv_budget = config.kv_budget(self.max_model_len)
-        self.eos_ids = _eos_ids(self.model_dir, self.model.config.eos_token_id)
+        # the model's own chat template, tool-call format and end-of-turn tokens (harnessrl.chat.format)
+        self.chat = ChatFormat.from_folder(self.model_dir, config.tool_parser, config.chat_template_kwargs)
+        self.eos_ids = _eos_ids(self.model_dir, self.model.config.eos_token_id) | self.chat.stop_ids
         self.scheduler = Scheduler(
             self.model,
             self.text,
@@ -140,9 +143,10 @@ class Engine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Render messages (+ tools) with the shared chat convention and tokenize the prompt."""
-        text = render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
+        """Render messages (+ tools) with the model's chat format and tokenize the prompt."""
+        text = self.chat.render(messages, tools, add_generation_prompt, **(template_kwargs or {}))
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:

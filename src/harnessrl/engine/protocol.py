@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnessrl.chat import parse_completion
+from harnessrl.chat import CHATML, ChatFormat
 from harnessrl.engine.detok import TokenText
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 
 MAX_TOP_LOGPROBS = 20
 
@@ -38,7 +38,7 @@ class _Request(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class CompletionRequest(_Request):
+class EngineCompletionRequest(_Request):
     """POST /v1/completions: the prompt is text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -47,8 +47,8 @@ class CompletionRequest(_Request):
     echo: bool | None = None
 
 
-class ChatCompletionRequest(_Request):
-    """POST /v1/chat/completions: messages (+ tools) rendered with the shared chat convention."""
+class EngineChatCompletionRequest(_Request):
+    """POST /v1/chat/completions: messages (+ tools) rendered with the model's chat format."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
@@ -57,6 +57,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's name: e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(BaseModel):
@@ -68,6 +69,7 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -120,7 +122,7 @@ def completion_logprobs(result: GenerationResult, text: TokenText) -> dict[str, 
 
 
 def completion_response(
-    result: GenerationResult, model: str, text: TokenText, req: CompletionRequest
+    result: GenerationResult, model: str, text: TokenText, req: EngineCompletionRequest
 ) -> dict[str, Any]:
     """The `text_completion` body; token ids/logprobs as asked, `weight_version` always."""
     choice: dict[str, Any] = {
@@ -161,12 +163,19 @@ def chat_logprobs(result: GenerationResult, text: TokenText) -> dict[str, Any]:
 
 
 def chat_response(
-    result: GenerationResult, model: str, text: TokenText, req: ChatCompletionRequest
+    result: GenerationResult,
+    model: str,
+    text: TokenText,
+    req: EngineChatCompletionRequest,
+    chat: ChatFormat = CHATML,
 ) -> dict[str, Any]:
-    """The `chat.completion` body: parsed content and tool calls, exact ids, logprobs, weight_version."""
-    parsed = parse_completion(result.text)
+    """The `chat.completion` body: parsed content, reasoning and tool calls in the model's own format,
+    exact ids, logprobs, weight_version."""
+    parsed = chat.parse(result.text)
     finish: str = result.finish_reason
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning_content is not None:
+        message["reasoning_content"] = parsed.reasoning_content
     if parsed.tool_calls:
         message["tool_calls"] = parsed.tool_calls
         message["content"] = parsed.content if parsed.content.strip() else None

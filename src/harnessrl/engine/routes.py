@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,16 +16,18 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from harnessrl.chat import ChatFormatError
 from harnessrl.engine.core import Engine, EngineError
 from harnessrl.engine.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
+    EngineChatCompletionRequest,
+    EngineCompletionRequest,
     LoadWeightsRequest,
     TokenizeRequest,
     chat_response,
@@ -32,7 +35,7 @@ from harnessrl.engine.protocol import (
     error_body,
 )
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 from harnessrl.engine.state import InvalidEngineTransition
 from harnessrl.engine.streaming import chat_events, completion_events
 
@@ -77,13 +80,13 @@ def _guard(fn: Handler) -> Handler:
     return wrapped
 
 
-def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+def _check_common(req: EngineCompletionRequest | EngineChatCompletionRequest) -> None:
     if req.n not in (None, 1):
         raise EngineError("only n=1 is supported; send one request per sample", "n")
 
 
 def _sampling(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, top_logprobs: int
+    req: EngineCompletionRequest | EngineChatCompletionRequest, max_tokens: int, top_logprobs: int
 ) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -139,7 +142,7 @@ class EngineRoutes:
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
         engine = self.engine
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, EngineCompletionRequest)
         _check_common(req)
         if req.echo:
             raise EngineError("echo=true is not supported by the builtin engine", "echo")
@@ -157,10 +160,10 @@ class EngineRoutes:
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
         engine = self.engine
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, EngineChatCompletionRequest)
         _check_common(req)
         tools = None if req.tool_choice == "none" else req.tools
-        prompt_ids = engine.chat_prompt_ids(req.messages, tools)
+        prompt_ids = engine.chat_prompt_ids(req.messages, tools, True, req.chat_template_kwargs)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = engine.check_length(len(prompt_ids), req.max_completion_tokens or req.max_tokens, param)
         top = (req.top_logprobs or 0) if req.logprobs else 0
@@ -171,13 +174,15 @@ class EngineRoutes:
         result = await _generate(request, engine, prompt_ids, params)
         if result.finish_reason == "abort":
             return _aborted()
-        return JSONResponse(chat_response(result, self.name, engine.text, req))
+        return JSONResponse(chat_response(result, self.name, engine.text, req, engine.chat))
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: text or chat messages (+ tools) to the exact prompt ids."""
         req = await _parse(request, TokenizeRequest)
         if req.messages is not None:
-            tokens = self.engine.chat_prompt_ids(req.messages, req.tools, req.add_generation_prompt)
+            tokens = self.engine.chat_prompt_ids(
+                req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
+            )
         elif req.prompt is not None:
             tokens = self.engine.encode(req.prompt)
         else:
@@ -262,8 +267,29 @@ class EngineRoutes:
         return [Route(path, _guard(fn), methods=[method]) for path, fn, method in table]
 
 
-def build_app(engine: Engine) -> Starlette:
-    """The Starlette app serving `engine`; its lifespan starts and stops the scheduler thread."""
+class RequireKey:
+    """ASGI middleware: every HTTP request but `GET /health` must carry `Authorization: Bearer <key>`
+    (401 otherwise), so a process that finds the engine's port cannot generate, load weights or pause."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body(
+                    "missing or wrong engine key (Authorization: Bearer ...)", code="invalid_api_key"
+                )
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Engine, api_key: str | None = None) -> Starlette:
+    """The Starlette app serving `engine`; its lifespan starts and stops the scheduler thread. With
+    `api_key`, every route but /health requires it (`RequireKey`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -273,4 +299,5 @@ def build_app(engine: Engine) -> Starlette:
         finally:
             engine.shutdown()
 
-    return Starlette(routes=EngineRoutes(engine).routes(), lifespan=lifespan)
+    middleware = [Middleware(RequireKey, key=api_key)] if api_key else []
+    return Starlette(routes=EngineRoutes(engine).routes(), lifespan=lifespan, middleware=middleware)

@@ -17,18 +17,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from harnessrl.engine.detok import StopChecker, TokenText
-from harnessrl.engine.sampling import SamplingParams, StepSample, make_generator, sample_step
+from harnessrl.engine.detok import TokenText
+from harnessrl.engine.model_memory import ModelMemory
+from harnessrl.engine.sampling import StepSample, sample_step
+from harnessrl.engine.sequence import EngineSequence, GenerationResult, Maintenance, Stats, WeightLoad
 from harnessrl.engine.slots import SlotTable
-from harnessrl.engine.state import EngineOp, EngineState, InvalidEngineTransition, engine_transition
+from harnessrl.engine.state import EngineState
 from harnessrl.modeling.llama import LlamaForCausalLM
-from harnessrl.modeling.loading import load_weights_into
-from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import PackedLinears
 
 log = logging.getLogger(__name__)
@@ -41,102 +39,9 @@ PREFILL_CHUNK = 512
 PREFILL_PASS_TOKENS = 4096
 
 
-@dataclass
-class GenerationResult:
-    """A finished sequence: exact token ids, their logprobs, and the text."""
-
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    text: str
-    finish_reason: str  # "stop" | "length" | "abort"
-    stop_reason: str | int | None
-    weight_version: int
-    cached_tokens: int
-
-
-class EngineSequence:
-    """One request being generated; `on_done` is called from the scheduler thread."""
-
-    def __init__(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        on_done: Callable[[GenerationResult | BaseException], None],
-        text: TokenText,
-        device: torch.device,
-        on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
-    ) -> None:
-        self.prompt_ids, self.params, self.on_done = prompt_ids, params, on_done
-        self.on_token = on_token  # streaming: called from the scheduler thread for every sampled token
-        self.generator = make_generator(params.seed, device)
-        self.stop_checker = StopChecker(text, params.stop, params.skip_special_tokens)
-        self.output_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.stop_text: str | None = None
-        self.cached_tokens = 0
-        self.kv_len = 0  # positions of this sequence's slot holding valid K/V
-        self.cancelled = False
-
-    @property
-    def prefilling(self) -> bool:
-        """Part of the prompt is not in the KV cache yet (chunked prefill in progress)."""
-        return self.kv_len < len(self.prompt_ids)
-
-    @property
-    def kv_tokens(self) -> list[int]:
-        """Tokens whose K/V are in the cache (the last sampled token is not fed yet)."""
-        return (self.prompt_ids + self.output_ids)[: self.kv_len]
-
-
-def _release_device_memory(device: torch.device) -> None:
-    """Hand cached allocator blocks back to the driver, so another process (the trainer) can use them."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-@dataclass
-class WeightLoad:
-    """A queued weight swap, applied when no sequence is running: `read` returns the state dict then."""
-
-    read: Callable[[], dict[str, torch.Tensor]]
-    version: int
-    on_done: Callable[[int | BaseException], None]
-
-
-@dataclass
-class Maintenance:
-    """Work that must run while no sequence is in flight (sleep, wake-up); queued like a weight load."""
-
-    name: str
-    fn: Callable[[], object]
-    on_done: Callable[[object], None]
-
-
-@dataclass
-class Stats:
-    """Counters exposed at GET /admin/stats."""
-
-    max_batch_seen: int = 0
-    decode_steps: int = 0
-    generated_tokens: int = 0
-    prefill_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    finished: int = 0
-    aborted: int = 0
-    weight_loads: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    sample_seconds: float = 0.0
-    started_at: float = field(default_factory=time.time)
-
-
-class Scheduler:
-    """Owns the model, the KV cache and the batch; all model calls happen on its thread."""
+class Scheduler(ModelMemory):
+    """Owns the model, the KV cache and the batch; all model calls happen on its thread. Sleep, wake-up
+    and weight loads (what the model's memory holds) are `ModelMemory`'s."""
 
     def __init__(
         self,
@@ -215,60 +120,6 @@ class Scheduler:
         with self._cond:
             self._state = target
             self._cond.notify_all()
-
-    def sleep(self, level: int = 1) -> EngineState:
-        """(scheduler thread, nothing running) Give memory to a collocated trainer; admission waits until
-        `wake`. Level 1: free the KV cache and, on an accelerator, move the weights to CPU memory. Level 2:
-        also discard the weights (their storage is freed; shapes kept) — after `wake` a weight load must
-        come before anything is admitted (the trainer is about to publish new weights anyway). Asleep at
-        level 2 already, a level-1 request keeps the deeper sleep. Returns the new state."""
-        target = engine_transition(self._state, EngineOp.sleep(level))
-        level = target.sleep_level
-        self.slots.clear_cache()
-        self.cache.free()
-        # on CPU the packed copies are the weights (nothing to offload them to): level 1 keeps them
-        if self.packed is not None and (level == 2 or not self.packed.released):
-            self.packed.drop()
-        for p in self.model.parameters():  # tied weights are one Parameter, seen once
-            if level == 2:
-                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
-            elif self.device.type != "cpu":
-                p.data = p.data.to("cpu")
-        _release_device_memory(self.device)
-        self._enter(target)
-        return target
-
-    def wake(self) -> EngineState:
-        """(scheduler thread) Take the memory back: weights to the device (level 1) or allocated empty
-        (level 2: admission waits for a weight load), then the KV cache. Returns the new state."""
-        current = self._state
-        target = engine_transition(current, EngineOp.WAKE)
-        if current is EngineState.ASLEEP_2:
-            kept = self._kept_parameters()
-            for p in self.model.parameters():
-                if id(p) in kept:
-                    p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-        elif current.sleep_level == 1 and self.device.type != "cpu":
-            for p in self.model.parameters():
-                p.data = p.data.to(self.device)
-        # without weights (level 2, or slept while waiting for them) the load that must come next packs
-        if self.packed is not None and current is EngineState.ASLEEP_1 and not self.packed.active:
-            self.packed.refresh()
-        self.cache.allocate()
-        self._enter(target)
-        return target
-
-    def _kept_parameters(self) -> set[int]:
-        """ids of the parameters that hold their weights (not released to packed copies)."""
-        released = self.packed.released if self.packed is not None else set()
-        return {id(p) for name, p in self.model.named_parameters() if name not in released}
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights held on the engine's device, packed copies included (0 while asleep at level
-        2 or offloaded)."""
-        params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                  for p in self.model.parameters() if p.device == self.device}  # fmt: skip
-        return sum(params.values()) + (self.packed.nbytes if self.packed is not None else 0)
 
     def set_paused(self, paused: bool) -> None:
         """Pause (stop admitting; running sequences finish) or resume admission."""
@@ -481,35 +332,6 @@ class Scheduler:
         for seq in self.slots.active():
             if seq.cancelled:
                 self._finish(seq, "abort", None)
-
-    def _apply_weight_load(self, load: WeightLoad) -> None:
-        t0 = time.monotonic()
-        try:  # refused before anything is touched (asleep at level 2: EngineAsleep)
-            target = engine_transition(self._state, EngineOp.LOAD_WEIGHTS)
-        except InvalidEngineTransition as exc:
-            load.on_done(exc)
-            return
-        self.slots.clear_cache()  # first: the cached K/V are stale either way, and their memory is freed
-        try:
-            self._swap_weights(load.read())
-        except Exception as exc:
-            log.exception("event=weight_load_failed version=%d", load.version)
-            load.on_done(exc)
-            return
-        self.weight_version = load.version
-        self._enter(target)
-        self.stats.weight_loads += 1
-        log.info("event=weights_swapped version=%d seconds=%.2f", load.version, time.monotonic() - t0)
-        load.on_done(load.version)
-
-    def _swap_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy (or pack) `state` into the model, then give the read copy's memory back to the OS."""
-        if self.packed is not None:
-            self.packed.load(state)
-        else:
-            load_weights_into(self.model, state)
-        state.clear()
-        release_freed_memory()
 
     def _apply_maintenance(self, op: Maintenance) -> None:
         try:

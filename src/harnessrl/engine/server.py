@@ -6,7 +6,9 @@ Run it with `python -m harnessrl.engine --model smollm2 --port 8100` (see `--hel
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -14,6 +16,7 @@ import time
 import torch
 import uvicorn
 
+from harnessrl.defaults import ENGINE_KEY_ENV
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.core import Engine
 from harnessrl.engine.routes import build_app
@@ -79,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                         "cache (default: max-batch x max-model-len, at most 131072)")  # fmt: skip
     p.add_argument("--matmul", default=d.matmul, choices=["auto", "onednn", "aten"],
                    help="CPU linear layers: oneDNN-packed weights, F.linear, or auto (probe-checked)")  # fmt: skip
+    p.add_argument("--tool-parser", default=d.tool_parser,
+                   help="tool-call format: auto (from the chat template), hermes, llama3_json, none")  # fmt: skip
+    p.add_argument("--chat-template-kwargs", type=json.loads, default={},
+                   help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')  # fmt: skip
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     logging.basicConfig(
@@ -94,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     # starts keep one, so no second OpenMP team slows the decode steps (see `Engine.__init__`).
     torch.set_num_threads(1)
     engine = Engine(config)
+    key = os.environ.get(ENGINE_KEY_ENV) or None  # not a flag: command lines are readable by every process
+    if key is None:
+        log.warning(
+            "event=engine_without_key note=%r", f"any local process can call it; set {ENGINE_KEY_ENV}"
+        )
     # the gateway's pool expires idle connections after 4 s, well before the server closes them
     uvicorn.run(
-        build_app(engine), host=config.host, port=config.port, log_level="warning", timeout_keep_alive=30
+        build_app(engine, key), host=config.host, port=config.port, log_level="warning", timeout_keep_alive=30
     )
     return 0

@@ -14,12 +14,9 @@ longest past sequence (which, with 16k-token prompts, is most of the machine's m
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
+from harnessrl.engine.sequence import EngineSequence
 from harnessrl.modeling.cache import KVCache
-
-if TYPE_CHECKING:
-    from harnessrl.engine.scheduler import EngineSequence
 
 # Reusing a prefix of n tokens costs a slot swap (copying K/V, cheap) instead of prefilling n tokens
 # (a forward pass, expensive): worth it when n * REUSE_RATIO >= tokens moved.

@@ -4,8 +4,9 @@ the `prompt_token_ids`, the last one the finish reason, usage and `weight_versio
 
 Text is released as soon as it is final: never a tail that may still become a stop string, never an
 incomplete UTF-8 character; the last chunk sends whatever the finished text still holds. In chat
-streams, content streams through `StreamingParser`, so a tool call never leaks out as text: its
-`tool_calls` delta arrives with the final chunk.
+streams, content (and a reasoning model's `reasoning_content`) streams through the model's chat format
+(`engine.chat.streaming_parser()`), so a tool call never leaks out as text: its `tool_calls` delta
+arrives with the final chunk.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from harnessrl.chat import StreamingParser
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
-from harnessrl.engine.scheduler import GenerationResult
+from harnessrl.engine.sequence import GenerationResult
 
 
 @dataclass
@@ -135,7 +135,7 @@ async def chat_events(engine: Any, prompt_ids: list[int], params: SamplingParams
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}  # fmt: skip
     releaser = TextReleaser(engine.text, params, frozenset(engine.eos_ids))
-    parser = StreamingParser()
+    parser = engine.chat.streaming_parser()
 
     def chunk(
         delta: dict[str, Any], tokens: list[int], lps: list[dict[str, Any]] | None, finish: str | None = None
@@ -146,9 +146,11 @@ async def chat_events(engine: Any, prompt_ids: list[int], params: SamplingParams
     yield _frame({**chunk({"role": "assistant", "content": ""}, [], None), "prompt_token_ids": prompt_ids})
     async for item in token_stream(engine, prompt_ids, params):
         if isinstance(item, GenerationResult):
-            parser.feed(releaser.finish(item.text))
+            reasoning = parser.feed_parts(releaser.finish(item.text))[0]
             parsed, rest = parser.finish(item.text)
             delta: dict[str, Any] = {"content": rest} if rest else {}
+            if reasoning + parser.reasoning_rest(parsed):
+                delta["reasoning_content"] = reasoning + parser.reasoning_rest(parsed)
             if parsed.tool_calls:
                 delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(parsed.tool_calls)]
             finish = (
@@ -159,8 +161,9 @@ async def chat_events(engine: Any, prompt_ids: list[int], params: SamplingParams
             yield _frame({**last, "usage": _usage(item), "weight_version": item.weight_version})
             break
         tok, lp, _ = item
-        content = parser.feed(releaser.add(tok))
+        reasoning, content = parser.feed_parts(releaser.add(tok))
         entry = [{"token": engine.text.token_str(tok), "logprob": lp, "bytes": list(engine.text.token_bytes(tok)),
                   "top_logprobs": []}] if want_logprobs else None  # fmt: skip
-        yield _frame(chunk({"content": content} if content else {}, [tok], entry))
+        parts = {"reasoning_content": reasoning, "content": content}
+        yield _frame(chunk({k: v for k, v in parts.items() if v}, [tok], entry))
     yield "data: [DONE]\n\n"

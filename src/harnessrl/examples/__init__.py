@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harnessrl.project import Project
+from harnessrl.runs.project import Project
 from harnessrl.schema import Task
 
 ExampleSpec = Project  # the resolved form of an example's config
@@ -29,7 +29,7 @@ def example_config(name: str) -> Path:
 def get_example(name: str) -> Project:
     """The example called `name`, resolved from its config."""
     from harnessrl.config import load_config
-    from harnessrl.project import resolve_project
+    from harnessrl.runs.project import resolve_project
 
     path = example_config(name)
     return resolve_project(load_config(path), config_path=path)

@@ -4,7 +4,7 @@ Modules, outside in: `cli` (the three commands), `writers` (rows to JSONL and Pa
 (the committed JSON Schemas and file validation), `otlp` (rollouts as OpenTelemetry traces with the
 GenAI conventions, OTLP/JSON and OTLP/HTTP), `traces` (our own trace format: write, read, import into a
 fresh store), `rows` (the training rows as the trainer built them, through the adapter). The run is read
-with `harnessrl.inspect.runview`. Nothing here imports torch.
+with `harnessrl.inspection.runview`. Nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from harnessrl.export.rows import iter_rows
 from harnessrl.export.schemas import InvalidFile, validate_file
 from harnessrl.export.traces import TraceError, import_trace, run_files, trace_lines, write_lines
 from harnessrl.export.writers import write_jsonl, write_parquet
-from harnessrl.inspect.runview import RunError, advantages, all_rollouts, open_store, read_settings
+from harnessrl.inspection.runview import RunError, advantages, all_rollouts, open_run_store, read_settings
 
 FORMATS = ("parquet", "jsonl", "trace", "otlp-json")
 OTLP_BATCH_ROLLOUTS = 50
@@ -23,6 +23,14 @@ trainer built them (tokens, loss mask, old logprobs, advantage, per-token loss w
 group ids). trace: the whole record (rollouts, attempts, calls, rewards, config, metrics) in harnessrl's
 versioned trace format, which `harnessrl import` reads back. otlp-json: one OpenTelemetry trace per
 rollout (GenAI semantic conventions), as OTLP/JSON lines; --otlp-endpoint sends them to a collector."""
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit code argparse chose (`--help`: 0, a usage error: 2)."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
 
 
 def _version() -> str:
@@ -67,10 +75,9 @@ def _otlp_documents(
 
 def export_main(argv: list[str]) -> int:
     """Entry point of `harnessrl export`; returns the exit code."""
-    try:
-        args = export_parser().parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+    args = _parse(export_parser(), argv)
+    if isinstance(args, int):
+        return args
     if args.otlp_endpoint and args.format != "otlp-json":
         return _error("export", "--otlp-endpoint goes with --format otlp-json")
     if args.out is None and not args.otlp_endpoint:
@@ -83,7 +90,7 @@ def export_main(argv: list[str]) -> int:
         headers[k.strip()] = v.strip()
     run_dir: Path = args.run_dir.expanduser().resolve()
     try:
-        store = open_store(run_dir)
+        store = open_run_store(run_dir)
     except RunError as e:
         return _error("export", str(e))
     try:
@@ -133,18 +140,30 @@ def _tee(docs: Iterator[dict[str, Any]], out: Path) -> Iterator[dict[str, Any]]:
             yield d
 
 
+PARSERS = {
+    "validate": "Check exported files against harnessrl's versioned JSON Schemas (trace files, training rows "
+    "as JSONL or Parquet) or OpenTelemetry's protobuf definitions (OTLP/JSON).",
+    "import": "Read a harnessrl trace file (harnessrl export --format trace) into a new run directory, which "
+    "inspect, the dashboard and export then read like the original run.",
+}
+
+
+def command_parser(command: str) -> argparse.ArgumentParser:
+    """The argument parser of `harnessrl validate` or `harnessrl import`."""
+    p = argparse.ArgumentParser(prog=f"harnessrl {command}", description=PARSERS[command])
+    if command == "validate":
+        p.add_argument("files", type=Path, nargs="+")
+    else:
+        p.add_argument("trace", type=Path, help="the trace file")
+        p.add_argument("--run-dir", type=Path, required=True, help="the new run directory (absent or empty)")
+    return p
+
+
 def validate_main(argv: list[str]) -> int:
     """Entry point of `harnessrl validate FILE...`: 0 when every file matches its schema, else 1."""
-    p = argparse.ArgumentParser(
-        prog="harnessrl validate",
-        description="Check exported files against harnessrl's versioned JSON Schemas (trace files, training "
-        "rows as JSONL or Parquet) or OpenTelemetry's protobuf definitions (OTLP/JSON).",
-    )
-    p.add_argument("files", type=Path, nargs="+")
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+    args = _parse(command_parser("validate"), argv)
+    if isinstance(args, int):
+        return args
     rc = 0
     for path in args.files:
         if not path.is_file():
@@ -162,17 +181,9 @@ def validate_main(argv: list[str]) -> int:
 
 def import_main(argv: list[str]) -> int:
     """Entry point of `harnessrl import TRACE --run-dir DIR`."""
-    p = argparse.ArgumentParser(
-        prog="harnessrl import",
-        description="Read a harnessrl trace file (harnessrl export --format trace) into a new run directory, "
-        "which inspect, the dashboard and export then read like the original run.",
-    )
-    p.add_argument("trace", type=Path, help="the trace file")
-    p.add_argument("--run-dir", type=Path, required=True, help="the new run directory (absent or empty)")
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+    args = _parse(command_parser("import"), argv)
+    if isinstance(args, int):
+        return args
     if not args.trace.is_file():
         return _error("import", f"no file at {args.trace}")
     try:

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 
 from harnessrl.chat import tool_call_parts
-from harnessrl.inspect.report import row_positions
-from harnessrl.inspect.runview import RunSettings, rollout_place, rollout_rows
+from harnessrl.inspection.report import row_positions
+from harnessrl.inspection.runview import RunSettings, rollout_place, rollout_rows
 from harnessrl.schema import AttemptStatus, Call, CallStatus, RolloutDetail, RolloutState
 
 SCOPE = "harnessrl.export"

@@ -18,9 +18,9 @@ from typing import Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.adapter import build_batch
-from harnessrl.inspect.runview import Place, RunSettings, all_rollouts, rollout_place
+from harnessrl.inspection.runview import Place, RunSettings, all_rollouts, rollout_place
 from harnessrl.schema import Rollout
-from harnessrl.store import SQLiteStore
+from harnessrl.store import Store
 
 ROWS_SCHEMA_VERSION: Final = 1
 """Version of the exported row schema; bump on any incompatible change."""
@@ -73,7 +73,7 @@ def _batch_key(place: Place) -> tuple[int, int] | None:
     return None
 
 
-def training_batches(store: SQLiteStore) -> dict[tuple[int, int], list[Rollout]]:
+def training_batches(store: Store) -> dict[tuple[int, int], list[Rollout]]:
     """The training rollouts of a run by the update they fed, in step (then group) order."""
     batches: dict[tuple[int, int], list[Rollout]] = {}
     for r in all_rollouts(store):
@@ -83,7 +83,7 @@ def training_batches(store: SQLiteStore) -> dict[tuple[int, int], list[Rollout]]
     return dict(sorted(batches.items()))
 
 
-def iter_rows(store: SQLiteStore, settings: RunSettings, run_id: str | None) -> Iterator[TrainingRow]:
+def iter_rows(store: Store, settings: RunSettings, run_id: str | None) -> Iterator[TrainingRow]:
     """Every training row of the run, step by step, rollouts in creation order within a step."""
     for (step, group), rollouts in training_batches(store).items():
         details = [store.detail(r.rollout_id) for r in rollouts]

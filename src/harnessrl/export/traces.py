@@ -21,9 +21,9 @@ from typing import IO, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from harnessrl.inspect.runview import RunError, all_rollouts
+from harnessrl.inspection.runview import RunError, all_rollouts
 from harnessrl.schema import TRACE_SCHEMA_VERSION, RolloutDetail
-from harnessrl.store import SQLiteStore
+from harnessrl.store import SQLiteStore, Store
 from harnessrl.store.base import Conflict
 
 HEADER_KIND: Final = "harnessrl.trace.header"
@@ -76,7 +76,7 @@ def run_files(
     return run_id, load("config.json") or {}, metrics, load("summary.json")
 
 
-def trace_lines(store: SQLiteStore, run_dir: Path) -> Iterator[str]:
+def trace_lines(store: Store, run_dir: Path) -> Iterator[str]:
     """The lines of the run's trace file: the header, then one line per rollout in creation order."""
     run_id, config, metrics, summary = run_files(run_dir)
     rollouts = all_rollouts(store)

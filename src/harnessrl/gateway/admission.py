@@ -84,6 +84,10 @@ class Admission:
             return False
         return True
 
+    def hold(self) -> None:
+        """Start paused (nothing is in flight yet): a replica restarted during a weight update."""
+        self._resumed.clear()
+
     def resume(self) -> None:
         """Admit calls again."""
         self._resumed.set()

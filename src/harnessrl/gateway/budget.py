@@ -90,11 +90,21 @@ class ContextBudget:
             if self.tito is not None:
                 tok = self.tito
                 return len(
-                    build_prompt(chat.messages, chat.tools, history, tok.encode, tok.eos_id).prompt_ids
+                    build_prompt(
+                        chat.messages,
+                        chat.tools,
+                        history,
+                        tok.encode,
+                        tok.eos_id,
+                        chat=tok.chat,
+                        template_kwargs=chat.template_kwargs,
+                    ).prompt_ids
                 )
             body: dict[str, Any] = {"model": served, "messages": chat.messages, "add_generation_prompt": True}
             if chat.tools:
                 body["tools"] = chat.tools
+            if chat.template_kwargs:
+                body["chat_template_kwargs"] = chat.template_kwargs
             count = (await up.post("/tokenize", body)).get("count")
         except ChatFormatError as e:
             raise APIError(400, str(e)) from None
@@ -112,7 +122,9 @@ class ContextBudget:
         if context is None:
             return Fit(sampling)
         try:
-            upper_bound = len(render_chat(chat.messages, chat.tools).encode())
+            render = self.tito.chat.render if self.tito is not None else render_chat  # passthrough: ChatML's
+            kwargs = (chat.template_kwargs or {}) if self.tito is not None else {}
+            upper_bound = len(render(chat.messages, chat.tools, **kwargs).encode())
         except ChatFormatError as e:
             raise APIError(400, str(e)) from None
         if upper_bound + sampling.max_tokens <= context:

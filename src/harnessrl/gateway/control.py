@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from harnessrl.gateway.errors import APIError, validate
-from harnessrl.gateway.http import read_json
+from harnessrl.gateway.http import Handler, RouteSpec, read_json
 from harnessrl.gateway.keys import new_rollout_id, valid_rollout_id
+from harnessrl.gateway.state import Gateway
 from harnessrl.schema import (
+    SQL_INT_LIMIT,
     AttemptFinish,
+    PauseRequest,
+    ResumeRequest,
     RewardIn,
     RolloutCreate,
     RolloutCreated,
@@ -24,28 +28,7 @@ from harnessrl.schema import (
 )
 from harnessrl.store import Conflict, NotFound, StoreError
 
-if TYPE_CHECKING:
-    from harnessrl.gateway.app import Gateway
-
 M = TypeVar("M", bound=BaseModel)
-Handler = Callable[[Request], Awaitable[Response]]
-
-SQL_INT_LIMIT = 2**63  # sequence numbers and cursors are SQLite INTEGERs (signed 64-bit)
-
-
-class PauseRequest(BaseModel):
-    """Body of `POST /control/pause`."""
-
-    model_config = {"extra": "forbid"}
-    drain_timeout_s: float = Field(default=600.0, ge=0.0)
-    preempt: bool = False  # cut non-streaming calls and resend them after resume instead of waiting
-
-
-class ResumeRequest(BaseModel):
-    """Body of `POST /control/resume`: optionally the weight version the engine now serves."""
-
-    model_config = {"extra": "forbid"}
-    weight_version: int | None = Field(default=None, ge=0, lt=SQL_INT_LIMIT)
 
 
 async def _body(request: Request, model: type[M], gw: Gateway) -> M:
@@ -87,16 +70,26 @@ async def _event_stream(g: Gateway, request: Request, after: int) -> AsyncIterat
                 yield ": keepalive\n\n"
 
 
-AdminHandler = Callable[[Request, "Gateway"], Awaitable[Response]]
+AdminHandler = Callable[[Request, Gateway], Awaitable[Response]]
+
+LIST_QUERY = (
+    {"name": "state", "in": "query", "schema": {"type": "string", "enum": [s.value for s in RolloutState]}},
+    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+    {"name": "cursor", "in": "query", "schema": {"type": "string", "pattern": "^[0-9]+$"}},
+)
+EVENTS_QUERY = ({"name": "after", "in": "query", "schema": {"type": "string", "pattern": "^[0-9]+$"}},)
 
 
-def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
-    """(path, method, handler) for every control route: each needs the admin key, and a store error
-    becomes 404 (not found), 409 (conflict) or 400."""
+class ControlRoutes:
+    """The control API's handlers (admin key): each needs the admin key, and a store error becomes
+    404 (not found), 409 (conflict) or 400. `table()` lists them with their OpenAPI entries."""
 
-    def admin(handler: AdminHandler) -> Handler:
+    def __init__(self, gw: Callable[[], Gateway]) -> None:
+        self._gw = gw
+
+    def _admin(self, handler: AdminHandler) -> Handler:
         async def run(request: Request) -> Response:
-            g = gw()
+            g = self._gw()
             g.require_admin(request)
             try:
                 return await handler(request, g)
@@ -105,7 +98,7 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
 
         return run
 
-    async def create(request: Request, g: Gateway) -> Response:
+    async def create(self, request: Request, g: Gateway) -> Response:
         req = await _body(request, RolloutCreate, g)
         rollout, created = g.store.create_rollout(req, new_rollout_id())
         if created:
@@ -113,7 +106,7 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         out = RolloutCreated(rollout=rollout, api_key=g.keys.issue(rollout.rollout_id), created=created)
         return JSONResponse(out.model_dump(mode="json"), status_code=201 if created else 200)
 
-    async def list_(request: Request, g: Gateway) -> Response:
+    async def list_(self, request: Request, g: Gateway) -> Response:
         q = request.query_params
         try:
             state = RolloutState(q["state"]) if "state" in q else None
@@ -129,11 +122,11 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         body = RolloutPage(rollouts=page, next_cursor=None if nxt is None else str(nxt))
         return JSONResponse(body.model_dump(mode="json"))
 
-    async def read(request: Request, g: Gateway) -> Response:
+    async def read(self, request: Request, g: Gateway) -> Response:
         detail = g.store.detail(_rollout_id(request))
         return JSONResponse(detail.model_dump(mode="json"))
 
-    async def start_attempt(request: Request, g: Gateway) -> Response:
+    async def start_attempt(self, request: Request, g: Gateway) -> Response:
         try:
             attempt = g.store.start_attempt(_rollout_id(request))
         finally:
@@ -141,7 +134,7 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         await g.notify_events()
         return JSONResponse(attempt.model_dump(mode="json"), status_code=201)
 
-    async def finish_attempt(request: Request, g: Gateway) -> Response:
+    async def finish_attempt(self, request: Request, g: Gateway) -> Response:
         finish = await _body(request, AttemptFinish, g)
         try:
             n = int(request.path_params["attempt"])
@@ -152,7 +145,7 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             raise APIError(404, "attempt must be an integer") from None
         return JSONResponse(attempt.model_dump(mode="json"))
 
-    async def set_state(request: Request, g: Gateway) -> Response:
+    async def set_state(self, request: Request, g: Gateway) -> Response:
         change = await _body(request, StateChange, g)
         try:
             rollout = g.store.set_state(_rollout_id(request), change.state)
@@ -161,23 +154,23 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
         await g.notify_events()
         return JSONResponse(rollout.model_dump(mode="json"))
 
-    async def reward(request: Request, g: Gateway) -> Response:
+    async def reward(self, request: Request, g: Gateway) -> Response:
         value = await _body(request, RewardIn, g)
         stored = g.store.set_reward(_rollout_id(request), value)
         return JSONResponse(stored.model_dump(mode="json"))
 
-    async def pause(request: Request, g: Gateway) -> Response:
+    async def pause(self, request: Request, g: Gateway) -> Response:
         req = await _body(request, PauseRequest, g)
         drained = await g.pause(req.drain_timeout_s, req.preempt)
         return JSONResponse({"paused": True, "drained": drained, "in_flight": g.in_flight,
                              "preempted_calls": g.preempted_calls})  # fmt: skip
 
-    async def resume(request: Request, g: Gateway) -> Response:
+    async def resume(self, request: Request, g: Gateway) -> Response:
         req = await _body(request, ResumeRequest, g)
         g.resume(req.weight_version)
         return JSONResponse({"paused": False, "weight_version": g.weight_version})
 
-    async def events(request: Request, g: Gateway) -> Response:
+    async def events(self, request: Request, g: Gateway) -> Response:
         raw = request.query_params.get("after", request.headers.get("last-event-id", "0"))
         if not (raw.isdigit() and int(raw) < SQL_INT_LIMIT):
             raise APIError(
@@ -189,21 +182,31 @@ def routes(gw: Callable[[], Gateway]) -> list[tuple[str, str, Handler]]:
             headers={"Cache-Control": "no-cache"},
         )
 
-    async def status(request: Request, g: Gateway) -> Response:
+    async def status(self, request: Request, g: Gateway) -> Response:
         return JSONResponse(
             {"paused": g.paused, "in_flight": g.in_flight, "weight_version": g.weight_version}
         )
 
-    return [
-        ("/control/rollouts", "POST", admin(create)),
-        ("/control/rollouts", "GET", admin(list_)),
-        ("/control/rollouts/{rollout_id}", "GET", admin(read)),
-        ("/control/rollouts/{rollout_id}/attempts", "POST", admin(start_attempt)),
-        ("/control/rollouts/{rollout_id}/attempts/{attempt}/finish", "POST", admin(finish_attempt)),
-        ("/control/rollouts/{rollout_id}/state", "POST", admin(set_state)),
-        ("/control/rollouts/{rollout_id}/reward", "PUT", admin(reward)),
-        ("/control/pause", "POST", admin(pause)),
-        ("/control/resume", "POST", admin(resume)),
-        ("/control/status", "GET", admin(status)),
-        ("/control/events", "GET", admin(events)),
-    ]
+    def table(self) -> list[RouteSpec]:
+        """Every control route with its OpenAPI entry."""
+        rows: list[tuple[str, str, AdminHandler, str, type[BaseModel] | None, tuple[dict, ...]]] = [
+            ("/control/rollouts", "POST", self.create, "create a rollout (idempotent by client_id)", RolloutCreate, ()),
+            ("/control/rollouts", "GET", self.list_, "list rollouts", None, LIST_QUERY),
+            ("/control/rollouts/{rollout_id}", "GET", self.read, "a rollout with its calls", None, ()),
+            ("/control/rollouts/{rollout_id}/attempts", "POST", self.start_attempt, "start an attempt", None, ()),
+            ("/control/rollouts/{rollout_id}/attempts/{attempt}/finish", "POST", self.finish_attempt,
+             "finish an attempt", AttemptFinish, ()),
+            ("/control/rollouts/{rollout_id}/state", "POST", self.set_state, "change state", StateChange, ()),
+            ("/control/rollouts/{rollout_id}/reward", "PUT", self.reward, "write the reward", RewardIn, ()),
+            ("/control/pause", "POST", self.pause, "pause and drain", PauseRequest, ()),
+            ("/control/resume", "POST", self.resume, "resume", ResumeRequest, ()),
+            ("/control/status", "GET", self.status, "gateway state", None, ()),
+            ("/control/events", "GET", self.events, "a stream of rollout state changes (server-sent events)",
+             None, EVENTS_QUERY),
+        ]  # fmt: skip
+        return [
+            RouteSpec(
+                path, method, self._admin(fn), summary, body, "adminKey", query, streams=fn == self.events
+            )
+            for path, method, fn, summary, body, query in rows
+        ]

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import orjson
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -28,6 +30,24 @@ from harnessrl.gateway.errors import APIError
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """One route of the gateway and what its OpenAPI entry says (the document is generated from these)."""
+
+    path: str
+    method: str
+    handler: Handler
+    summary: str
+    body: type[BaseModel] | None = None  # the JSON body the handler validates
+    security: Literal["rolloutKey", "adminKey"] | None = "rolloutKey"  # None: open (health, the document)
+    query: tuple[dict[str, Any], ...] = ()  # OpenAPI query parameters
+    error_style: Literal["openai", "anthropic"] = "openai"  # the error body's shape
+    counted: bool = False  # error answers counted in the metrics (model calls)
+    logged: bool = True  # error answers logged with their reason
+    streams: bool = False  # answers with a server-sent event stream that stays open
+
 
 MAX_JSON_DEPTH = 64
 MAX_JSON_CONTAINERS = 20_000

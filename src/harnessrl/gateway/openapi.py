@@ -1,19 +1,15 @@
-"""The gateway's OpenAPI document, generated from the same pydantic models that validate requests
-(served at `GET /openapi.json`; the fuzz tests drive every route from it)."""
+"""The gateway's OpenAPI document, generated from its route table (`RouteSpec`s) and the same pydantic
+models that validate requests (served at `GET /openapi.json`; the fuzz tests drive the routes from it)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from harnessrl.gateway.control import PauseRequest, ResumeRequest
-from harnessrl.gateway.faces.anthropic import MessagesRequest
-from harnessrl.gateway.faces.completions import CompletionRequest
-from harnessrl.gateway.faces.openai_chat import ChatCompletionRequest
-from harnessrl.gateway.faces.responses import ResponsesRequest
-from harnessrl.schema import AttemptFinish, RewardIn, RolloutCreate, RolloutState, StateChange
+from harnessrl.gateway.http import RouteSpec
 
 _ERRORS = {str(s): {"description": d} for s, d in [
     (400, "invalid request (the message names the field)"), (401, "missing or unknown key"),
@@ -22,96 +18,57 @@ _ERRORS = {str(s): {"description": d} for s, d in [
     (502, "the engine failed; the call is recorded as failed"),
 ]}  # fmt: skip
 _JSON_OK = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
+_STREAM_OK = {"200": {"description": "OK", "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
-BODIES: dict[str, type[BaseModel]] = {
-    "ChatCompletionRequest": ChatCompletionRequest,
-    "CompletionRequest": CompletionRequest,
-    "ResponsesRequest": ResponsesRequest,
-    "MessagesRequest": MessagesRequest,
-    "RolloutCreate": RolloutCreate,
-    "AttemptFinish": AttemptFinish,
-    "StateChange": StateChange,
-    "RewardIn": RewardIn,
-    "PauseRequest": PauseRequest,
-    "ResumeRequest": ResumeRequest,
+# The schema of each path parameter the routes use.
+PATH_PARAMS: dict[str, dict[str, Any]] = {
+    "rollout_id": {"type": "string", "pattern": "^[a-z0-9]{1,64}$"},
+    "attempt": {"type": "integer", "minimum": 0},
+    "model_id": {"type": "string", "maxLength": 200},
 }
+SECURITY_SCHEMES = {
+    "rolloutKey": {"type": "http", "scheme": "bearer", "description": "the rollout's API key"},
+    "adminKey": {"type": "http", "scheme": "bearer", "description": "the gateway's admin key"},
+}
+_PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
 
 
-def _op(
-    summary: str, body: str | None = None, security: str = "rolloutKey", params: list[Any] | None = None
-) -> dict[str, Any]:
+def openapi_path(path: str) -> str:
+    """A Starlette route path as OpenAPI writes it (`{model_id:path}` → `{model_id}`)."""
+    return _PARAM.sub(r"{\1}", path)
+
+
+def _operation(spec: RouteSpec) -> dict[str, Any]:
     op: dict[str, Any] = {
-        "summary": summary,
-        "responses": {**_JSON_OK, **_ERRORS},
-        "security": [{security: []}],
+        "summary": spec.summary,
+        "responses": {**(_STREAM_OK if spec.streams else _JSON_OK), **_ERRORS},
     }
-    if body is not None:
-        op["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}},
-        }
-    if params:
-        op["parameters"] = params
+    if spec.security is not None:
+        op["security"] = [{spec.security: []}]
+    if spec.body is not None:
+        ref = {"$ref": f"#/components/schemas/{spec.body.__name__}"}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+    params = [
+        {"name": name, "in": "path", "required": True, "schema": PATH_PARAMS[name]}
+        for name in _PARAM.findall(spec.path)
+    ]
+    if params or spec.query:
+        op["parameters"] = params + list(spec.query)
     return op
 
 
-def _path_param(name: str, schema: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "in": "path", "required": True, "schema": schema}
-
-
-ROLLOUT_ID = _path_param("rollout_id", {"type": "string", "pattern": "^[a-z0-9]{1,64}$"})
-
-
-def openapi_document() -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the gateway."""
+def openapi_document(specs: list[RouteSpec]) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the routes `specs`."""
+    bodies: dict[str, type[BaseModel]] = {s.body.__name__: s.body for s in specs if s.body is not None}
     _, defs = models_json_schema(
-        [(m, "validation") for m in BODIES.values()], ref_template="#/components/schemas/{model}"
+        [(m, "validation") for m in bodies.values()], ref_template="#/components/schemas/{model}"
     )
-    schemas = defs.get("$defs", {})
-    admin = "adminKey"
-    list_params = [
-        {
-            "name": "state",
-            "in": "query",
-            "schema": {"type": "string", "enum": [s.value for s in RolloutState]},
-        },
-        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
-        {"name": "cursor", "in": "query", "schema": {"type": "string", "pattern": "^[0-9]+$"}},
-    ]
-    paths: dict[str, Any] = {
-        "/v1/chat/completions": {"post": _op("OpenAI chat completions", "ChatCompletionRequest")},
-        "/v1/completions": {"post": _op("OpenAI completions", "CompletionRequest")},
-        "/v1/responses": {"post": _op("OpenAI Responses", "ResponsesRequest")},
-        "/v1/messages": {"post": _op("Anthropic messages", "MessagesRequest")},
-        "/v1/messages/count_tokens": {"post": _op("Anthropic: tokens a messages request would take", "MessagesRequest")},
-        "/v1/models": {"get": _op("served models")},
-        "/v1/models/{model_id}": {"get": _op("one model (any name resolves to the served model)", None,
-                                             params=[_path_param("model_id", {"type": "string", "maxLength": 200})])},
-        "/v1/harnessrl/reward": {"put": _op("the harness writes its rollout's reward (only if its task allows)", "RewardIn")},
-        "/control/rollouts": {
-            "post": _op("create a rollout (idempotent by client_id)", "RolloutCreate", admin),
-            "get": _op("list rollouts", None, admin, list_params),
-        },
-        "/control/rollouts/{rollout_id}": {"get": _op("a rollout with its calls", None, admin, [ROLLOUT_ID])},
-        "/control/rollouts/{rollout_id}/attempts": {"post": _op("start an attempt", None, admin, [ROLLOUT_ID])},
-        "/control/rollouts/{rollout_id}/attempts/{attempt}/finish": {"post": _op(
-            "finish an attempt", "AttemptFinish", admin, [ROLLOUT_ID, _path_param("attempt", {"type": "integer", "minimum": 0})]
-        )},
-        "/control/rollouts/{rollout_id}/state": {"post": _op("change state", "StateChange", admin, [ROLLOUT_ID])},
-        "/control/rollouts/{rollout_id}/reward": {"put": _op("write the reward", "RewardIn", admin, [ROLLOUT_ID])},
-        "/control/pause": {"post": _op("pause and drain", "PauseRequest", admin)},
-        "/control/resume": {"post": _op("resume", "ResumeRequest", admin)},
-        "/control/status": {"get": _op("gateway state", None, admin)},
-    }  # fmt: skip
+    paths: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        paths.setdefault(openapi_path(spec.path), {})[spec.method.lower()] = _operation(spec)
     return {
         "openapi": "3.1.0",
         "info": {"title": "harnessrl gateway", "version": "1"},
         "paths": paths,
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {
-                "rolloutKey": {"type": "http", "scheme": "bearer", "description": "the rollout's API key"},
-                "adminKey": {"type": "http", "scheme": "bearer", "description": "the gateway's admin key"},
-            },
-        },
+        "components": {"schemas": defs.get("$defs", {}), "securitySchemes": SECURITY_SCHEMES},
     }

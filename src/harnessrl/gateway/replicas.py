@@ -26,7 +26,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import httpx
@@ -169,23 +169,20 @@ class GatewayReplicas:
 
     async def _on(self, rollout_id: str, do: Callable[[ControlClient], Awaitable[T]]) -> T:
         """`do` on the rollout's replica; on a connection failure, on the next one (the rollout moves)."""
-        await self._revive()
-        last: BaseException | None = None
-        for _ in range(len(self.urls)):
-            i = self.replica_of(rollout_id)
-            try:
-                return await do(self.clients[i])
-            except ControlUnreachable as e:
-                last = e
-                self._mark_down(i, e)
-        assert last is not None
-        raise last
+        return await self._first_answer(lambda: (self.replica_of(rollout_id) for _ in self.urls), do)
 
     async def _any(self, key: str, do: Callable[[ControlClient], Awaitable[T]]) -> T:
         """`do` on any replica that answers, in `key`'s order."""
+        return await self._first_answer(lambda: self._order(key), do)
+
+    async def _first_answer(
+        self, replicas: Callable[[], Iterable[int]], do: Callable[[ControlClient], Awaitable[T]]
+    ) -> T:
+        """`do` on the replicas in turn (`replicas()` is read after reviving those due a retry; an
+        unreachable one is marked down before the next is picked) until one answers."""
         await self._revive()
         last: BaseException | None = None
-        for i in self._order(key):
+        for i in replicas():
             try:
                 return await do(self.clients[i])
             except ControlUnreachable as e:

@@ -121,6 +121,10 @@ class Store(ABC):
         """Set a store-level setting unless present; returns the stored value."""
 
     @abstractmethod
+    def set_meta(self, key: str, value: str) -> None:
+        """Set a store-level setting (the last write wins)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release the store's resources."""
 

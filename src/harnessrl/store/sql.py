@@ -222,6 +222,16 @@ class SQLStore(Store):
         found = self._rows("SELECT value FROM meta WHERE key = ?", (key,))
         return str(found[0][0]) if found else None
 
+    def set_meta(self, key: str, value: str) -> None:
+        """Set a store-level setting (the last write wins)."""
+        with self._tx() as conn:
+            conn.execute(
+                self._q(
+                    "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = ?"
+                ),
+                (key, value, value),
+            )
+
     def set_meta_if_absent(self, key: str, value: str) -> str:
         """Set a store-level setting unless present; returns the stored value (the first writer's,
         when writers race)."""

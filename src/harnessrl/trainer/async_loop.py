@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from harnessrl.controller import RolloutOutcome, RolloutRequest
+from harnessrl.controller import RolloutOutcome, RolloutRequest, sibling_requests
 from harnessrl.schema import RolloutState, SamplingOverrides, Task
 from harnessrl.trainer.loop import (
     TrainContext,
@@ -45,16 +45,7 @@ def group_requests(ctx: TrainContext, train_tasks: list[Task], k: int) -> list[R
     t = ctx.cfg.train
     task = random.Random(f"{t.seed}-group-{k}").choice(train_tasks)
     sampling = SamplingOverrides(temperature=t.temperature)
-    return [
-        RolloutRequest(
-            task=task,
-            client_id=f"{ctx.run_id}-g{k}-{task.task_id}-{i}",
-            group_id=f"{ctx.run_id}-g{k}-{task.task_id}",
-            sampling=sampling,
-            metadata={"group": k},
-        )
-        for i in range(t.group_size)
-    ]
+    return sibling_requests(task, f"{ctx.run_id}-g{k}", t.group_size, sampling, {"group": k})
 
 
 class GroupPool:

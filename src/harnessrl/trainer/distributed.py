@@ -11,7 +11,7 @@ the adapter's loss weights are fixed for the whole batch before the update (roll
 normalisation uses the batch's token counts), so the whole batch's gradient is exactly the sum of the
 ranks' gradients. Every rank then clips the same gradient to the same norm and takes the same AdamW
 step: the replicas stay identical, and the update equals the single-process one up to float summation
-order (tests/test_distributed.py measures it).
+order (tests/trainer/test_distributed.py measures it).
 
 The learning rate comes from rank 0 with each update (its LR schedule is the only one); checkpoints are
 written by rank 0 alone (all ranks hold the same state); after a resume `sync_state` sends rank 0's

@@ -25,7 +25,7 @@ import torch
 
 from harnessrl.adapter import Batch, build_batch
 from harnessrl.config import RunConfig
-from harnessrl.controller import Controller, RolloutOutcome, RolloutRequest
+from harnessrl.controller import Controller, RolloutOutcome, RolloutRequest, sibling_requests
 from harnessrl.gateway.client import Control
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.lora import LoraAdapter
@@ -65,6 +65,9 @@ class EvalResult:
         }  # fmt: skip
 
 
+Progress = Callable[[str, int, int], None]  # (label, done, total) as rollouts finish
+
+
 @dataclass
 class TrainContext:
     """Everything the schedule talks to."""
@@ -78,7 +81,7 @@ class TrainContext:
     model: LlamaForCausalLM
     optimizer: torch.optim.Optimizer
     metrics: MetricsLogger
-    progress: Callable[[str, int, int], None] = lambda label, done, total: None
+    progress: Progress = lambda label, done, total: None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     ref_model: LlamaForCausalLM | None = None  # frozen initial weights, for the KL penalty
     heldout: list[Task] = field(default_factory=list)  # for `eval.every`
@@ -161,16 +164,9 @@ def step_requests(ctx: TrainContext, train_tasks: list[Task], step: int) -> list
     rng = random.Random(t.seed * 1_000_003 + step)
     tasks = rng.sample(train_tasks, min(t.batch_groups, len(train_tasks)))
     sampling = SamplingOverrides(temperature=t.temperature)
+    prefix = f"{ctx.run_id}-s{step}"
     return [
-        RolloutRequest(
-            task=task,
-            client_id=f"{ctx.run_id}-s{step}-{task.task_id}-{k}",
-            group_id=f"{ctx.run_id}-s{step}-{task.task_id}",
-            sampling=sampling,
-            metadata={"step": step},
-        )
-        for task in tasks
-        for k in range(t.group_size)
+        r for task in tasks for r in sibling_requests(task, prefix, t.group_size, sampling, {"step": step})
     ]
 
 

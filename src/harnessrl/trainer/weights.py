@@ -28,8 +28,9 @@ class EngineAdmin:
 
     kind = "builtin"
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         resp = await self._http.request(method, path, **kwargs)
@@ -60,6 +61,15 @@ class EngineAdmin:
         """Take the memory back and serve again."""
         await self._call("POST", "/admin/wake_up")
 
+    async def initial_version(self) -> int | None:
+        """The version to record on the gateway before the first call, for an engine whose answers carry
+        no version (None: the builtin engine's answers carry theirs)."""
+        return None
+
+    def sync_report(self) -> dict[str, Any]:
+        """What the run's summary says about the weight syncs into this engine (empty: nothing)."""
+        return {}
+
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self._http.aclose()
@@ -75,7 +85,7 @@ class VLLMAdmin(EngineAdmin):
     A weight sync (`sync="reload"`) is: `POST /pause?mode=wait` (in-flight requests finish),
     `POST /collective_rpc` with `{"method": "reload_weights", "kwargs": {"weights_path": ...}}` (vLLM
     reloads the checkpoint in place; an `lm_head.safetensors` is added to a tied checkpoint first, see
-    `harnessrl.vllm_server`), `POST /reset_prefix_cache` (cached K/V came from the old weights),
+    `harnessrl.services.vllm`), `POST /reset_prefix_cache` (cached K/V came from the old weights),
     `POST /update_weight_version`, `POST /resume`; the version returned is the one vLLM then reports
     (`GET /weight_info`), which the gateway records on every call after the resume. The path must be
     readable by the vLLM server.
@@ -93,8 +103,9 @@ class VLLMAdmin(EngineAdmin):
         timeout_s: float = 600.0,
         restart: Callable[[Path], Awaitable[float]] | None = None,
         sync: str = "reload",
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(base_url, timeout_s)
+        super().__init__(base_url, timeout_s, api_key)
         if sync not in ("reload", "restart") or (sync == "restart" and restart is None):
             raise ValueError(
                 f"vllm weight sync must be 'reload' or (managed vLLM only) 'restart', not {sync!r}"
@@ -104,9 +115,17 @@ class VLLMAdmin(EngineAdmin):
         self.sync = sync
         self.syncs: list[dict[str, Any]] = []  # {"version", "method", "seconds"} per load
 
+    async def initial_version(self) -> int | None:
+        """vLLM's answers carry no version: the one it reports now."""
+        return await self.weight_version()
+
+    def sync_report(self) -> dict[str, Any]:
+        """How each weight sync into vLLM went (method, seconds)."""
+        return {"vllm_weight_syncs": self.syncs}
+
     async def load_weights(self, path: Path, version: int) -> int:
         """Reload in place (or restart), tag the version, return the version vLLM reports."""
-        from harnessrl.vllm_server import add_lm_head
+        from harnessrl.services.vllm import add_lm_head
 
         t0 = time.perf_counter()
         await asyncio.to_thread(add_lm_head, path)
@@ -204,15 +223,16 @@ def engine_admin(
     timeout_s: float = 600.0,
     restart: Callable[[Path], Awaitable[float]] | None = None,
     sync: str = "reload",
+    api_key: str | None = None,
 ) -> EngineAdmin:
     """The admin client for an engine kind: "builtin", "vllm" or "sglang" (`restart` and `sync`: vLLM's
-    weight sync, see `VLLMAdmin`)."""
+    weight sync, see `VLLMAdmin`; `api_key`: the engine's key, sent with every request)."""
     kinds: dict[str, type[EngineAdmin]] = {"builtin": EngineAdmin, "vllm": VLLMAdmin, "sglang": SGLangAdmin}
     if kind not in kinds:
         raise ValueError(f"engine kind must be one of {sorted(kinds)}, not {kind!r}")
     if kind == "vllm":
-        return VLLMAdmin(base_url, timeout_s, restart=restart, sync=sync)
-    return kinds[kind](base_url, timeout_s)
+        return VLLMAdmin(base_url, timeout_s, restart=restart, sync=sync, api_key=api_key)
+    return kinds[kind](base_url, timeout_s, api_key)
 
 
 async def publish_weights(

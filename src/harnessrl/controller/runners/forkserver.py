@@ -51,7 +51,7 @@ from harnessrl.controller.runner import (
     tail,
 )
 from harnessrl.controller.runners.local import LocalRunner, OwnUid
-from harnessrl.process import die_with_parent
+from harnessrl.services.process import die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from harnessrl.controller.runner import (
     record_process,
     tail,
 )
-from harnessrl.process import die_with_parent
+from harnessrl.services.process import die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-import harnessrl
 from harnessrl.controller.isolation import (
     LOCK_DIR,
     UID_BASE,
@@ -59,6 +58,7 @@ from harnessrl.controller.runner import (
 from harnessrl.controller.runners.bridge import GatewayBridge
 from harnessrl.controller.runners.cgroups import AttemptCgroup
 
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # src/harnessrl: harnesses may import it
 log = logging.getLogger(__name__)
 
 INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
@@ -111,7 +111,7 @@ def find_bwrap(configured: str | None = None) -> str | None:
 def view_paths(sandbox: SandboxSpec) -> list[str]:
     """Host paths the sandbox sees read-only: system dirs, Python, this package, the extras."""
     python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}  # fmt: skip
-    package = os.path.dirname(os.path.realpath(harnessrl.__file__))
+    package = str(PACKAGE_DIR)
     return [*sandbox.system_paths, *sorted(python), package, *sandbox.ro_paths]
 
 

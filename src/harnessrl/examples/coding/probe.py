@@ -11,7 +11,7 @@ import secrets
 from collections import Counter
 from pathlib import Path
 
-from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
+from harnessrl.controller import Controller, HarnessSpec, sibling_requests
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import Runner
 from harnessrl.gateway.client import ControlClient
@@ -39,17 +39,7 @@ async def probe_with_gateway(
     client = ControlClient(gateway_url, admin_key)
     tag = secrets.token_hex(4)
     sampling = SamplingOverrides(temperature=temperature, max_tokens=max_tokens)
-    requests = [
-        RolloutRequest(
-            task=t,
-            client_id=f"probe-{tag}-{t.task_id}-{i}",
-            group_id=f"probe-{tag}-{t.task_id}",
-            sampling=sampling,
-            metadata={"probe": tag},
-        )
-        for t in tasks
-        for i in range(k)
-    ]
+    requests = [r for t in tasks for r in sibling_requests(t, f"probe-{tag}", k, sampling, {"probe": tag})]
     try:
         controller = Controller(client, gateway_url, HarnessSpec(example.harness_command, timeout_s=timeout_s),
                                 example.grader, run_dir, concurrency=concurrency, runner=runner)  # fmt: skip
@@ -67,21 +57,21 @@ def probe_solve_counts(
     with its controller settings (sandbox included), stop them; returns the solve counts."""
     from harnessrl.config import load_config
     from harnessrl.modeling.loading import resolve_model
-    from harnessrl.run import start_services
+    from harnessrl.services.stack import start_services
 
     cfg = load_config(config_path)
     run_dir = (run_dir or Path(cfg.run_dir) / "probe").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     admin_key = secrets.token_hex(16)
-    engine, gateways, _ = start_services(cfg, run_dir, resolve_model(cfg.engine.model), admin_key)
-    gateway = gateways[0]  # the first replica serves every request here
+    stack = start_services(cfg, run_dir, resolve_model(cfg.engine.model), admin_key)
+    gateway_url = stack.gateway_urls[0]  # the first replica serves every request here
     runner = make_runner(cfg.controller)
     try:
         return asyncio.run(
             probe_with_gateway(
                 tasks,
                 k,
-                gateway.url,
+                gateway_url,
                 admin_key,
                 run_dir,
                 runner=runner,
@@ -92,7 +82,4 @@ def probe_solve_counts(
         )
     finally:
         runner.close()
-        for g in gateways:
-            g.stop()
-        if engine is not None:
-            engine.stop()
+        stack.stop()

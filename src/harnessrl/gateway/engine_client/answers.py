@@ -48,6 +48,7 @@ class ChatAnswer:
     text: str
     tool_calls: list[dict[str, Any]]
     token_texts: list[str]
+    reasoning: str | None = None  # `reasoning_content` (vLLM, the builtin engine) or `reasoning`
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,10 @@ def read_chat(resp: dict[str, Any]) -> ChatAnswer:
             finish_reason=choice.get("finish_reason"),
             weight_version=version(resp),
         )
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
         answer = ChatAnswer(record, message.get("content") or "", list(message.get("tool_calls") or []),
-                            [str(c.get("token", "")) for c in content])  # fmt: skip
+                            [str(c.get("token", "")) for c in content],
+                            reasoning if isinstance(reasoning, str) else None)  # fmt: skip
     check_lengths(record)
     return answer
 

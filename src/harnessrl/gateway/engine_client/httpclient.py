@@ -187,7 +187,13 @@ class _Connection(asyncio.Protocol):
 class HTTPPool:
     """Keep-alive connections to one `http://host:port` base URL."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        api_key: str | None = None,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http":
             raise ValueError(f"only http:// upstreams are supported by the fast client, got {base_url!r}")
@@ -197,7 +203,10 @@ class HTTPPool:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[tuple[_Connection, float]] = []  # with the time each went idle
+        # the Host header's value, and the engine key (sent with every request) after it
         self._host_header = f"{self.host}:{self.port}".encode()
+        if api_key:
+            self._host_header += b"\r\nAuthorization: Bearer " + api_key.encode()
 
     async def _connect(self) -> _Connection:
         while self._idle:

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from harnessrl.chat import StreamingParser, parse_completion
+from harnessrl.chat import CHATML, ChatFormat
 from harnessrl.gateway.canonical import ChatCall, Generation, Sampling, TokenRecord
 from harnessrl.gateway.engine_client.answers import (
     Accumulator,
@@ -32,19 +32,35 @@ __all__ = ["BadUpstreamResponse"]  # re-exported: the gateway's handlers catch i
 
 @dataclass(frozen=True)
 class TitoTokenizer:
-    """What tito needs of the served model: its tokenizer and end-of-turn token."""
+    """What tito needs of the served model: its tokenizer, end-of-turn token and chat format (the
+    folder's own template, tool-call format and stop ids)."""
 
     tokenizer: Tokenizer
     eos_id: int
+    chat: ChatFormat = CHATML
 
     @classmethod
-    def from_dir(cls, path: str, eos_token: str = "<|im_end|>") -> TitoTokenizer:
-        """Load `tokenizer.json` from a model directory."""
+    def from_dir(
+        cls,
+        path: str,
+        eos_token: str | None = None,
+        tool_parser: str = "auto",
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> TitoTokenizer:
+        """Load `tokenizer.json` and the chat format from a model directory (`eos_token`: the
+        end-of-turn token; default the chat format's own, `<|im_end|>` for ChatML)."""
         tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-        eos = tok.token_to_id(eos_token)
+        chat = ChatFormat.from_folder(path, tool_parser, template_kwargs)
+        name = eos_token or chat.rules.stop_texts[0]
+        eos = tok.token_to_id(name)
         if eos is None:
-            raise ValueError(f"tokenizer in {path} has no token {eos_token!r}")
-        return cls(tok, eos)
+            raise ValueError(f"tokenizer in {path} has no token {name!r}")
+        return cls(tok, eos, chat)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Token ids that end the model's turn (the family's markers and generation_config's eos)."""
+        return sorted(self.chat.stop_ids | {self.eos_id})
 
     def encode(self, text: str) -> list[int]:
         """Token IDs of `text` (special tokens such as <|im_start|> recognised, nothing added)."""
@@ -75,11 +91,13 @@ async def passthrough(
         body["tools"] = call.tools
     if call.top_logprobs:
         body["top_logprobs"] = call.top_logprobs
+    if call.template_kwargs:
+        body["chat_template_kwargs"] = call.template_kwargs
     resp = await upstream.post("/v1/chat/completions", body)
     a = read_chat(resp)
     choice = resp["choices"][0]
     return Generation(a.text, a.tool_calls, finish_reason(a.tool_calls, a.record), a.record, a.token_texts,
-                      stop_string(choice), cached_tokens(resp))  # fmt: skip
+                      stop_string(choice), cached_tokens(resp), a.reasoning)  # fmt: skip
 
 
 async def tito(
@@ -91,11 +109,19 @@ async def tito(
     history: Sequence[Call],
 ) -> Generation:
     """Build the prompt's token IDs here (reusing earlier calls' tokens) and send them as a prompt."""
-    prompt = build_prompt(call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id)
+    prompt = build_prompt(
+        call.messages,
+        call.tools,
+        history,
+        tokenizer.encode,
+        tokenizer.eos_id,
+        chat=tokenizer.chat,
+        template_kwargs=call.template_kwargs,
+    )
     body: dict[str, Any] = {
         "model": served,
         "prompt": prompt.prompt_ids,
-        "stop_token_ids": [tokenizer.eos_id],
+        "stop_token_ids": tokenizer.stop_ids,
         "return_token_ids": True,
         "logprobs": call.top_logprobs or 1,
         **_sampling_fields(sampling),
@@ -103,10 +129,10 @@ async def tito(
     resp = await upstream.post("/v1/completions", body)
     a = read_completion(resp, need_text=True)
     check_prompt(a.record, prompt.prompt_ids)
-    parsed = parse_completion(a.text)
+    parsed = tokenizer.chat.parse(a.text)
     choice = resp["choices"][0]
     return Generation(parsed.content, parsed.tool_calls, finish_reason(parsed.tool_calls, a.record), a.record,
-                      a.token_texts, stop_string(choice), cached_tokens(resp))  # fmt: skip
+                      a.token_texts, stop_string(choice), cached_tokens(resp), parsed.reasoning_content)  # fmt: skip
 
 
 def raw_completion_body(
@@ -201,13 +227,15 @@ async def passthrough_stream(
                             "stream_options": STREAM_USAGE, **_sampling_fields(sampling)}  # fmt: skip
     if call.tools:
         body["tools"] = call.tools
+    if call.template_kwargs:
+        body["chat_template_kwargs"] = call.template_kwargs
     events = await upstream.open_stream("/v1/chat/completions", body)
     acc = Accumulator()
     return EngineStream(acc, _passthrough_events(events, acc))
 
 
 async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: Accumulator) -> Items:
-    content, calls = "", {}  # type: ignore[var-annotated]
+    content, reasoning, calls = "", "", {}  # type: ignore[var-annotated]
     async for event in events:
         with reading("the engine sent a malformed stream event"):
             choice = acc.take(event)
@@ -216,15 +244,15 @@ async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: Accumu
             acc.texts += [str(e.get("token", "")) for e in entries]
             delta = choice.get("delta") or {}
             piece = str(delta.get("content") or "")
+            reasoning += str(delta.get("reasoning_content") or delta.get("reasoning") or "")
             _take_tool_calls(calls, delta.get("tool_calls") or [])
         if piece:
             content += piece
             yield ContentDelta(piece)
     record = acc.record()
     tool_calls = [calls[i] for i in sorted(calls)]
-    yield Generation(
-        content, tool_calls, finish_reason(tool_calls, record), record, acc.texts, acc.stop, acc.cached
-    )
+    yield Generation(content, tool_calls, finish_reason(tool_calls, record), record, acc.texts, acc.stop,
+                     acc.cached, reasoning or None)  # fmt: skip
 
 
 def _take_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[Any]) -> None:
@@ -241,17 +269,27 @@ def _take_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[Any]) -> Non
 async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling,
                       tokenizer: TitoTokenizer, history: Sequence[Call]) -> Streamed:  # fmt: skip
     """Stream a tito call from `/v1/completions`; the gateway parses tool calls out of the text."""
-    prompt = build_prompt(call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id)
-    body: dict[str, Any] = {"model": served, "prompt": prompt.prompt_ids, "stop_token_ids": [tokenizer.eos_id],
+    prompt = build_prompt(
+        call.messages,
+        call.tools,
+        history,
+        tokenizer.encode,
+        tokenizer.eos_id,
+        chat=tokenizer.chat,
+        template_kwargs=call.template_kwargs,
+    )
+    body: dict[str, Any] = {"model": served, "prompt": prompt.prompt_ids, "stop_token_ids": tokenizer.stop_ids,
                             "return_token_ids": True, "logprobs": call.top_logprobs or 1, "stream_options": STREAM_USAGE,
                             **_sampling_fields(sampling)}  # fmt: skip
     events = await upstream.open_stream("/v1/completions", body)
     acc = Accumulator()
-    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc))
+    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc, tokenizer.chat))
 
 
-async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int], acc: Accumulator) -> Items:
-    parser, text = StreamingParser(), ""
+async def _tito_events(
+    events: AsyncIterator[dict[str, Any]], sent: list[int], acc: Accumulator, chat: ChatFormat = CHATML
+) -> Items:
+    parser, text = chat.streaming_parser(), ""
     while True:
         try:
             with reading("the engine sent a malformed stream event"):  # an adapter's translation (SGLang)
@@ -269,7 +307,8 @@ async def _tito_events(events: AsyncIterator[dict[str, Any]], sent: list[int], a
     if rest:
         yield ContentDelta(rest)
     finish = finish_reason(parsed.tool_calls, record)
-    yield Generation(parsed.content, parsed.tool_calls, finish, record, acc.texts, acc.stop, acc.cached)
+    yield Generation(parsed.content, parsed.tool_calls, finish, record, acc.texts, acc.stop, acc.cached,
+                     parsed.reasoning_content)  # fmt: skip
 
 
 class RawCompletionStream:

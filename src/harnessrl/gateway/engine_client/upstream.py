@@ -59,6 +59,7 @@ class Upstream:
         max_retries: int = 3,
         backoff_s: float = 0.25,
         open_timeout_s: float = 30.0,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -66,7 +67,7 @@ class Upstream:
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
         self.open_timeout_s = open_timeout_s
-        self._http = HTTPPool(self.base_url, timeout_s=timeout_s)
+        self._http = HTTPPool(self.base_url, timeout_s=timeout_s, api_key=api_key)  # api_key: the engine's
 
     async def post(self, path: str, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
         """POST JSON and return the JSON answer, retrying timeouts, 429 and 5xx with backoff."""

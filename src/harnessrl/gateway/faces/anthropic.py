@@ -201,8 +201,10 @@ def _tool_input(arguments: str) -> dict[str, Any]:
 
 
 def content_blocks(gen: Generation) -> list[dict[str, Any]]:
-    """The answer's content blocks: text (if any), then tool_use blocks."""
+    """The answer's content blocks: thinking (a reasoning model's), text (if any), then tool_use blocks."""
     blocks: list[dict[str, Any]] = []
+    if gen.reasoning:  # no signature: the thinking is the served model's own text, not Anthropic's
+        blocks.append({"type": "thinking", "thinking": gen.reasoning, "signature": ""})
     if gen.content or not gen.tool_calls:
         blocks.append({"type": "text", "text": gen.content})
     for tc in gen.tool_calls:

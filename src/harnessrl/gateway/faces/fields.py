@@ -40,7 +40,7 @@ def part_text(part: Any, where: str) -> str:
     return f"[{kind}: {name}]" if isinstance(name, str) and name else f"[{kind}]"
 
 
-def content_text(content: Any, where: str) -> str:
+def lenient_content_text(content: Any, where: str) -> str:
     """Flatten message content (a string, null, or a list of parts) into text, leniently."""
     if content is None:
         return ""

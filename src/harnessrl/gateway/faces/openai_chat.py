@@ -36,7 +36,7 @@ class ChatMessage(_Loose):
 # the fields generation uses; any other field is accepted, ignored and reported
 USED_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
                          "max_completion_tokens", "stop", "seed", "n", "stream", "stream_options", "logprobs",
-                         "top_logprobs", "return_token_ids"})  # fmt: skip
+                         "top_logprobs", "return_token_ids", "chat_template_kwargs"})  # fmt: skip
 
 
 class ChatCompletionRequest(BaseModel):
@@ -61,6 +61,7 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_token_ids: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: e.g. {"enable_thinking": false}
     _tool_map: ToolMap = PrivateAttr(default_factory=ToolMap)
     _ignored: list[str] = PrivateAttr(default_factory=list)
 
@@ -96,6 +97,7 @@ def to_chat_call(req: ChatCompletionRequest) -> ChatCall:
         seed=req.seed,
         stop=stop,
         top_logprobs=req.top_logprobs or 0,
+        template_kwargs=req.chat_template_kwargs or None,
     )
 
 
@@ -164,8 +166,9 @@ class ChatStreamer:
         return [_data(_chunk(self.base, {"content": text}))]
 
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
-        """Tool-call chunks, the finish chunk, usage if asked, `[DONE]`."""
-        frames = []
+        """The reasoning (a reasoning model's, in one chunk), tool-call chunks, the finish chunk, usage if
+        asked, `[DONE]`."""
+        frames = [_data(_chunk(self.base, {"reasoning_content": gen.reasoning}))] if gen.reasoning else []
         for i, tc in enumerate(gen.tool_calls):
             fn = tc["function"]
             head = {

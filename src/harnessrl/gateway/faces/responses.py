@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import APIError, validate
 from harnessrl.gateway.faces import ResponseIds
-from harnessrl.gateway.faces.fields import content_text, ignored_fields, notes
+from harnessrl.gateway.faces.fields import ignored_fields, lenient_content_text, notes
 from harnessrl.gateway.faces.tools import ToolMap, arguments_object, custom_input, flat_name, responses_tools
 from harnessrl.gateway.history import History
 
@@ -95,8 +95,8 @@ def _output_text(item: dict[str, Any], where: str) -> str:
         return "Tools loaded: " + ", ".join(names) if names else "No tools found."
     output = item.get("output")
     if isinstance(output, dict):
-        return content_text([output], f"{where}.output")
-    return content_text(output, f"{where}.output")
+        return lenient_content_text([output], f"{where}.output")
+    return lenient_content_text(output, f"{where}.output")
 
 
 def items_to_messages(items: list[dict[str, Any]], offset: int = 0) -> tuple[list[dict[str, Any]], list[str]]:
@@ -110,7 +110,9 @@ def items_to_messages(items: list[dict[str, Any]], offset: int = 0) -> tuple[lis
             role = item["role"]
             if role not in ("system", "developer", "user", "assistant"):
                 raise APIError(400, f"{where}.role '{role}' is not supported", param=f"{where}.role")
-            out.append({"role": role, "content": content_text(item.get("content"), f"{where}.content")})
+            out.append(
+                {"role": role, "content": lenient_content_text(item.get("content"), f"{where}.content")}
+            )
         elif kind in CALL_ITEMS:
             call = _call(item, where)
             last = out[-1] if out else None
@@ -217,8 +219,12 @@ def call_item(tc: dict[str, Any], tools: ToolMap, item_id: str) -> dict[str, Any
 
 
 def output_items(gen: Generation, ids: ResponseIds, tools: ToolMap | None = None) -> list[dict[str, Any]]:
-    """The response's output items: a message (text), then one item per tool call."""
+    """The response's output items: reasoning (a reasoning model's), a message (text), then one item per
+    tool call."""
     items: list[dict[str, Any]] = []
+    if gen.reasoning:
+        items.append({"type": "reasoning", "id": f"rs_{ids.response_id}", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": gen.reasoning}]})  # fmt: skip
     if gen.content or not gen.tool_calls:
         part = {"type": "output_text", "text": gen.content, "annotations": [], "logprobs": []}
         items.append({"type": "message", "id": f"msg_{ids.response_id}", "status": "completed",
@@ -314,7 +320,7 @@ class ResponseStreamer:
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
         """Close the message item, emit the tool-call items, then the final response."""
         frames = []
-        items = out["output"]
+        items = [item for item in out["output"] if item["type"] != "reasoning"]  # in the final response only
         if items and items[0]["type"] == "message":
             if not self.open:
                 frames += self.delta("")

@@ -1,0 +1,179 @@
+"""Tool-call formats per model family: parse a completion's text into content and OpenAI tool calls.
+
+- `hermes` (Qwen2.5, Qwen3, and harnessrl's convention for templates without tools: SmolLM2, Llama 3.0,
+  Gemma 3): each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the text
+  (Qwen puts the JSON on its own line); text around the blocks is content.
+- `llama3_json` (Llama 3.1/3.2/3.3): the whole message is the call, `{"name": ..., "parameters": {...}}`,
+  optionally after `<|python_tag|>` (the special token is usually skipped when decoding), several calls
+  separated by `;`; a message that does not start with a call is content.
+- `none`: never a tool call.
+
+Each parser also says, for text generated so far, how much of it can already be streamed as content
+(`hold`): `StreamingToolParser` releases exactly that, so what streamed is always a prefix of the final
+content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from harnessrl.chat.chatml import ParsedCompletion, new_tool_call_id
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+def openai_tool_call(name: str, arguments: Any) -> dict[str, Any]:
+    """One tool call in OpenAI's shape (arguments as a JSON string, a fresh `call_...` id)."""
+    args_text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": new_tool_call_id(), "type": "function", "function": {"name": name, "arguments": args_text}}
+
+
+def _call_from_json(body: str, args_keys: tuple[str, ...]) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(body.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args: Any = next((obj[k] for k in args_keys if k in obj), {})
+    return openai_tool_call(obj["name"], args)
+
+
+def partial_tail(text: str, marker: str, full: bool = False) -> int:
+    """Length of the longest tail of `text` that is a prefix of `marker` (the whole marker too if `full`)."""
+    longest = len(marker) if full else len(marker) - 1
+    for k in range(min(longest, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ToolParser(Protocol):
+    """A family's tool-call format."""
+
+    @property
+    def name(self) -> str:
+        """The name `engine.tool_parser` chooses it by."""
+        ...
+
+    def parse(self, text: str) -> ParsedCompletion:
+        """Split text (end-of-turn marker already removed) into content and tool calls."""
+        ...
+
+    def hold(self, text: str) -> tuple[int, bool]:
+        """How many leading characters of `text` are content for sure, and whether nothing after them
+        can be streamed any more (a call has begun)."""
+        ...
+
+
+@dataclass(frozen=True)
+class HermesParser:
+    """`<tool_call>{json}</tool_call>` blocks; malformed blocks stay in the content."""
+
+    name: str = "hermes"
+    open: str = "<tool_call>"
+    close: str = "</tool_call>"
+
+    def parse(self, text: str) -> ParsedCompletion:
+        """Content with the well-formed blocks cut out, and their calls in order."""
+        parts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        pos = search = 0
+        while (start := text.find(self.open, search)) >= 0:
+            end = text.find(self.close, start + len(self.open))
+            if end < 0:
+                break
+            call = _call_from_json(text[start + len(self.open) : end], ("arguments", "parameters"))
+            search = end + len(self.close)
+            if call is None:
+                continue  # not a valid call: it remains part of the content
+            parts.append(text[pos:start])
+            calls.append(call)
+            pos = search
+        parts.append(text[pos:])
+        return ParsedCompletion(content="".join(parts), tool_calls=calls)
+
+    def hold(self, text: str) -> tuple[int, bool]:
+        """Content up to the first opener (then blocked), or all but a tail that may become one."""
+        at = text.find(self.open)
+        if at >= 0:
+            return at, True
+        return len(text) - partial_tail(text, self.open), False
+
+
+@dataclass(frozen=True)
+class Llama3JsonParser:
+    """Llama 3.x JSON tool calls: the message is `[<|python_tag|>]{"name", "parameters"}[; {...}]`."""
+
+    name: str = "llama3_json"
+
+    def parse(self, text: str) -> ParsedCompletion:
+        """All calls when the message is made of calls; otherwise the whole text as content."""
+        body = text.strip()
+        if body.startswith(PYTHON_TAG):
+            body = body[len(PYTHON_TAG) :].strip()
+        if not body.startswith("{"):
+            return ParsedCompletion(content=text)
+        calls = []
+        for piece in _split_json_objects(body):
+            call = _call_from_json(piece, ("parameters", "arguments"))
+            if call is None:
+                return ParsedCompletion(content=text)
+            calls.append(call)
+        return ParsedCompletion(content="", tool_calls=calls) if calls else ParsedCompletion(content=text)
+
+    def hold(self, text: str) -> tuple[int, bool]:
+        """Nothing while the message may still be a call; everything once it cannot be one."""
+        body = text.lstrip()
+        if body.startswith(("{", PYTHON_TAG)):
+            return 0, True
+        if not body or PYTHON_TAG.startswith(body):
+            return 0, False
+        return len(text), False
+
+
+def _split_json_objects(body: str) -> list[str]:
+    """`{...}; {...}` into its objects (a `;` inside a JSON string does not split)."""
+    decoder = json.JSONDecoder()
+    out, pos = [], 0
+    while pos < len(body):
+        try:
+            _, end = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return [body]  # not a clean sequence: let the caller fail on it as one piece
+        out.append(body[pos:end])
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    return out
+
+
+@dataclass(frozen=True)
+class NoToolParser:
+    """A model without tool calls: everything is content."""
+
+    name: str = "none"
+
+    def parse(self, text: str) -> ParsedCompletion:
+        """The text as content."""
+        return ParsedCompletion(content=text)
+
+    def hold(self, text: str) -> tuple[int, bool]:
+        """All of it."""
+        return len(text), False
+
+
+TOOL_PARSERS: dict[str, ToolParser] = {
+    p.name: p for p in (HermesParser(), Llama3JsonParser(), NoToolParser())
+}
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The parser called `name`; the error lists the known ones."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        known = ", ".join(["auto", *TOOL_PARSERS])
+        raise ValueError(f"engine.tool_parser '{name}' is unknown; use one of: {known}") from None

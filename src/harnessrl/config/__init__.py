@@ -1,0 +1,56 @@
+"""Typed run configuration: YAML files plus dotted overrides (`train.lr=2e-5`).
+
+`sections`: every key, its default and its check (`RunConfig` and its sections); `load`: reading files
+and overrides into a `RunConfig`, error messages that name the key, file references resolved;
+`doc`: docs/config.md generated from `sections`.
+"""
+
+from __future__ import annotations
+
+from harnessrl.config.load import (
+    KNOWN_MODELS,
+    apply_override,
+    check_model,
+    format_errors,
+    load_config,
+    resolve_command,
+    resolve_paths,
+)
+from harnessrl.config.sections import (
+    RESERVED_ENV,
+    ControllerSection,
+    DataSection,
+    EngineSection,
+    EvalSection,
+    GatewaySection,
+    GraderSection,
+    HarnessSection,
+    RunConfig,
+    TasksSection,
+    TrackerName,
+    TrainSection,
+)
+from harnessrl.errors import ConfigError
+
+__all__ = [
+    "KNOWN_MODELS",
+    "RESERVED_ENV",
+    "ConfigError",
+    "ControllerSection",
+    "DataSection",
+    "EngineSection",
+    "EvalSection",
+    "GatewaySection",
+    "GraderSection",
+    "HarnessSection",
+    "RunConfig",
+    "TasksSection",
+    "TrackerName",
+    "TrainSection",
+    "apply_override",
+    "check_model",
+    "format_errors",
+    "load_config",
+    "resolve_command",
+    "resolve_paths",
+]

@@ -1,0 +1,432 @@
+"""The run configuration's sections (engine, gateway, controller, train, eval, harness, tasks, grader)
+and `RunConfig`, the whole of them: typed, with every default and check in one place."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH, LORA_TARGET_MODULES, ROLLOUT_CACHE_SIZE
+from harnessrl.store import is_postgres_url
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineSection(_Section):
+    """The engine: the builtin one (started by the run) or an external vLLM / SGLang server."""
+
+    # a model directory, or "smollm2" for the packaged SmolLM2-135M-Instruct ("smollm2-16k",
+    # "smollm2-32k": the same weights with YaRN-scaled RoPE for long harness prompts)
+    model: str = "smollm2"
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port
+    max_batch: int = Field(
+        default=ENGINE_MAX_BATCH, ge=1
+    )  # sequences the engine decodes together (vLLM: --max-num-seqs)
+    # context length (prompt + completion) the engine accepts; None: the model's own (8,192 for smollm2,
+    # 16,384 for smollm2-16k, 32,768 for smollm2-32k: RoPE-scaled variants, docs/long-context.md)
+    max_model_len: int | None = Field(default=None, ge=64)
+    threads: int | None = None  # CPU threads of the engine (None: torch's default; vLLM: OMP_NUM_THREADS)
+    device: str = "cpu"  # builtin or managed vLLM engine: "cpu" or "cuda[:N]"
+    # engine weights and KV cache (builtin, managed vLLM)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # builtin engine on CPU: oneDNN-packed linear weights, F.linear, or auto (see modeling/packed.py)
+    matmul: Literal["auto", "onednn", "aten"] = "auto"
+    # tool-call format the engine and the gateway parse completions with: "auto" (detected from the
+    # model's own chat template: hermes for <tool_call>, llama3_json for Llama 3.1+; the hermes
+    # convention for templates without tools), "hermes", "llama3_json" or "none" (docs/models.md)
+    tool_parser: Literal["auto", "hermes", "llama3_json", "none"] = "auto"
+    # extra variables for the model's chat template on every call, e.g. {"enable_thinking": false} for
+    # Qwen3; a request's `chat_template_kwargs` overrides them (docs/models.md)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # "vllm": vLLM's OpenAI server; at `url` if set (already running, serving `model`), else started and
+    # stopped by the run from vLLM's own venv (docs/vllm.md). "sglang": a server already running at
+    # `url`. An external server must be able to read the run directory, where new weights are written.
+    kind: Literal["builtin", "vllm", "sglang"] = "builtin"
+    url: str | None = None  # the external server's URL (engine.kind vllm / sglang)
+    # managed vLLM: its venv's interpreter (None: $HARNESSRL_VLLM_PYTHON, else .bench/venv-vllm/bin/python
+    # under the working directory or this checkout, as `make install-vllm` builds it)
+    vllm_python: str | None = None
+    # vLLM weight sync after each update: "reload" (in place, through /collective_rpc reload_weights;
+    # a managed server is restarted if that fails) or "restart" (managed only: a new server each time)
+    vllm_sync: Literal["reload", "restart"] = "reload"
+    vllm_kv_cache_gb: int = Field(default=1, ge=1)  # managed vLLM on CPU: KV cache GB
+    vllm_enforce_eager: bool = False  # managed vLLM: no torch.compile (starts sooner, decodes slower)
+    vllm_args: list[str] = Field(default_factory=list)  # managed vLLM: more command-line arguments
+    vllm_start_timeout_s: float = Field(default=900.0, gt=0)  # managed vLLM: longest wait for /health
+
+    @model_validator(mode="after")
+    def _external_needs_url(self) -> EngineSection:
+        if self.kind == "sglang" and not self.url:
+            raise ValueError(f"engine.kind {self.kind!r} needs engine.url (the running server)")
+        if self.vllm_sync == "restart" and (self.kind != "vllm" or self.url):
+            raise ValueError(
+                "engine.vllm_sync=restart needs a managed vLLM (engine.kind=vllm, no engine.url)"
+            )
+        _check_device(self.device, "engine.device")
+        return self
+
+
+def _check_device(device: str, name: str) -> None:
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', not {device!r}")
+
+
+class GatewaySection(_Section):
+    """The gateway process."""
+
+    port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port (replica r: port + r)
+    default_max_tokens: int = Field(
+        default=DEFAULT_MAX_TOKENS, ge=1
+    )  # completion budget of a call whose request sets none
+    mode: Literal["passthrough", "tito"] = "passthrough"  # tito: the gateway builds prompts from token IDs
+    # Gateway processes on the run's store (> 1 needs `store: postgresql://…`): each rollout is served
+    # by one of them, and moves to another if that one stops answering (docs/scale.md).
+    replicas: int = Field(default=1, ge=1, le=64)
+    # Gateways already running (e.g. a Kubernetes StatefulSet; the run starts none): their URLs as the
+    # controller and the harnesses reach them, the admin key in $HARNESSRL_ADMIN_KEY. Several URLs are
+    # replicas on one PostgreSQL store (the `store` setting names it too, for `inspect` and the index).
+    urls: list[str] = Field(default_factory=list)
+    # rollouts each gateway keeps in memory (keys, state; least recently used out, re-read from the
+    # store when needed again)
+    rollout_cache_size: int = Field(default=ROLLOUT_CACHE_SIZE, ge=1)
+    # Every try of one model call together, on all engine replicas; None: CALL_TIMEOUT_SHARE (0.8) of
+    # controller.harness_timeout_s, so a call an overloaded engine cannot finish fails (recorded as
+    # failed) before the harness is killed, not after. Set, it must stay below harness_timeout_s.
+    call_timeout_s: float | None = Field(default=None, gt=0)
+    upstream_timeout_s: float | None = Field(default=None, gt=0)  # one try; None: the call timeout
+    stream_open_timeout_s: float = Field(default=30.0, gt=0)  # one streamed try, until the engine's headers
+    wal_limit_mb: float = Field(default=64.0, gt=0)  # bound on the SQLite store's write-ahead log
+
+    def timeouts(self, harness_timeout_s: float) -> tuple[float, float]:
+        """(upstream try, whole call) in seconds, by the rule above."""
+        call = self.call_timeout_s or CALL_TIMEOUT_SHARE * harness_timeout_s
+        return min(self.upstream_timeout_s or call, call), call
+
+
+CALL_TIMEOUT_SHARE = 0.8  # gateway.call_timeout_s defaults to this share of controller.harness_timeout_s
+
+
+class ControllerSection(_Section):
+    """Running harnesses."""
+
+    concurrency: int = Field(default=16, ge=1)  # attempts running at once
+    harness_timeout_s: float = Field(
+        default=300.0, gt=0
+    )  # an attempt running longer is killed (its process group) and graded as timed out
+    max_attempts: int = Field(
+        default=2, ge=1
+    )  # tries per rollout when attempts fail for infrastructure reasons
+    grader_timeout_s: float = Field(default=60.0, gt=0)  # a grader running longer is a grader error
+    grader_retries: int = Field(
+        default=0, ge=0
+    )  # a crashed grader runs again this many times before the rollout fails
+    # Each attempt in a bubblewrap sandbox: no network but the gateway, a private filesystem view,
+    # resource limits (docs/sandbox.md; None in a sandbox_* limit: not limited). "auto": wherever bwrap
+    # works on this machine, else plain subprocesses with a loud warning; true: required (an error where
+    # bwrap cannot run); false: plain subprocesses, chosen.
+    sandbox: Literal["auto"] | bool = "auto"  # (what each mode guarantees: docs/security.md)
+    # Local runs: Python harnesses forked from a process that has already imported `preload`
+    # (docs/operations.md), saving each attempt's interpreter start and imports. With `sandbox` or
+    # `ray_address` it does not apply (those runners start every attempt themselves).
+    fork_server: bool = False
+    # modules the fork server imports once, e.g. [harnessrl.preload.openai] (openai, first request warmed)
+    preload: list[str] = Field(default_factory=list)
+    sandbox_cpu_seconds: int | None = None  # CPU seconds per process (RLIMIT_CPU)
+    sandbox_memory_mb: int | None = 4096  # per process (RLIMIT_AS)
+    sandbox_max_processes: int | None = 256  # processes per user in the sandbox (RLIMIT_NPROC)
+    sandbox_max_file_mb: int | None = 1024  # largest file the harness may write (RLIMIT_FSIZE)
+    sandbox_cgroup: Literal["auto", "required", "never"] = "auto"  # one cgroup bounds the whole attempt
+    sandbox_cgroup_memory_mb: int | None = 8192  # all of an attempt's processes together
+    sandbox_cgroup_max_pids: int | None = 1024  # processes of one attempt together (cgroup pids.max)
+    sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness may read
+    sandbox_hide_git: bool = False  # `.git` folders in the view are hidden from the harness
+    sandbox_disable_git: bool = False  # `git` commands fail inside the sandbox
+    # Attempts as Ray tasks on a cluster (docs/ray.md): "auto", "host:port" or "ray://…"; None: local.
+    # With `sandbox: true` each attempt is sandboxed on its node.
+    ray_address: str | None = None
+    ray_num_cpus: float = 1.0  # CPUs Ray reserves per attempt
+    ray_memory_mb: int | None = None  # memory Ray reserves per attempt
+    ray_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources per attempt
+
+
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]
+
+
+class LoraSection(_Section):
+    """LoRA adapters on the policy's linear projections (docs/lora.md); `train.lora: {}` turns it on."""
+
+    r: int = Field(default=8, ge=1)  # rank of each adapter (A: r × in, B: out × r)
+    alpha: float = Field(default=16.0, gt=0)  # the update is scaled by alpha / r
+    dropout: float = Field(default=0.0, ge=0, lt=1)  # dropout on the adapter's input, in the update only
+    # linear layers adapted, by module name (PEFT's match: the name or its last parts)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGET_MODULES), min_length=1)
+
+
+class TrainSection(_Section):
+    """The RL schedule (sync or collocated async) and the PPO update."""
+
+    # sync: roll out, pause, update; async: keep groups in flight during updates
+    schedule: Literal["sync", "async"] = "sync"
+    steps: int = Field(default=20, ge=1)  # updates to run
+    batch_groups: int = Field(default=4, ge=1)  # tasks per step
+    group_size: int = Field(default=8, ge=2)  # rollouts per task (GRPO siblings; one alone has no baseline)
+    lr: float = Field(default=1e-5, gt=0)  # AdamW learning rate
+    weight_decay: float = Field(default=0.0, ge=0)  # AdamW weight decay
+    temperature: float = Field(default=1.0, ge=0)  # sampling temperature of training rollouts
+    clip_low: float = Field(default=0.2, ge=0)  # PPO clip range below 1 (ratio ≥ 1 − clip_low)
+    clip_high: float = Field(default=0.2, ge=0)  # PPO clip range above 1 (ratio ≤ 1 + clip_high)
+    max_grad_norm: float = Field(default=1.0, gt=0)  # gradient norm clipping
+    micro_batch_tokens: int = Field(
+        default=4096, ge=1
+    )  # tokens per forward/backward pass (gradient accumulation beyond)
+    epochs: int = Field(default=1, ge=1)  # optimizer steps over each batch
+    estimator: Estimator = (
+        Estimator.GRPO
+    )  # group baseline: GRPO (mean/std), Dr.GRPO (mean), RLOO (leave-one-out)
+    advantage_level: AdvantageLevel = (
+        AdvantageLevel.ROLLOUT
+    )  # rollout: group statistics over rollouts; sample: over rows (ablation only)
+    loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN  # loss normalisation (docs/concepts.md)
+    zero_variance: ZeroVariance = ZeroVariance.KEEP  # groups whose rollouts all got the same reward
+    # token-prefix merging of a rollout's calls into rows; False: every call its own row (Agent
+    # Lightning's transitions; for ablations)
+    merge_calls: bool = True
+    checkpoint_every: int = Field(
+        default=5, ge=0
+    )  # save a checkpoint every N steps and after the last (0: never)
+    keep_checkpoints: int = Field(default=2, ge=1)  # newest checkpoints kept
+    seed: int = 0  # seeds the task sampling per step and torch
+    threads: int | None = None  # CPU threads of the trainer (None: torch's default)
+    # async schedule: groups kept in flight, and the oldest weight version a trained row may come from
+    max_inflight_groups: int = Field(default=8, ge=1)
+    max_staleness: int | None = None  # rows staler than this many versions are dropped (None: keep all)
+    tis_cap: float | None = None  # truncated importance sampling cap C (None: plain PPO against μ)
+    kl_coef: float = 0.0  # β of the k3 KL penalty to the initial model (0: no reference model loaded)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # learning-rate schedule over `steps`
+    warmup_steps: int = 0  # linear warm-up steps
+    min_lr_ratio: float = 0.0  # the decayed schedules end at lr × this
+    max_row_tokens: int | None = None  # rows longer than this are cut (see adapter.length)
+    train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
+    time_budget_s: float | None = None  # stop after the step during which this much training time ran out
+    device: str = "cpu"  # where the policy (and reference) model trains: "cpu" or "cuda[:N]"
+    # data-parallel trainer ranks: k > 1 starts k - 1 worker processes that each take a share of every
+    # update's rows (DDP over gloo, CPU only so far); the update equals the 1-rank one (docs/scale.md)
+    world_size: int = Field(default=1, ge=1)
+    # linear layers of the policy on CPU: oneDNN-packed (forward and input gradient), F.linear, or auto
+    # (oneDNN when its probe logprobs are within 1e-4 of F.linear's; see modeling/packed.py)
+    matmul: Literal["auto", "onednn", "aten"] = "auto"
+    # LoRA: train adapters only (base frozen, optimizer state for the adapters alone; the engine gets
+    # the adapter, a few MB, after each update); None: full fine-tuning
+    lora: LoraSection | None = None
+    # collocation: put the engine to sleep during each update (1: KV cache freed, weights moved off the
+    # GPU; 2: weights discarded too, the new ones are loaded after wake-up); None keeps it awake
+    engine_sleep_level: Literal[1, 2] | None = None
+    # at each update's pause, cut non-streaming generations still running and resend them after the
+    # update (under the new weights) instead of waiting for them (async: rollouts keep running)
+    preempt_on_pause: bool = True
+    # where step metrics go besides metrics.jsonl, each with a table of sample completions per step:
+    # tensorboard (RUN_DIR/tensorboard), wandb (Weights & Biases), mlflow (docs/trackers.md)
+    log_to: list[TrackerName] = Field(default_factory=lambda: list[TrackerName](["tensorboard"]))
+    sample_rollouts: int = Field(default=4, ge=0)  # rollouts per step in the trackers' sample table (0: none)
+    wandb_project: str = "harnessrl"  # the Weights & Biases project of the run
+    # offline: the run's files in RUN_DIR/wandb, uploaded later with `wandb sync`; online: live (needs a login)
+    wandb_mode: Literal["offline", "online"] = "offline"
+    # an MLflow server or store URI (None: a file store in RUN_DIR/mlruns)
+    mlflow_tracking_uri: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSection:
+        if self.schedule == "async" and self.max_inflight_groups < self.batch_groups:
+            raise ValueError(
+                f"max_inflight_groups ({self.max_inflight_groups}) must be at least batch_groups "
+                f"({self.batch_groups}) for the async schedule"
+            )
+        if self.advantage_level == AdvantageLevel.SAMPLE and self.estimator != Estimator.GRPO:
+            raise ValueError(
+                f"advantage_level 'sample' (an ablation) uses GRPO statistics over rows; it cannot be "
+                f"combined with estimator {self.estimator.value!r}"
+            )
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError("tis_cap must be positive")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        _check_device(self.device, "train.device")
+        if self.world_size > 1 and self.device != "cpu":
+            raise ValueError("train.world_size > 1 runs CPU ranks (gloo) only so far; set train.device: cpu")
+        if self.world_size > 1 and self.lora is not None:
+            raise ValueError("train.lora trains in one process so far; set train.world_size: 1")
+        for tracker, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
+            if tracker in self.log_to and importlib.util.find_spec(module) is None:
+                raise ValueError(
+                    f"log_to has {tracker}, but the {module} package is not installed: "
+                    "pip install 'harnessrl[trackers]' (or remove it from train.log_to)"
+                )
+        return self
+
+
+class EvalSection(_Section):
+    """Held-out evaluation before and after training."""
+
+    n_heldout: int = Field(default=100, ge=1)  # at most this many held-out tasks are evaluated
+    temperature: float = Field(default=0.0, ge=0)  # the reported held-out reward (0: greedy)
+    extra_temperatures: list[float] = Field(default_factory=list)  # also evaluated and reported
+    # also evaluate (at `temperature`) after every N-th update during training, logged with the step
+    # as `heldout_reward` (0: only before and after); its time is left out of `train_wall_seconds`
+    every: int = Field(default=0, ge=0)
+
+
+class DataSection(_Section):
+    """How many tasks to take, and the seed of generators and splits."""
+
+    # training tasks: at most this many from a task file (None: all), exactly this many from a
+    # generator (None: 1000)
+    n_train: int | None = Field(default=None, ge=1)
+    seed: int = 0  # seed of generators and of `tasks.heldout_fraction`'s split
+
+
+class HarnessSection(_Section):
+    """The harness: any program that follows the harness contract (docs/your-harness.md)."""
+
+    # argv of one attempt; an argument naming a file next to the config is made absolute, and
+    # `python`/`python3` as the program means the interpreter harnessrl runs in
+    command: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # extra variables (never the admin key)
+    files: list[str] = Field(default_factory=list)  # files/folders copied into each attempt's workdir
+
+    @field_validator("command")
+    @classmethod
+    def _nonempty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not all(isinstance(a, str) and a for a in v)):
+            raise ValueError("must be a non-empty list of arguments, e.g. [python, harness.py]")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _no_reserved(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in v if k in RESERVED_ENV or k.startswith("HARNESSRL_"))
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: set by the controller (the harness contract), not by config")
+        return v
+
+
+RESERVED_ENV = frozenset(
+    {"OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"}
+)
+
+
+class TasksSection(_Section):
+    """Where tasks come from: task files, or a Python generator."""
+
+    train: str | None = None  # JSONL (or Parquet) of {"task_id", "input", "reference", ...}
+    heldout: str | None = None  # the same format; held-out tasks also found in train are dropped
+    heldout_fraction: float | None = Field(default=None, gt=0, lt=1)  # or: a seeded, disjoint split of train
+    # or: `module:function` called with (n_train, n_heldout, seed), returning (train, heldout) task lists
+    generator: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TasksSection:
+        if self.generator is not None and (self.train or self.heldout or self.heldout_fraction):
+            raise ValueError("give either tasks.generator or task files (tasks.train ...), not both")
+        if self.heldout is not None and self.heldout_fraction is not None:
+            raise ValueError("give tasks.heldout or tasks.heldout_fraction, not both")
+        if (self.heldout or self.heldout_fraction) and not self.train:
+            raise ValueError("tasks.heldout / tasks.heldout_fraction need tasks.train")
+        if self.generator is not None:
+            _check_target(self.generator, "tasks.generator")
+        return self
+
+
+class GraderSection(_Section):
+    """The grader, run by the controller outside the harness: a Python function or a command."""
+
+    # `module:function` called with (task, result); returns a float, (float, details) or RewardIn.
+    # A module next to the config (grader.py → `grader:grade`) is found without installing it.
+    python: str | None = None
+    # or: argv of a command that gets the task and the attempt's output and prints the reward
+    command: list[str] | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # extra variables for a grader command
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> GraderSection:
+        if self.python is not None and self.command is not None:
+            raise ValueError("give grader.python or grader.command, not both")
+        if self.python is not None:
+            _check_target(self.python, "grader.python")
+        if self.command is not None and not self.command:
+            raise ValueError("grader.command must be a non-empty list of arguments")
+        return self
+
+
+def _check_target(target: str, name: str) -> None:
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", target):
+        raise ValueError(f"{name} must look like module:function (e.g. grader:grade), not {target!r}")
+
+
+class RunConfig(_Section):
+    """Everything one run needs."""
+
+    name: str = ""  # a label for the run (summary.json, inspect); default: the config file's folder name
+    # where `grader.python` and `tasks.generator` modules are looked up first; set by `load_config` to
+    # the config file's folder
+    config_dir: str = ""
+    run_dir: str = "runs/demo"  # where the run keeps its store, logs, checkpoints and summary (relative to the current folder)
+    # Where the gateway records rollouts and calls: "" is `<run_dir>/store.sqlite`; another path is a
+    # SQLite file; a postgresql://user@host:port/db URL is a PostgreSQL database (the `postgres` extra;
+    # migrations are applied at start; docs/operations.md). `inspect` and `export` read either; the
+    # dashboard reads SQLite stores.
+    store: str = ""
+    harness: HarnessSection = Field(default_factory=HarnessSection)
+    tasks: TasksSection = Field(default_factory=TasksSection)
+    grader: GraderSection = Field(default_factory=GraderSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    gateway: GatewaySection = Field(default_factory=GatewaySection)
+    controller: ControllerSection = Field(default_factory=ControllerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    data: DataSection = Field(default_factory=DataSection)
+
+    @model_validator(mode="after")
+    def _calls_fail_before_harnesses_die(self) -> RunConfig:
+        call, harness = self.gateway.call_timeout_s, self.controller.harness_timeout_s
+        if call is not None and call >= harness:
+            raise ValueError(
+                f"gateway.call_timeout_s ({call:g}) must be below controller.harness_timeout_s ({harness:g}): "
+                "a call that cannot finish should fail before its harness is killed (unset it for 0.8x)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_need_a_shared_store(self) -> RunConfig:
+        if self.train.lora is not None and self.engine.kind != "builtin":
+            raise ValueError(
+                f"train.lora is served by the builtin engine so far (engine.kind {self.engine.kind!r} "
+                "cannot load adapters yet); set engine.kind: builtin or remove train.lora"
+            )
+        if self.gateway.urls and self.gateway.replicas > 1:
+            raise ValueError("gateway.urls names running gateways; gateway.replicas starts them: set one")
+        bad = [u for u in self.gateway.urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"gateway.urls: {bad[0]!r} is not an http(s):// URL")
+        if self.gateway.replicas > 1 and not is_postgres_url(self.store):
+            raise ValueError(
+                f"gateway.replicas={self.gateway.replicas} needs a store every replica writes: set "
+                "store to a postgresql:// URL (a SQLite file belongs to one gateway process)"
+            )
+        return self
+
+    def missing(self) -> list[str]:
+        """What a training run still lacks (harness, tasks, grader): one line each, empty when complete."""
+        out = []
+        if not self.harness.command:
+            out.append("harness.command: the argv that starts your harness, e.g. [python, harness.py]")
+        if not (self.tasks.train or self.tasks.generator):
+            out.append("tasks.train: a JSONL file of tasks (or tasks.generator: module:function)")
+        if not (self.grader.python or self.grader.command):
+            out.append("grader.python: module:function (or grader.command: argv)")
+        return out

@@ -1,0 +1,119 @@
+"""Building what a run works with, once its services answer: the gateway's control client, the
+engine's admin client, the harness runner and the controller (`RunParts`), then the trainer's model,
+optimizer, schedule and metrics (`TrainContext`, the schedules' view of the run)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harnessrl.config import RunConfig
+from harnessrl.controller import Controller
+from harnessrl.controller.factory import make_runner
+from harnessrl.controller.runner import Runner
+from harnessrl.gateway.client import Control, ControlClient
+from harnessrl.gateway.replicas import GatewayReplicas
+from harnessrl.modeling.loading import load_model
+from harnessrl.modeling.lora import attach_lora, reference_model
+from harnessrl.modeling.packed import use_onednn_for_training
+from harnessrl.runs.project import Project
+from harnessrl.runs.rundir import run_id as run_id_of
+from harnessrl.schema import Task
+from harnessrl.services.stack import ServiceStack, vllm_restarter
+from harnessrl.trainer.loop import Progress, TrainContext
+from harnessrl.trainer.metrics import MetricsLogger
+from harnessrl.trainer.ppo import lr_lambda
+from harnessrl.trainer.trackers import make_trackers
+from harnessrl.trainer.weights import EngineAdmin, engine_admin
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunParts:
+    """The clients and the controller of one run (closed with `aclose`)."""
+
+    run_id: str
+    client: Control
+    engine: EngineAdmin
+    runner: Runner
+    controller: Controller
+
+    async def start(self) -> None:
+        """Start the runner (a fork server that cannot preload fails the run here, not per attempt) and
+        resume the gateways: a store left paused by an earlier run that stopped mid-update would hold
+        every call (a gateway starts paused when its store says so), and where the engine's answers carry
+        no version (vLLM) the resume records the one it reports."""
+        await self.runner.start()
+        await self.client.resume(weight_version=await self.engine.initial_version())
+
+    async def aclose(self) -> None:
+        """Close the clients and the runner."""
+        await self.client.aclose()
+        await self.engine.aclose()
+        self.runner.close()
+
+
+def connect(cfg: RunConfig, run_dir: Path, project: Project, stack: ServiceStack) -> RunParts:
+    """The run's control client (one gateway, or its replicas), engine admin, runner and controller."""
+    client: Control = (
+        ControlClient(stack.gateway_urls[0], stack.admin_key)
+        if len(stack.gateway_urls) == 1
+        else GatewayReplicas(stack.gateway_urls, stack.admin_key)
+    )
+    restart = None if stack.vllm is None else vllm_restarter(stack.vllm, run_dir)
+    engine = engine_admin(
+        cfg.engine.kind,
+        stack.engine_url,
+        restart=restart,
+        sync=cfg.engine.vllm_sync,
+        api_key=stack.engine_key,
+    )
+    runner = make_runner(cfg.controller)
+    c = cfg.controller
+    controller = Controller(
+        client, None, project.harness_spec(c.harness_timeout_s), project.grader, run_dir,
+        concurrency=c.concurrency, max_attempts=c.max_attempts, grader_timeout_s=c.grader_timeout_s,
+        grader_retries=c.grader_retries, runner=runner,
+    )  # fmt: skip
+    return RunParts(run_id_of(run_dir), client, engine, runner, controller)
+
+
+def build_trainer(
+    cfg: RunConfig,
+    run_dir: Path,
+    model_dir: Path,
+    parts: RunParts,
+    heldout: list[Task],
+    progress: Progress,
+    notify: Callable[[str], None],
+) -> TrainContext:
+    """The trainer's side of the run: the model (and a frozen reference for KL), AdamW with its LR
+    schedule, metrics and trackers, and with `train.world_size` > 1 the other data-parallel ranks."""
+    tc = cfg.train
+    model = load_model(model_dir, device=tc.device)
+    matmul = use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
+    log.info("event=trainer_matmul path=%r", matmul)
+    lora = attach_lora(model, tc.lora, tc.seed, model_dir) if tc.lora is not None else None
+    trained = model.parameters() if lora is None else lora.parameters()  # LoRA: no state for the base
+    optimizer = torch.optim.AdamW(trained, lr=tc.lr, weight_decay=tc.weight_decay)
+    schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
+    metrics = MetricsLogger(run_dir, make_trackers(
+        tc.log_to, run_dir, parts.run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project,
+        tc.wandb_mode, tc.mlflow_tracking_uri))  # fmt: skip
+    ctx = TrainContext(
+        cfg, parts.run_id, run_dir, parts.client, parts.controller, parts.engine, model, optimizer, metrics,
+        progress, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        ref_model=reference_model(model, model_dir, tc.device, lora) if tc.kl_coef > 0 else None,
+        heldout=heldout, notify=notify, lora=lora,
+    )  # fmt: skip
+    if tc.world_size > 1:  # ranks 1..k-1 hold replicas; rank 0 (this process) publishes and checkpoints
+        from harnessrl.trainer.distributed import DataParallel
+
+        ctx.data_parallel = DataParallel(model, optimizer, model_dir, tc.world_size, threads=tc.threads,
+                                         matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs")  # fmt: skip
+    return ctx

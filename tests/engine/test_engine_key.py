@@ -1,0 +1,86 @@
+"""The builtin engine's key: with one, every route but /health answers 401 to a request without it,
+so a harness that finds the engine's port cannot generate, pause or load weights; the gateway and the
+trainer's admin client send it."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harnessrl.gateway.app import create_app
+from harnessrl.gateway.state import GatewayConfig
+from harnessrl.services import Service, free_port, start_engine
+from harnessrl.store import SQLiteStore
+from harnessrl.trainer.weights import engine_admin
+from tests.support.gateway import GatewayHandle, ThreadServer
+
+KEY = "engine-" + secrets.token_hex(8)
+
+
+@pytest.fixture(scope="module")
+def keyed_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = start_engine(
+        tiny_model_dir, free_port(), tmp_path_factory.mktemp("keyed-engine"), 4, 512, 1, api_key=KEY
+    )
+    try:
+        svc.wait_healthy(120)
+        yield svc
+    finally:
+        svc.stop()
+
+
+def test_every_route_but_health_needs_the_key(keyed_engine: Service) -> None:
+    url = keyed_engine.url
+    assert httpx.get(f"{url}/health").status_code == 200
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401, r.text
+        assert "engine key" in r.json()["error"]["message"]
+    for method, path in [("POST", "/admin/load_weights"), ("POST", "/admin/pause"), ("GET", "/admin/stats"),
+                         ("GET", "/v1/models"), ("POST", "/tokenize")]:  # fmt: skip
+        assert httpx.request(method, f"{url}{path}", json={}).status_code == 401, path
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
+
+
+def test_the_gateway_and_the_admin_client_send_the_key(keyed_engine: Service, tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.sqlite")
+    cfg = GatewayConfig(
+        admin_key="admin-" + secrets.token_hex(8), upstream_url=keyed_engine.url, upstream_key=KEY
+    )
+    with ThreadServer(create_app(cfg, store)) as srv:
+        gw = GatewayHandle(srv.url, cfg.admin_key, store, keyed_engine.url)
+        rid, key = gw.new_rollout(sampling={"max_tokens": 3})
+        r = httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert store.calls(rid)[0].completion_ids
+    without = GatewayConfig(admin_key=cfg.admin_key, upstream_url=keyed_engine.url)
+    with ThreadServer(create_app(without, SQLiteStore(tmp_path / "t.sqlite"))) as srv:
+        _, key = GatewayHandle(srv.url, cfg.admin_key, store, keyed_engine.url).new_rollout()
+        r = httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)  # fmt: skip
+        assert r.status_code >= 400  # the engine refused the gateway that has no key
+
+    async def versions() -> tuple[int, str]:
+        admin = engine_admin("builtin", keyed_engine.url, api_key=KEY)
+        keyless = engine_admin("builtin", keyed_engine.url)
+        try:
+            v = await admin.weight_version()
+            try:
+                await keyless.weight_version()
+            except Exception as e:
+                return v, str(e)
+            return v, ""
+        finally:
+            await admin.aclose()
+            await keyless.aclose()
+
+    version, refused = asyncio.run(versions())
+    assert version == 0 and "401" in refused

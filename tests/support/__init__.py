@@ -1,0 +1,1 @@
+"""Shared test helpers and pytest plugins (fixtures): engines, gateways, stores, recorded runs."""

@@ -1,0 +1,56 @@
+"""Helpers for the modeling and engine tests: tiny model dirs, live engine servers, logprob recompute.
+
+The fixtures built on these live in `tests/support/engine_fixtures.py` (a pytest plugin: test modules name it in
+`pytest_plugins`). Objects are cached per process, so every module shares one model dir and server per key.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from pathlib import Path
+
+import torch
+
+from harnessrl.engine.config import EngineConfig
+from harnessrl.engine.server import Engine, ServerThread
+from harnessrl.modeling.llama import LlamaForCausalLM
+from harnessrl.modeling.loading import make_tiny_model_dir
+from harnessrl.modeling.logprobs import next_token_logprobs
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_MAX_LEN = 512
+_dirs: dict[str, Path] = {}
+_servers: dict[str, ServerThread] = {}
+
+
+def tiny_dir(root: Path, seed: int = 0) -> Path:
+    """A tiny model dir (cached per seed for the whole test session)."""
+    key = f"tiny-{seed}"
+    if key not in _dirs:
+        _dirs[key] = make_tiny_model_dir(root / key, seed=seed)
+    return _dirs[key]
+
+
+def start_server(model_dir: Path, key: str, **overrides: object) -> ServerThread:
+    """A live engine server over loopback HTTP (cached by `key`; stopped at exit)."""
+    if key not in _servers:
+        cfg = EngineConfig(model=str(model_dir), max_batch=8, max_model_len=TINY_MAX_LEN, threads=2)
+        for name, value in overrides.items():
+            setattr(cfg, name, value)
+        server = ServerThread(Engine(cfg)).start()
+        _servers[key] = server
+        atexit.register(server.stop)
+    return _servers[key]
+
+
+def full_forward_logprobs(
+    model: LlamaForCausalLM, prompt: list[int], completion: list[int], temperature: float
+) -> torch.Tensor:
+    """token_logprobs of `completion` recomputed by one full training forward over prompt + completion."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        lp = next_token_logprobs(model(ids), ids, temperature)
+    return lp[0, len(prompt) - 1 :]
