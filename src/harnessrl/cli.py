@@ -19,6 +19,7 @@ EPILOG = """commands:
   import    a trace file into a new run directory: harnessrl import trace.jsonl --run-dir runs/copy
   dashboard browse a run in the browser: harnessrl dashboard --run runs/demo
   demo      train SmolLM2-135M through the calc harness on this CPU and report before/after
+  doctor    what this machine has (Python, torch build, bubblewrap, Chromium, memory, cores) and what is missing
   engine    run the builtin engine server (see: harnessrl engine --help)
   gateway   run the gateway (see: harnessrl gateway --help)
 """
@@ -31,6 +32,7 @@ PASSTHROUGH = {
     "validate": ("harnessrl.export.cli", "validate_main"),
     "import": ("harnessrl.export.cli", "import_main"),
     "dashboard": ("harnessrl.dashboard.cli", "main"),
+    "doctor": ("harnessrl.runs.doctor", "main"),
 }
 
 
@@ -181,6 +183,9 @@ def _step_printer(cfg: Any, notify: Any) -> Any:
         if m.get("rollouts_grader_error"):
             notify(f"step {step}: the grader failed on {m['rollouts_grader_error']} rollouts (not scored, not "
                    f"trained on): {m.get('first_error')}; see {run_dir}/rollouts/*/attempt-*/grader_error.txt")  # fmt: skip
+        if m.get("rollouts_flagged_hacking"):
+            notify(f"step {step}: the grader flagged {m['rollouts_flagged_hacking']} rollouts as gaming the reward "
+                   f"(details['hacking']); read them with harnessrl inspect {run_dir} --step {step}")  # fmt: skip
         if m.get("rollouts_infra_error"):
             notify(f"step {step}: {m['rollouts_infra_error']} rollouts could not run: {m.get('first_error')}")
         if m.get("rollouts_timed_out"):

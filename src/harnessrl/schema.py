@@ -10,7 +10,7 @@ import time
 from enum import StrEnum
 from typing import Any, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TRACE_SCHEMA_VERSION: Final = 1
 """Version of the stored/exported trace schema; bump on any incompatible change."""
@@ -94,6 +94,9 @@ class Task(BaseModel):
     # The harness may write its own reward (PUT /v1/harnessrl/reward with its key); off by default:
     # then only the grader, outside the harness, can.
     allow_self_reward: bool = False
+    # The harness's call annotations with a `value` count as step rewards (train.credit: step); off by
+    # default: then an annotation is data for inspect and export, never a reward.
+    allow_annotation_rewards: bool = False
 
 
 class SamplingOverrides(Strict):
@@ -207,11 +210,28 @@ class Call(BaseModel):
         return msgs, self.request.get("tools"), answer if isinstance(answer, dict) else None
 
 
+class StepReward(Strict):
+    """A reward for one call of a rollout, named by its position (`call`: 0 for the graded attempt's
+    first model call) or by a tool call its answer made (`tool_call_id`); exactly one of the two."""
+
+    call: int | None = Field(default=None, ge=0)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=200)
+    value: float = Field(allow_inf_nan=False)
+    details: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> StepReward:
+        if (self.call is None) == (self.tool_call_id is None):
+            raise ValueError("a step reward names its call by `call` (index) or `tool_call_id`, exactly one")
+        return self
+
+
 class RewardIn(Strict):
-    """Control API: the grader's verdict for a rollout. The last write wins."""
+    """Control API: the grader's verdict for a rollout, with optional per-call rewards. The last write wins."""
 
     value: float
     details: dict[str, Any] = Field(default_factory=dict)
+    steps: list[StepReward] = Field(default_factory=list, max_length=10_000)
 
 
 class Reward(BaseModel):
@@ -220,7 +240,26 @@ class Reward(BaseModel):
     rollout_id: str
     value: float
     details: dict[str, Any] = Field(default_factory=dict)
+    steps: list[StepReward] = Field(default_factory=list)
     updated_at: float
+
+
+class AnnotationIn(StepReward):
+    """Model API (rollout key): the harness annotates one of its calls. `value` is optional: without the
+    task's `allow_annotation_rewards` an annotation is data (shown and exported), never a reward."""
+
+    value: float | None = Field(default=None, allow_inf_nan=False)  # type: ignore[assignment]
+    label: str | None = Field(default=None, max_length=200)
+
+
+class Annotation(AnnotationIn):
+    """A stored annotation: what the harness wrote, numbered in its rollout."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rollout_id: str
+    seq: int = 0
+    created_at: float
 
 
 class RolloutDetail(BaseModel):
@@ -230,6 +269,7 @@ class RolloutDetail(BaseModel):
     attempts: list[Attempt]
     calls: list[Call]
     reward: Reward | None = None
+    annotations: list[Annotation] = Field(default_factory=list)
 
 
 class RolloutPage(BaseModel):

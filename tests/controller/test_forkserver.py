@@ -90,7 +90,7 @@ async def test_a_forked_harness_sees_what_a_fresh_interpreter_sees(
     fresh = await LocalRunner().run(_attempt(tmp_path, "fresh"), spec)
     a, b = _probe(forked), _probe(fresh)
     assert (a["preloaded"], b["preloaded"]) == (True, False)
-    assert a["cwd"] == str(tmp_path / "forked") and b["cwd"] == str(tmp_path / "fresh")
+    assert a["cwd"] == str(tmp_path / "forked" / "home") and b["cwd"] == str(tmp_path / "fresh" / "home")
     assert a["env"].pop("HARNESSRL_OUTPUT") != b["env"].pop("HARNESSRL_OUTPUT")
     for d in (a, b):
         for k in ("HOME", "HARNESSRL_TASK", "HARNESSRL_ROLLOUT_ID"):
@@ -184,7 +184,7 @@ async def test_a_dead_zygote_fails_its_attempts_and_is_started_again(
     hang = HarnessSpec([sys.executable, "-c", "import os, time; open('pid', 'w').write(str(os.getpid())); "
                         "time.sleep(600)"], timeout_s=60)  # fmt: skip
     task = asyncio.create_task(fork_runner.run(_attempt(tmp_path, "hang"), hang))
-    pid_file = tmp_path / "hang" / "pid"
+    pid_file = tmp_path / "hang" / "home" / "pid"  # written in the working directory, home/
     deadline = time.monotonic() + 20
     while not pid_file.exists() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -223,7 +223,7 @@ async def test_close_stops_the_zygote_and_its_running_harnesses(tmp_path: Path) 
     hang = HarnessSpec([sys.executable, "-c", "import os, time; open('pid', 'w').write(str(os.getpid())); "
                         "time.sleep(600)"], timeout_s=60)  # fmt: skip
     task = asyncio.create_task(runner.run(_attempt(tmp_path, "hang"), hang))
-    pid_file = tmp_path / "hang" / "pid"
+    pid_file = tmp_path / "hang" / "home" / "pid"  # written in the working directory, home/
     deadline = time.monotonic() + 20
     while not pid_file.exists() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -379,3 +379,30 @@ async def test_sandboxed_attempt_on_a_node(ray_cluster: RayCluster, tmp_path: Pa
     with pytest.raises(asyncio.CancelledError):
         await run
     assert await wait_gone(pids) == []
+
+
+@needs_ray
+async def test_harness_files_reach_the_node_in_its_working_directory(
+    runner: RayRunner, tmp_path: Path
+) -> None:
+    """Through a real cluster: the controller's copy of `harness.files` arrives in the node-side `home/`,
+    the harness's working directory (docs/your-harness.md, "Where an attempt runs")."""
+    from harnessrl.controller.runner import copy_files
+    from tests.controller.test_harness_files import HARNESS, _check
+
+    (tmp_path / "harness.py").write_text(HARNESS)
+    (tmp_path / "data.txt").write_text("forty two\n")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "settings.json").write_text('{"n": 42}')
+    (tmp_path / "tool.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "tool.sh").chmod(0o755)
+    files = tuple(tmp_path / n for n in ("harness.py", "data.txt", "conf", "tool.sh"))
+    spec = AttemptSpec(
+        "files", 0, "hrl-key", "http://127.0.0.1:9", {"question": "q?"}, tmp_path / "run" / "files"
+    )
+    copy_files(files, spec.workdir)  # as the Controller does before `run`
+    result = await runner.run(spec, HarnessSpec([sys.executable, "harness.py"], timeout_s=60, files=files))
+    assert result.infra_error is None and result.exit_code == 0, result
+    where = json.loads((result.output_dir / "where.json").read_text())
+    _check(where, result.output_dir)
+    assert not where["cwd"].startswith(str(tmp_path))  # the node's folder, not the controller's

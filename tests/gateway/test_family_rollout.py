@@ -21,8 +21,8 @@ from harnessrl.engine.server import EngineConfig, ServerThread
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.schema import CallStatus
 from harnessrl.store import SQLiteStore
-from tests.conftest import GatewayHandle, ThreadServer
 from tests.support.conversations import TOOLS, tokenizer_dir
+from tests.support.gateway import GatewayHandle, ThreadServer
 from tests.support.tiny_families import tiny_family_dir
 
 transformers = pytest.importorskip("transformers")

@@ -249,7 +249,7 @@ async def test_a_raising_grader_is_a_grader_error_not_a_score(
     assert "ZeroDivisionError: grader bug on t1" in (out.error or "")
     workdir = tmp_path / "run" / "rollouts" / out.rollout_id / "attempt-0"
     assert "grader bug on t1" in (workdir / "grader_error.txt").read_text()
-    assert (workdir / "prompt.txt").read_text() == "be brief"  # harness.files copied into the attempt
+    assert (workdir / "home" / "prompt.txt").read_text() == "be brief"  # harness.files: in home/, the cwd
     assert gw.store.get_reward(out.rollout_id) is None
     assert any(x.startswith("the grader failed") for x in report.problems)
 

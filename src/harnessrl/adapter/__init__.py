@@ -17,11 +17,13 @@ from harnessrl.adapter.length import (
 )
 from harnessrl.adapter.loss_weights import LossMode, loss_weights
 from harnessrl.adapter.merge import BreakCause, MergeResult, MergeStats, Row, classify_break, merge_calls
+from harnessrl.adapter.step_credit import Credit, StepReport, step_credit, turn_terms
 
 __all__ = [
     "AdvantageLevel",
     "Batch",
     "BreakCause",
+    "Credit",
     "Estimator",
     "LengthReport",
     "LossMode",
@@ -29,6 +31,7 @@ __all__ = [
     "MergeStats",
     "Row",
     "StalenessReport",
+    "StepReport",
     "ZeroVariance",
     "apply_length_limit",
     "build_batch",
@@ -40,5 +43,7 @@ __all__ = [
     "rollout_advantages",
     "row_staleness",
     "sample_level_advantages",
+    "step_credit",
     "truncate_row",
+    "turn_terms",
 ]

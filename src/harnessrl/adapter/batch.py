@@ -10,6 +10,13 @@ from harnessrl.adapter.advantage import Estimator, rollout_advantages, sample_le
 from harnessrl.adapter.length import LengthReport, StalenessReport, apply_length_limit, filter_stale
 from harnessrl.adapter.loss_weights import LossMode, loss_weights
 from harnessrl.adapter.merge import MergeStats, Row, merge_calls
+from harnessrl.adapter.step_credit import (
+    Credit,
+    StepReport,
+    has_step_signal,
+    row_token_advantages,
+    step_credit,
+)
 from harnessrl.schema import RolloutDetail, RolloutState
 
 
@@ -42,6 +49,20 @@ class Batch:
     dropped_rows: int = 0  # rows left out because their group had zero variance (ZeroVariance.DROP)
     length: LengthReport = field(default_factory=LengthReport)  # rows cut or dropped by the length limit
     staleness: StalenessReport = field(default_factory=StalenessReport)  # rows per staleness, dropped
+    # Credit.STEP: each row's per-token advantages (`adapter.step_credit`; `advantages` then holds the
+    # rollout-level part); None: every token of a row has its row's advantage
+    token_advantages: list[list[float]] | None = None
+    steps: StepReport = field(default_factory=StepReport)
+    # graded rollouts whose grader flagged reward hacking (`details["hacking"]` set: tests edited, ...)
+    flagged_hacking: list[str] = field(default_factory=list)
+
+    def has_signal(self, i: int) -> bool:
+        """Whether row `i` has a non-zero advantage on some token (else its policy gradient is 0)."""
+        if self.token_advantages is None:
+            return self.advantages[i] != 0.0
+        return any(
+            a != 0.0 for a, m in zip(self.token_advantages[i], self.rows[i].loss_mask, strict=True) if m
+        )
 
     @property
     def n_trainable_tokens(self) -> int:
@@ -60,6 +81,8 @@ def build_batch(
     max_staleness: int | None = None,
     include_failed_attempts: bool = False,
     merge: bool = True,
+    credit: Credit = Credit.ROLLOUT,
+    step_coef: float = 1.0,
 ) -> Batch:
     """Turn graded rollouts into a batch. Rollouts without a reward are left out; only the calls of a
     rollout's last attempt are used (earlier attempts died for infrastructure reasons; with
@@ -70,24 +93,13 @@ def build_batch(
     Then rows staler than `max_staleness` at weight `version` are dropped and rows longer than
     `max_row_tokens` cut (rules in `adapter.length`); loss weights are computed on what remains, and
     every row of a rollout keeps that rollout's advantage. With `merge` False every call is a row of its
-    own (no token-prefix merging: the transitions of Agent Lightning, for ablations)."""
-    stats = MergeStats()
-    rows_of: dict[str, list[Row]] = {}
-    rewards: dict[str, float] = {}
-    groups: dict[str, str] = {}
-    for d in details:
-        if d.reward is None or d.rollout.state != RolloutState.SUCCEEDED:
-            continue
-        rid = d.rollout.rollout_id
-        last = max((a.attempt for a in d.attempts), default=0)
-        used = sorted({c.attempt for c in d.calls}) if include_failed_attempts else [last]
-        rows_of[rid] = []
-        for attempt in used:
-            result = merge_calls([c for c in d.calls if c.attempt == attempt], merge=merge)
-            stats.add(result)
-            rows_of[rid].extend(result.rows)
-        rewards[rid] = d.reward.value
-        groups[rid] = d.rollout.group_id or rid
+    own (no token-prefix merging: the transitions of Agent Lightning, for ablations).
+
+    With `credit` STEP the grader's step rewards (and allowed annotations) add a turn-level term to the
+    tokens of the calls they name (`adapter.step_credit`, scaled by `step_coef`); a group whose rewards
+    are all equal then counts as zero-variance only if none of its calls got a term either."""
+    stats, rows_of, rewards, groups = _graded_rows(details, include_failed_attempts, merge)
+    details_by_id = {d.rollout.rollout_id: d for d in details}
     if level == AdvantageLevel.ROLLOUT:
         adv = rollout_advantages(rewards, groups, estimator)
     else:
@@ -95,10 +107,12 @@ def build_batch(
     members: dict[str, list[str]] = {}
     for rid, gid in groups.items():
         members.setdefault(gid, []).append(rid)
+    credit_of = step_credit(details, groups, step_coef) if credit == Credit.STEP else None
     flat = {
         gid
         for gid, rids in members.items()
         if max(rewards[r] for r in rids) - min(rewards[r] for r in rids) <= 1e-12
+        and not (credit_of and any(has_step_signal(credit_of.spans[r]) for r in rids))
     }
     keep = [rid for rid in rows_of if not (zero_variance == ZeroVariance.DROP and groups[rid] in flat)]
     rows = [row for rid in keep for row in rows_of[rid]]
@@ -118,4 +132,38 @@ def build_batch(
         dropped_rows=zero_var_dropped,
         length=length,
         staleness=staleness,
+        token_advantages=None
+        if credit_of is None
+        else [row_token_advantages(r, adv[r.rollout_id], credit_of.spans[r.rollout_id]) for r in rows],
+        steps=credit_of.report if credit_of else StepReport(),
+        flagged_hacking=[rid for rid in rewards if _hacking(details_by_id[rid])],
     )
+
+
+def _graded_rows(
+    details: Sequence[RolloutDetail], include_failed_attempts: bool, merge: bool
+) -> tuple[MergeStats, dict[str, list[Row]], dict[str, float], dict[str, str]]:
+    """The rows, reward and group of every graded rollout (see `build_batch`), with merge statistics."""
+    stats = MergeStats()
+    rows_of: dict[str, list[Row]] = {}
+    rewards: dict[str, float] = {}
+    groups: dict[str, str] = {}
+    for d in details:
+        if d.reward is None or d.rollout.state != RolloutState.SUCCEEDED:
+            continue
+        rid = d.rollout.rollout_id
+        last = max((a.attempt for a in d.attempts), default=0)
+        used = sorted({c.attempt for c in d.calls}) if include_failed_attempts else [last]
+        rows_of[rid] = []
+        for attempt in used:
+            result = merge_calls([c for c in d.calls if c.attempt == attempt], merge=merge)
+            stats.add(result)
+            rows_of[rid].extend(result.rows)
+        rewards[rid] = d.reward.value
+        groups[rid] = d.rollout.group_id or rid
+    return stats, rows_of, rewards, groups
+
+
+def _hacking(detail: RolloutDetail) -> bool:
+    """Whether the grader flagged the rollout as gaming its reward (a non-empty `hacking` detail)."""
+    return bool(detail.reward is not None and detail.reward.details.get("hacking"))

@@ -147,6 +147,11 @@ def resolve_paths(cfg: RunConfig, base: Path) -> list[str]:
     g = cfg.grader
     if g.command:
         g.command = resolve_command(g.command, base)
+    if g.judge is not None and g.judge.rubric_file:
+        rubric = _absolute(g.judge.rubric_file, base)
+        g.judge.rubric_file = str(rubric)
+        if not rubric.is_file():
+            problems.append(f"grader.judge.rubric_file: {rubric} not found")
     if not cfg.config_dir:
         cfg.config_dir = str(base)
     m = cfg.engine.model

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, ZeroVariance
+from harnessrl.adapter import AdvantageLevel, Credit, Estimator, LossMode, ZeroVariance
 from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH, LORA_TARGET_MODULES, ROLLOUT_CACHE_SIZE
 from harnessrl.store import is_postgres_url
 
@@ -144,7 +144,7 @@ class ControllerSection(_Section):
     sandbox_cgroup: Literal["auto", "required", "never"] = "auto"  # one cgroup bounds the whole attempt
     sandbox_cgroup_memory_mb: int | None = 8192  # all of an attempt's processes together
     sandbox_cgroup_max_pids: int | None = 1024  # processes of one attempt together (cgroup pids.max)
-    sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness may read
+    sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness reads (a venv)
     sandbox_hide_git: bool = False  # `.git` folders in the view are hidden from the harness
     sandbox_disable_git: bool = False  # `git` commands fail inside the sandbox
     # Attempts as Ray tasks on a cluster (docs/ray.md): "auto", "host:port" or "ray://…"; None: local.
@@ -194,6 +194,10 @@ class TrainSection(_Section):
     )  # rollout: group statistics over rollouts; sample: over rows (ablation only)
     loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN  # loss normalisation (docs/concepts.md)
     zero_variance: ZeroVariance = ZeroVariance.KEEP  # groups whose rollouts all got the same reward
+    # rollout: one advantage per rollout; step: plus a turn-level term from the grader's step rewards
+    # (and annotations a task allows) on the calls they name (adapter/step_credit.py, docs/credit.md)
+    credit: Credit = Credit.ROLLOUT
+    step_coef: float = Field(default=1.0, ge=0)  # β: scale of the turn-level term under credit: step
     # token-prefix merging of a rollout's calls into rows; False: every call its own row (Agent
     # Lightning's transitions; for ablations)
     merge_calls: bool = True
@@ -252,6 +256,8 @@ class TrainSection(_Section):
                 f"advantage_level 'sample' (an ablation) uses GRPO statistics over rows; it cannot be "
                 f"combined with estimator {self.estimator.value!r}"
             )
+        if self.credit == Credit.STEP and self.advantage_level == AdvantageLevel.SAMPLE:
+            raise ValueError("credit 'step' builds on rollout-level advantages; set advantage_level: rollout")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError("tis_cap must be positive")
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -297,7 +303,7 @@ class HarnessSection(_Section):
     # `python`/`python3` as the program means the interpreter harnessrl runs in
     command: list[str] | None = None
     env: dict[str, str] = Field(default_factory=dict)  # extra variables (never the admin key)
-    files: list[str] = Field(default_factory=list)  # files/folders copied into each attempt's workdir
+    files: list[str] = Field(default_factory=list)  # files/folders copied into each attempt's home/ (its cwd)
 
     @field_validator("command")
     @classmethod
@@ -342,8 +348,32 @@ class TasksSection(_Section):
         return self
 
 
+class JudgeSection(_Section):
+    """A model grades the answers (controller/judge.py, docs/credit.md): an OpenAI-compatible endpoint."""
+
+    base_url: str  # the judge's OpenAI-compatible URL, ending in /v1 (an external API or a local engine)
+    model: str = "judge"  # the model name sent to it
+    api_key_env: str | None = None  # the environment variable holding its API key (None: no key)
+    rubric: str = ""  # what a good answer is, in words the judge reads
+    rubric_file: str | None = None  # or: a text file with the rubric (relative to the config's folder)
+    # single: score each rollout alone (SCORE: 0..scale); group: rank a whole group in one call
+    mode: Literal["single", "group"] = "single"
+    answer_file: str = "answer.txt"  # the answer, in the attempt's output folder (HARNESSRL_OUTPUT)
+    scale: float = Field(default=10.0, gt=0)  # single mode: the judge's top score (reward = score / scale)
+    max_tokens: int = Field(default=256, ge=1)  # of the judge's answer
+    temperature: float = Field(default=0.0, ge=0)  # of the judge's sampling
+
+    @model_validator(mode="after")
+    def _has_rubric(self) -> JudgeSection:
+        if not (self.rubric.strip() or self.rubric_file):
+            raise ValueError("grader.judge needs a rubric (or rubric_file): what a good answer is")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"grader.judge.base_url: {self.base_url!r} is not an http(s):// URL")
+        return self
+
+
 class GraderSection(_Section):
-    """The grader, run by the controller outside the harness: a Python function or a command."""
+    """The grader, run by the controller outside the harness: a Python function, a command or a judge."""
 
     # `module:function` called with (task, result); returns a float, (float, details) or RewardIn.
     # A module next to the config (grader.py → `grader:grade`) is found without installing it.
@@ -351,11 +381,12 @@ class GraderSection(_Section):
     # or: argv of a command that gets the task and the attempt's output and prints the reward
     command: list[str] | None = None
     env: dict[str, str] = Field(default_factory=dict)  # extra variables for a grader command
+    judge: JudgeSection | None = None  # or: a judge model scores (or ranks) the answers
 
     @model_validator(mode="after")
     def _one_kind(self) -> GraderSection:
-        if self.python is not None and self.command is not None:
-            raise ValueError("give grader.python or grader.command, not both")
+        if sum(x is not None for x in (self.python, self.command, self.judge)) > 1:
+            raise ValueError("give one of grader.python, grader.command or grader.judge")
         if self.python is not None:
             _check_target(self.python, "grader.python")
         if self.command is not None and not self.command:
@@ -427,6 +458,6 @@ class RunConfig(_Section):
             out.append("harness.command: the argv that starts your harness, e.g. [python, harness.py]")
         if not (self.tasks.train or self.tasks.generator):
             out.append("tasks.train: a JSONL file of tasks (or tasks.generator: module:function)")
-        if not (self.grader.python or self.grader.command):
-            out.append("grader.python: module:function (or grader.command: argv)")
+        if not (self.grader.python or self.grader.command or self.grader.judge):
+            out.append("grader.python: module:function (or grader.command: argv, or grader.judge)")
         return out

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.controller.grader import Grader, GraderError, grade
+from harnessrl.controller.group_grading import HELD_SLOT, GroupGate, grades_groups
 from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
@@ -112,15 +113,26 @@ class Controller:
         self.grader_retries = grader_retries  # a crashed grader is run again this many times, then FAILED
         self.runner: Runner = runner or LocalRunner()
         self._slots = asyncio.Semaphore(concurrency)
+        # a grader that ranks whole groups (a group judge) gets each group's results together
+        self._gate = GroupGate(grader, grader_timeout_s, grader_retries) if grades_groups(grader) else None  # type: ignore[arg-type]
 
     async def run(
         self, requests: list[RolloutRequest], on_done: Callable[[RolloutOutcome], None] | None = None
     ) -> list[RolloutOutcome]:
         """Run every request to a final state; outcomes come back in request order."""
 
+        if self._gate is not None:
+            for gid in {r.group_id for r in requests if r.group_id is not None}:
+                self._gate.expect(gid, [r.client_id for r in requests if r.group_id == gid])
+
         async def one(req: RolloutRequest) -> RolloutOutcome:
             async with self._slots:
-                outcome = await self.run_one(req)
+                HELD_SLOT.set(self._slots)  # a rollout waiting for its group gives its slot back
+                try:
+                    outcome = await self.run_one(req)
+                finally:
+                    if self._gate is not None:
+                        self._gate.leave(req.group_id, req.client_id)
             if on_done is not None:
                 on_done(outcome)
             return outcome
@@ -156,7 +168,10 @@ class Controller:
         """Create the rollout, or find it by its client id. A rollout found cancelled (an interrupted
         run, now resumed) is not reused: it is run again under a fresh client id (`<id>~rN`), so a
         resumed step gets its whole batch; finished and failed ones stand."""
-        metadata = {**req.metadata, "allow_self_reward": True} if req.task.allow_self_reward else req.metadata
+        metadata = dict(req.metadata)
+        for flag in ("allow_self_reward", "allow_annotation_rewards"):  # what the task lets its harness do
+            if getattr(req.task, flag):
+                metadata[flag] = True
         for redo in range(MAX_REDOS + 1):
             created = await self.client.create_rollout(
                 RolloutCreate(
@@ -263,11 +278,16 @@ class Controller:
         reward, error = None, ""
         for tries in range(self.grader_retries + 1):
             try:
-                reward = await grade(self.grader, req.task, result, self.grader_timeout_s)
+                if self._gate is not None:  # graded with its group (which retries on its own)
+                    reward = await self._gate.verdict(req.group_id, req.client_id, req.task, result)
+                else:
+                    reward = await grade(self.grader, req.task, result, self.grader_timeout_s)
                 break
             except GraderError as e:
                 log.error("event=grader_error rollout=%s try=%d error=%s", rid, tries, e)
                 error = str(e)
+                if self._gate is not None:
+                    break
         if reward is None:  # the grader crashed every time: the rollout fails, reported as such
             _write_grader_error(result.output_dir.parent, error)
             await self.client.set_state(rid, RolloutState.FAILED)

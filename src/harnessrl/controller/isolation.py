@@ -150,15 +150,23 @@ def protect_run_dir(run_dir: Path) -> None:
 def give_attempt_dirs(workdir: Path, uid: int) -> Path:
     """Hand an attempt's folder to its uid: the folder itself stays root's, readable by the uid's group
     only (0750, so `task.json`, `stdout.txt`, `runner.json` cannot be swapped for links); `output/`
-    and `home/` become the uid's (0700). Returns `home/`."""
+    and `home/` (with the `harness.files` copied there) become the uid's (0700). Returns `home/`."""
     home = workdir / "home"
     home.mkdir(exist_ok=True)
     os.chown(workdir, 0, uid)
     os.chmod(workdir, 0o750)
     for d in (workdir / "output", home):
-        os.chown(d, uid, uid)
+        give_tree(d, uid)
         os.chmod(d, 0o700)
     return home
+
+
+def give_tree(root: Path, uid: int) -> None:
+    """Make `root` and everything under it (links themselves, never their targets) owned by `uid`."""
+    os.lchown(root, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
 
 
 def close_attempt_dir(workdir: Path) -> None:
@@ -289,12 +297,14 @@ class IsolationError(RuntimeError):
 
 def attempt_identity(setting: str, workdir: Path, command: list[str], env: dict[str, str], own_env: dict[str, str],
                      stack: contextlib.ExitStack) -> tuple[int | None, Path]:  # fmt: skip
-    """The uid an attempt runs as (`attempt_uid`) and its working folder: with a uid of its own, the
-    attempt's `home/` handed to that uid (and `HOME` pointed there unless the harness sets its own in
-    `own_env`); otherwise `workdir`. Raises `IsolationError`/`OSError` as `attempt_uid` does."""
+    """The uid an attempt runs as (`attempt_uid`) and its working folder, the attempt's `home/` in
+    every case (with a uid of its own, handed to that uid, and `HOME` pointed there unless the harness
+    sets its own in `own_env`). Raises `IsolationError`/`OSError` as `attempt_uid` does."""
     uid = attempt_uid(setting, workdir, command, env, stack)
     if uid is None:
-        return None, workdir
+        home = workdir / "home"
+        home.mkdir(exist_ok=True)
+        return None, home
     cwd = give_attempt_dirs(workdir, uid)
     if "HOME" not in own_env:
         env["HOME"] = str(cwd)

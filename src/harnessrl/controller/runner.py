@@ -7,11 +7,13 @@ of an attempt."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import shutil
 import signal
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,19 +33,48 @@ class HarnessSpec:
     env: dict[str, str] = field(default_factory=dict)
     passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH
     max_output_bytes: int = 1_000_000  # stdout/stderr kept per attempt
-    files: tuple[Path, ...] = ()  # files/folders copied into each attempt's workdir before it starts
+    files: tuple[Path, ...] = ()  # files/folders copied into each attempt's home/ before it starts
+
+
+def attempt_home(workdir: Path) -> Path:
+    """An attempt's `home/`: its working directory and `HOME` in every runner, where `harness.files`
+    are copied (docs/your-harness.md, "Where an attempt runs")."""
+    return workdir / "home"
 
 
 def copy_files(files: tuple[Path, ...], workdir: Path) -> None:
-    """Copy the harness's declared files into an attempt's workdir (symlinks copied as links, not
+    """Copy the harness's declared files into an attempt's `home/` (symlinks copied as links, not
     followed); an existing copy (a retried attempt's folder) is replaced."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    home = attempt_home(workdir)
+    home.mkdir(parents=True, exist_ok=True)
     for src in files:
-        dst = workdir / src.name
+        dst = home / src.name
         if src.is_dir():
             shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
         else:
             shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def pack_home(workdir: Path) -> bytes:
+    """The attempt's `home/` as it stands before the harness starts (the copied `harness.files`), as
+    a tar.gz for a runner that runs the attempt elsewhere (Ray, Kubernetes); b"" when it is empty."""
+    home = attempt_home(workdir)
+    if not home.is_dir() or not any(home.iterdir()):
+        return b""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for entry in sorted(home.iterdir()):
+            tar.add(entry, arcname=entry.name)  # links stay links, modes are kept
+    return buf.getvalue()
+
+
+def unpack_home(data: bytes, workdir: Path) -> None:
+    """Unpack `pack_home`'s archive into an attempt's `home/` (no absolute paths, no escapes)."""
+    home = attempt_home(workdir)
+    home.mkdir(parents=True, exist_ok=True)
+    if data:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(home, filter="data")
 
 
 @dataclass(frozen=True)
@@ -78,7 +109,7 @@ def contract_env(
     base = spec.gateway_url.rstrip("/")
     env.update(
         {
-            "HOME": str(spec.workdir),
+            "HOME": str(attempt_home(spec.workdir)),
             "OPENAI_BASE_URL": f"{base}/v1",
             "OPENAI_API_KEY": spec.api_key,
             "ANTHROPIC_BASE_URL": base,
@@ -132,8 +163,8 @@ class RunnerBase:
 
 
 def prepare_workdir(spec: AttemptSpec) -> tuple[Path, Path]:
-    """Create the attempt's directory, its `output/` and `task.json`; return (output_dir, task_file)."""
-    spec.workdir.mkdir(parents=True, exist_ok=True)
+    """Create the attempt's directory, its `home/`, `output/` and `task.json`; return (output_dir, task_file)."""
+    attempt_home(spec.workdir).mkdir(parents=True, exist_ok=True)
     output_dir = spec.workdir / "output"
     output_dir.mkdir(exist_ok=True)
     task_file = spec.workdir / "task.json"

@@ -49,7 +49,10 @@ class TrainingRow(BaseModel):
     weight_versions: list[int | None] = Field(description="the weight version that served each call")
     temperature: float = Field(description="sampling temperature the old logprobs were computed at")
     reward: float = Field(description="the rollout's reward")
-    advantage: float = Field(description="the rollout's advantage (every trainable token gets it)")
+    advantage: float = Field(
+        description="the rollout's advantage (every trainable token gets it, "
+        "plus a turn-level term under train.credit step: `token_advantages`)"
+    )
     input_ids: list[int] = Field(description="the row's token ids")
     loss_mask: list[int] = Field(
         description="1 where the token was sampled by the model (trained on), else 0"
@@ -60,6 +63,11 @@ class TrainingRow(BaseModel):
     )
     n_tokens: int = Field(description="len(input_ids)")
     n_trainable: int = Field(description="sum(loss_mask)")
+    token_advantages: list[float] | None = Field(
+        default=None,
+        description="train.credit step: each token's advantage (the rollout's plus its call's "
+        "turn-level term, docs/credit.md); None: every trainable token has `advantage`",
+    )
 
 
 def _batch_key(place: Place) -> tuple[int, int] | None:
@@ -90,11 +98,16 @@ def iter_rows(store: Store, settings: RunSettings, run_id: str | None) -> Iterat
         batch = build_batch(
             details, settings.advantage_level, settings.estimator, settings.loss_mode, settings.zero_variance,
             max_row_tokens=settings.max_row_tokens, include_failed_attempts=settings.include_failed_attempts,
-            merge=settings.merge,
+            merge=settings.merge, credit=settings.credit, step_coef=settings.step_coef,
         )  # fmt: skip
         by_id = {d.rollout.rollout_id: d for d in details}
         position: dict[str, int] = {}
-        for row, adv, weights in zip(batch.rows, batch.advantages, batch.weights, strict=True):
+        per_token: list[list[float] | None] = (
+            list(batch.token_advantages) if batch.token_advantages is not None else [None] * len(batch.rows)
+        )
+        for row, adv, weights, toks in zip(
+            batch.rows, batch.advantages, batch.weights, per_token, strict=True
+        ):
             d = by_id[row.rollout_id]
             attempt = next(c.attempt for c in d.calls if c.call_id == row.call_ids[0])
             index = position.get(row.rollout_id, 0)
@@ -108,4 +121,5 @@ def iter_rows(store: Store, settings: RunSettings, run_id: str | None) -> Iterat
                 reward=batch.rewards[row.rollout_id], advantage=adv, input_ids=list(row.tokens),
                 loss_mask=list(row.loss_mask), old_logprobs=list(row.old_logprobs),
                 token_weights=list(weights), n_tokens=len(row.tokens), n_trainable=row.n_trainable,
+                token_advantages=toks,
             )  # fmt: skip

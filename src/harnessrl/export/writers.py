@@ -21,9 +21,9 @@ ROW_ARROW_TYPES: dict[str, str] = {
     "row_index": "int32", "call_ids": "list<string>", "weight_versions": "list<int64>",
     "temperature": "float64", "reward": "float64", "advantage": "float64", "input_ids": "list<int32>",
     "loss_mask": "list<int8>", "old_logprobs": "list<float64>", "token_weights": "list<float64>",
-    "n_tokens": "int32", "n_trainable": "int32",
+    "n_tokens": "int32", "n_trainable": "int32", "token_advantages": "list<float64>",
 }  # fmt: skip
-NULLABLE = frozenset({"run_id", "step", "group_index"})
+NULLABLE = frozenset({"run_id", "step", "group_index", "token_advantages"})
 PARQUET_BATCH_ROWS = 512
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import resource
@@ -75,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
                    help="openai: builtin engine or vLLM's OpenAI server; sglang: SGLang's /generate (tito)")  # fmt: skip
     p.add_argument("--sglang-incremental-streaming", action="store_true",
                    help="the SGLang server runs with --incremental-streaming-output")  # fmt: skip
+    p.add_argument(
+        "--tool-parser", default="auto", help="tito: the tool-call format (auto: from the template)"
+    )
+    p.add_argument("--chat-template-kwargs", type=json.loads, default={},
+                   help='tito: JSON object of chat template variables, e.g. {"enable_thinking": false}')  # fmt: skip
     p.add_argument(
         "--no-forward-seed",
         dest="forward_seed",

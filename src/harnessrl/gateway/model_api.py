@@ -10,6 +10,7 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from harnessrl.gateway.call_annotations import annotate as annotate_call
 from harnessrl.gateway.calls import ModelCalls
 from harnessrl.gateway.errors import APIError, validate
 from harnessrl.gateway.faces import Face
@@ -20,7 +21,7 @@ from harnessrl.gateway.faces.openai_chat import ChatCompletionRequest, OpenAICha
 from harnessrl.gateway.faces.responses import ResponsesFace, ResponsesRequest
 from harnessrl.gateway.http import Handler, RouteSpec, read_json
 from harnessrl.gateway.state import Gateway
-from harnessrl.schema import RewardIn
+from harnessrl.schema import AnnotationIn, RewardIn
 
 ROLLOUT_PREFIX = "/r/{rollout_id}"
 
@@ -77,6 +78,9 @@ class ModelAPIRoutes:
         stored = g.store.set_reward(rollout.rollout_id, value)
         return JSONResponse(stored.model_dump(mode="json"))
 
+    async def annotate(self, request: Request) -> Response:
+        return await annotate_call(self._gw(), request)
+
     def table(self) -> list[RouteSpec]:
         """Every model-API route with its OpenAPI entry, at `/v1/...` and under `/r/{rollout_id}/`."""
         base = [
@@ -96,6 +100,9 @@ class ModelAPIRoutes:
                       "one model (any name resolves to the served model)"),
             RouteSpec("/v1/harnessrl/reward", "PUT", self.self_reward,
                       "the harness writes its rollout's reward (only if its task allows)", RewardIn),
+            RouteSpec("/v1/harnessrl/annotations", "POST", self.annotate,
+                      "the harness annotates one of its calls (data; a step reward only where its task allows)",
+                      AnnotationIn),
         ]  # fmt: skip
         prefixed = [
             dataclasses.replace(s, path=ROLLOUT_PREFIX + s.path, summary=f"{s.summary} (rollout in the path)")

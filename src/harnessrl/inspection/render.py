@@ -12,6 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from harnessrl.inspection.credit_view import render_credit
+
 STATE_STYLE = {
     "succeeded": "green",
     "failed": "red",
@@ -146,6 +148,7 @@ def render_rollout(console: Console, report: dict[str, Any], tokens: bool = Fals
     console.print(_header(r, report))
     console.print(_calls_table(report["calls"]))
     _render_completions(console, report["calls"])
+    render_credit(console, report.get("credit"))
     for row in report["rows"]:
         _render_row(console, row, tokens)
     if not report["rows"]:
@@ -161,7 +164,7 @@ def _header(r: dict[str, Any], report: dict[str, Any]) -> Table:
         where += f", group g{r['group_index']}"
     if r["eval_label"]:
         where += f" ({r['eval_label']})"
-    details = r["reward_details"]
+    details = {k: v for k, v in (r["reward_details"] or {}).items() if k != "judge"}  # the judge: own section
     rows = [
         ("rollout", f"{r['rollout_id']}  (client id {r['client_id']})"),
         ("task", r["task_id"]), ("group", r["group_id"] or "-"), ("place", where), ("state", r["state"]),

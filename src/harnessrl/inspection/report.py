@@ -9,6 +9,7 @@ from typing import Any
 
 from harnessrl.adapter import MergeResult
 from harnessrl.chat import tool_call_parts
+from harnessrl.inspection.credit_view import credit_report
 from harnessrl.inspection.runview import (
     RolloutSummary,
     RunError,
@@ -161,6 +162,7 @@ def rollout_view(store: Store, run_dir: Path, settings: RunSettings, rollout: Ro
             _call_entry(c, decoder, row_of.get(c.call_id), cause_of.get(c.call_id)) for c in detail.calls
         ],
         "rows": _row_entries(results, decoder, detail.calls),
+        "credit": credit_report(detail),
     }
 
 

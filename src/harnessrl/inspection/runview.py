@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harnessrl.adapter import AdvantageLevel, Estimator, LossMode, MergeResult, ZeroVariance, merge_calls
+from harnessrl.adapter import (
+    AdvantageLevel,
+    Credit,
+    Estimator,
+    LossMode,
+    MergeResult,
+    ZeroVariance,
+    merge_calls,
+)
 from harnessrl.adapter.advantage import rollout_advantages, sample_level_advantages
 from harnessrl.schema import Rollout, RolloutDetail, RolloutState
 from harnessrl.store import SQLiteStore, Store, StoreError, is_postgres_url, open_store
@@ -82,6 +90,8 @@ class RunSettings:
     loss_mode: LossMode = LossMode.ROLLOUT_TOKEN_MEAN
     zero_variance: ZeroVariance = ZeroVariance.KEEP
     max_row_tokens: int | None = None
+    credit: Credit = Credit.ROLLOUT
+    step_coef: float = 1.0
 
 
 def _section(cfg: Any, name: str) -> dict[str, Any]:
@@ -103,6 +113,7 @@ def read_settings(run_dir: Path) -> RunSettings:
         level = AdvantageLevel(train.get("advantage_level", AdvantageLevel.ROLLOUT))
         loss_mode = LossMode(train.get("loss_mode", LossMode.ROLLOUT_TOKEN_MEAN))
         zero_variance = ZeroVariance(train.get("zero_variance", ZeroVariance.KEEP))
+        credit = Credit(train.get("credit", Credit.ROLLOUT))
     except ValueError as e:
         raise RunError(f"{path}: {e}") from e
     model = engine.get("model")
@@ -115,6 +126,8 @@ def read_settings(run_dir: Path) -> RunSettings:
         loss_mode=loss_mode,
         zero_variance=zero_variance,
         max_row_tokens=max_row if isinstance(max_row := train.get("max_row_tokens"), int) else None,
+        credit=credit,
+        step_coef=float(coef) if isinstance(coef := train.get("step_coef"), int | float) else 1.0,
     )
 
 

@@ -13,7 +13,6 @@ import torch
 
 from harnessrl.config import RunConfig
 from harnessrl.controller import Controller
-from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import Runner
 from harnessrl.gateway.client import Control, ControlClient
 from harnessrl.gateway.replicas import GatewayReplicas
@@ -58,8 +57,9 @@ class RunParts:
         self.runner.close()
 
 
-def connect(cfg: RunConfig, run_dir: Path, project: Project, stack: ServiceStack) -> RunParts:
-    """The run's control client (one gateway, or its replicas), engine admin, runner and controller."""
+def connect(cfg: RunConfig, run_dir: Path, project: Project, stack: ServiceStack, runner: Runner) -> RunParts:
+    """The run's control client (one gateway, or its replicas), engine admin and controller, over the
+    services of `stack`, with `runner` starting the harness."""
     client: Control = (
         ControlClient(stack.gateway_urls[0], stack.admin_key)
         if len(stack.gateway_urls) == 1
@@ -73,7 +73,6 @@ def connect(cfg: RunConfig, run_dir: Path, project: Project, stack: ServiceStack
         sync=cfg.engine.vllm_sync,
         api_key=stack.engine_key,
     )
-    runner = make_runner(cfg.controller)
     c = cfg.controller
     controller = Controller(
         client, None, project.harness_spec(c.harness_timeout_s), project.grader, run_dir,

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from harnessrl.config import RunConfig, check_model
+from harnessrl.controller.factory import make_runner
 from harnessrl.controller.isolation import protect_run_dir
+from harnessrl.controller.runner import Runner
 from harnessrl.examples import write_tasks
 from harnessrl.modeling.loading import resolve_model
 from harnessrl.runs.context import RunParts, build_trainer, connect
@@ -83,6 +85,7 @@ class RunInputs:
     model_dir: Path
     train_tasks: list[Task]
     heldout: list[Task]
+    runner: Runner | None = None  # starts the harness (made before the services, see `run`)
 
 
 def run(
@@ -112,6 +115,8 @@ def run(
         (notify or log.info)(notice)
     with run_log(run_dir):
         inputs = _inputs(cfg, run_dir, project)
+        # before any service starts: a harness the sandbox cannot start is refused here
+        inputs.runner = make_runner(cfg.controller, project.harness_spec(cfg.controller.harness_timeout_s))
         stack = start_services(cfg, run_dir, inputs.model_dir, admin_key, notify)
         protect_run_dir(run_dir)  # the store (key secret), logs and references: not for the harness's uid
         try:
@@ -150,7 +155,8 @@ async def _train_and_evaluate(
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
-    parts = connect(cfg, run_dir, inputs.project, stack)
+    assert inputs.runner is not None
+    parts = connect(cfg, run_dir, inputs.project, stack, inputs.runner)
     try:
         await parts.start()
         if check:

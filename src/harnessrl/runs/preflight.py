@@ -144,6 +144,8 @@ def run_check(cfg: RunConfig, task_index: int = 0) -> CheckReport:
     if not train:
         raise ValueError("the task source produced no training task")
     task = train[min(task_index, len(train) - 1)]
+    harness = project.harness_spec(cfg.controller.harness_timeout_s)
+    runner = make_runner(cfg.controller, harness)  # refuses a harness the sandbox cannot start
     scratch = Path(tempfile.mkdtemp(prefix="harnessrl-check-"))
     admin_key = secrets.token_hex(16)
     stack = start_services(cfg, scratch, resolve_model(cfg.engine.model), admin_key)
@@ -151,9 +153,8 @@ def run_check(cfg: RunConfig, task_index: int = 0) -> CheckReport:
 
     async def go() -> CheckReport:
         client = ControlClient(gateway_url, admin_key)
-        runner = make_runner(cfg.controller)
         controller = Controller(
-            client, gateway_url, project.harness_spec(cfg.controller.harness_timeout_s), project.grader,
+            client, gateway_url, harness, project.grader,
             scratch, concurrency=1, max_attempts=1, grader_timeout_s=cfg.controller.grader_timeout_s,
             runner=runner,
         )  # fmt: skip

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from harnessrl.config import ConfigError, RunConfig
 from harnessrl.controller.grader import CommandGrader, Grader
+from harnessrl.controller.judge import judge_from_config
 from harnessrl.controller.runner import HarnessSpec
 from harnessrl.schema import Task
 
@@ -65,6 +66,8 @@ def resolve_project(cfg: RunConfig, config_path: Path | None = None) -> Project:
     grader: Grader
     if cfg.grader.python:
         grader = _as_grader(load_target(cfg.grader.python, cfg.config_dir, "grader.python"))
+    elif cfg.grader.judge is not None:
+        grader = judge_from_config(cfg.grader.judge, cfg.controller.grader_timeout_s)
     else:
         assert cfg.grader.command is not None
         grader = CommandGrader(cfg.grader.command, cfg.controller.grader_timeout_s, dict(cfg.grader.env))

@@ -82,6 +82,7 @@ def summarise(
         "heldout_timed_out_before": before.timed_out,
         "heldout_timed_out_after": after.timed_out,
         "rollouts_timed_out_total": sum(r.get("rollouts_timed_out", 0) for r in records),
+        "rollouts_flagged_hacking_total": sum(r.get("rollouts_flagged_hacking", 0) for r in records),
         "train_reward_first": records[0]["reward"] if records else None,
         "train_reward_last": records[-1]["reward"] if records else None,
         "schedule": cfg.train.schedule,

@@ -6,6 +6,8 @@ import time
 from abc import ABC, abstractmethod
 
 from harnessrl.schema import (
+    Annotation,
+    AnnotationIn,
     Attempt,
     AttemptFinish,
     Call,
@@ -112,6 +114,14 @@ class Store(ABC):
     def get_reward(self, rollout_id: str) -> Reward | None:
         """The rollout's reward, or None."""
 
+    def add_annotation(self, rollout_id: str, annotation: AnnotationIn) -> Annotation:
+        """Record the harness's annotation of one of its calls (`NotFound` for an unknown rollout)."""
+        raise NotImplementedError(f"{type(self).__name__} does not keep annotations")
+
+    def annotations(self, rollout_id: str) -> list[Annotation]:
+        """The rollout's annotations in the order they were written (none where a store keeps none)."""
+        return []
+
     @abstractmethod
     def get_meta(self, key: str) -> str | None:
         """A store-level setting (for example the key-signing secret)."""
@@ -138,4 +148,5 @@ class Store(ABC):
             attempts=self.attempts(rollout_id),
             calls=self.calls(rollout_id),
             reward=self.get_reward(rollout_id),
+            annotations=self.annotations(rollout_id),
         )

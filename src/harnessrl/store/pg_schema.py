@@ -111,6 +111,20 @@ CREATE TRIGGER attempts_status BEFORE UPDATE OF status ON attempts
   FOR EACH ROW EXECUTE FUNCTION harnessrl_check_attempt();
 """,
     ),
+    (
+        2,
+        "step rewards beside a rollout's reward; the harness's call annotations",
+        """
+ALTER TABLE rewards ADD COLUMN steps TEXT NOT NULL DEFAULT '[]';
+CREATE TABLE annotations (
+  seq BIGSERIAL PRIMARY KEY,
+  rollout_id TEXT NOT NULL REFERENCES rollouts (rollout_id),
+  created_at DOUBLE PRECISION NOT NULL,
+  body TEXT NOT NULL
+);
+CREATE INDEX annotations_rollout ON annotations (rollout_id, seq);
+""",
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from harnessrl.schema import (
+    Annotation,
     Attempt,
     AttemptStatus,
     Call,
@@ -20,6 +21,7 @@ from harnessrl.schema import (
     RolloutEvent,
     RolloutState,
     SamplingOverrides,
+    StepReward,
 )
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,8 @@ ROLLOUT_COLS = (
 ATTEMPT_COLS = "rollout_id, attempt, status, started_at, ended_at, exit_code, error"
 CALL_COLS = "call_id, rollout_id, attempt, idx, body"
 EVENT_COLS = "seq, rollout_id, state, group_id, time"
-REWARD_COLS = "value, details, updated_at"
+REWARD_COLS = "value, details, updated_at, steps"
+ANNOTATION_COLS = "seq, rollout_id, created_at, body"
 READ_DEPTH = 100  # levels of nesting kept when a stored call is too deep for the fast reader
 
 Row = tuple[Any, ...]
@@ -84,8 +87,21 @@ def to_event(row: Row) -> RolloutEvent:
 
 def to_reward(rollout_id: str, row: Row) -> Reward:
     """A `REWARD_COLS` row of `rollout_id` as its reward."""
-    value, details, updated_at = row
-    return Reward(rollout_id=rollout_id, value=value, details=json.loads(details), updated_at=updated_at)
+    value, details, updated_at, steps = row
+    return Reward(rollout_id=rollout_id, value=value, details=json.loads(details), updated_at=updated_at,
+                  steps=[StepReward.model_validate(s) for s in json.loads(steps or "[]")])  # fmt: skip
+
+
+def steps_json(steps: list[StepReward]) -> str:
+    """A reward's step rewards for the `steps` TEXT column."""
+    return dumps([s.model_dump(mode="json", exclude_defaults=True) for s in steps])
+
+
+def to_annotation(row: Row) -> Annotation:
+    """An `ANNOTATION_COLS` row as an annotation (its number is the row's seq)."""
+    seq, rollout_id, created_at, body = row
+    return Annotation.model_validate({**json.loads(body), "seq": seq, "rollout_id": rollout_id,
+                                      "created_at": created_at})  # fmt: skip
 
 
 def to_call(row: Row) -> Call:

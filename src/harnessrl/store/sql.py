@@ -14,6 +14,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from harnessrl.schema import (
+    Annotation,
+    AnnotationIn,
     Attempt,
     AttemptFinish,
     AttemptStatus,
@@ -37,6 +39,8 @@ class SQLStore(Store):
     """`Store` on SQL tables of `store.rows`'s columns; the backend gives the connection handling."""
 
     FOR_UPDATE = ""  # appended to a SELECT of rows the transaction goes on to change
+    reward_cols = rows.REWARD_COLS  # a read-only store on an older file reads its rewards without steps
+    keeps_annotations = True  # False on a read-only store whose older file has no annotations table
 
     @abstractmethod
     def _tx(self) -> AbstractContextManager[Any]:
@@ -203,18 +207,43 @@ class SQLStore(Store):
             self._state(conn, rollout_id)
             conn.execute(
                 self._q(
-                    "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)"
+                    "INSERT INTO rewards (rollout_id, value, details, updated_at, steps) VALUES (?,?,?,?,?)"
                     " ON CONFLICT (rollout_id) DO UPDATE SET value = excluded.value,"
-                    " details = excluded.details, updated_at = excluded.updated_at"
+                    " details = excluded.details, updated_at = excluded.updated_at, steps = excluded.steps"
                 ),
-                (rollout_id, reward.value, rows.dumps(reward.details), t),
+                (rollout_id, reward.value, rows.dumps(reward.details), t, rows.steps_json(reward.steps)),
             )
-        return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details, updated_at=t)
+        return Reward(rollout_id=rollout_id, value=reward.value, details=reward.details,
+                      steps=list(reward.steps), updated_at=t)  # fmt: skip
 
     def get_reward(self, rollout_id: str) -> Reward | None:
         """The rollout's reward, or None."""
-        found = self._rows(f"SELECT {rows.REWARD_COLS} FROM rewards WHERE rollout_id = ?", (rollout_id,))
+        found = self._rows(f"SELECT {self.reward_cols} FROM rewards WHERE rollout_id = ?", (rollout_id,))
         return rows.to_reward(rollout_id, found[0]) if found else None
+
+    # annotations ----------------------------------------------------------------------------------
+    def add_annotation(self, rollout_id: str, annotation: AnnotationIn) -> Annotation:
+        """Record the harness's annotation of one of its calls; durable on return."""
+        t = now()
+        body = annotation.model_dump_json(exclude_defaults=True)
+        with self._tx() as conn:
+            self._state(conn, rollout_id)
+            row = self._one(
+                conn,
+                "INSERT INTO annotations (rollout_id, created_at, body) VALUES (?,?,?) RETURNING seq",
+                (rollout_id, t, body),
+            )
+        assert row is not None
+        return rows.to_annotation((row[0], rollout_id, t, body))
+
+    def annotations(self, rollout_id: str) -> list[Annotation]:
+        """The rollout's annotations in the order they were written."""
+        if not self.keeps_annotations:
+            return []
+        found = self._rows(
+            f"SELECT {rows.ANNOTATION_COLS} FROM annotations WHERE rollout_id = ? ORDER BY seq", (rollout_id,)
+        )
+        return [rows.to_annotation(r) for r in found]
 
     # meta -----------------------------------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:

@@ -26,7 +26,7 @@ from harnessrl.schema import (
     now,
 )
 from harnessrl.store.base import Conflict
-from harnessrl.store.rows import ROLLOUT_COLS, call_row, dumps, to_rollout
+from harnessrl.store.rows import ROLLOUT_COLS, call_row, dumps, steps_json, to_rollout
 from harnessrl.store.sql import SQLStore
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,30 @@ CREATE TABLE IF NOT EXISTS rewards (
   rollout_id TEXT PRIMARY KEY,
   value REAL NOT NULL,
   details TEXT NOT NULL,
-  updated_at REAL NOT NULL
+  updated_at REAL NOT NULL,
+  steps TEXT NOT NULL DEFAULT '[]'
 );
+CREATE TABLE IF NOT EXISTS annotations (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  rollout_id TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS annotations_rollout ON annotations (rollout_id, seq);
 """
+# Columns added after a file was first created, with their definitions: `_upgrade` adds the ones an
+# older store file lacks (SQLite keeps no migration table: a column's presence is its version).
+_ADDED_COLUMNS = {("rewards", "steps"): "TEXT NOT NULL DEFAULT '[]'"}
+
+
+def _upgrade(db: sqlite3.Connection) -> None:
+    """Bring a store file written by an older harnessrl to the current tables (see `_ADDED_COLUMNS`)."""
+    for (table, column), definition in _ADDED_COLUMNS.items():
+        have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+            log.info("event=store_upgraded table=%s column=%s", table, column)
+
 
 WAL_LIMIT_MB = 64.0  # the WAL file stays under this (see `_checkpoint_loop`)
 WAL_POLL_S = 0.25  # how often the checkpointer looks at the WAL's size
@@ -120,6 +141,7 @@ class SQLiteStore(SQLStore):
         self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         self._db.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
         self._db.executescript(_SCHEMA)
+        _upgrade(self._db)
         # Checkpoints (copying the WAL into the database file, with an fsync) run on a thread of their
         # own, so no commit on a request path ever waits for one (see `_checkpoint_loop`).
         self._db.execute("PRAGMA wal_autocheckpoint=0")
@@ -143,6 +165,10 @@ class SQLiteStore(SQLStore):
                                    check_same_thread=False, isolation_level=None)  # fmt: skip
         self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         self._db.execute("SELECT COUNT(*) FROM rollouts").fetchone()  # fails now on a file that is no store
+        if "steps" not in {row[1] for row in self._db.execute("PRAGMA table_info(rewards)")}:
+            self.reward_cols = "value, details, updated_at, '[]'"  # a file from before step rewards
+        tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        self.keeps_annotations = "annotations" in tables
 
     def query(self, sql: str, args: tuple[Any, ...] | list[Any] = ()) -> list[tuple[Any, ...]]:
         """Rows of one read-only SQL statement (for views that the `Store` methods do not cover)."""
@@ -186,9 +212,13 @@ class SQLiteStore(SQLStore):
             if detail.reward is not None:
                 w = detail.reward
                 db.execute(
-                    "INSERT INTO rewards (rollout_id, value, details, updated_at) VALUES (?,?,?,?)",
-                    (r.rollout_id, w.value, dumps(w.details), w.updated_at),
+                    "INSERT INTO rewards (rollout_id, value, details, updated_at, steps) VALUES (?,?,?,?,?)",
+                    (r.rollout_id, w.value, dumps(w.details), w.updated_at, steps_json(w.steps)),
                 )
+            db.executemany(
+                "INSERT INTO annotations (rollout_id, created_at, body) VALUES (?,?,?)",
+                [(r.rollout_id, a.created_at, a.model_dump_json()) for a in detail.annotations],
+            )
         self._next_idx.pop(r.rollout_id, None)
 
     def _checkpoint_loop(self, every_s: float) -> None:

@@ -183,6 +183,7 @@ def make_batch(ctx: TrainContext, details: list[RolloutDetail], version: int | N
         details, t.advantage_level, t.estimator, t.loss_mode, t.zero_variance,
         max_row_tokens=t.max_row_tokens, version=version, max_staleness=t.max_staleness,
         include_failed_attempts=t.train_on_failed_attempts, merge=t.merge_calls,
+        credit=t.credit, step_coef=t.step_coef,
     )  # fmt: skip
 
 
@@ -256,7 +257,7 @@ def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any
         "breaks": stats["breaks"],
         "tokens": sum(len(r.tokens) for r in batch.rows),
         "trainable_tokens": batch.n_trainable_tokens,
-        "zero_adv_rows": sum(a == 0.0 for a in batch.advantages),
+        "zero_adv_rows": sum(not batch.has_signal(i) for i in range(len(batch.rows))),
         "groups": batch.groups,
         "zero_variance_groups": batch.zero_variance_groups,
         "dropped_rows": batch.dropped_rows,
@@ -264,6 +265,8 @@ def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any
         "dropped_long_rows": batch.length.dropped_rows,
         "staleness": batch.staleness.as_dict(),
         "dropped_stale_rows": batch.staleness.dropped_rows,
+        "rollouts_flagged_hacking": len(batch.flagged_hacking),
+        **({"step_rewards": batch.steps.as_dict()} if batch.token_advantages is not None else {}),
     }
 
 

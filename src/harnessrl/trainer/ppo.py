@@ -102,7 +102,7 @@ class _Packed:
     select: Tensor  # [B, L-1] bool: position t predicts a trainable token t+1
     old_lp: Tensor  # [B, L-1] the engine's logprob of token t+1
     weights: Tensor  # [B, L-1] loss weight of token t+1
-    adv: Tensor  # [B]
+    adv: Tensor  # [B], or [B, L-1] (the advantage of token t+1) when the batch has token advantages
     temps: Tensor  # [B]
     prefix: int
 
@@ -129,10 +129,20 @@ def _pack(batch: Batch, idx: list[int], device: torch.device) -> _Packed:
         select=(weights[:, 1:] > 0).to(device),
         old_lp=old_lp[:, 1:].to(device),
         weights=weights[:, 1:].to(device),
-        adv=torch.tensor([batch.advantages[i] for i in idx], device=device),
+        adv=_advantages(batch, idx, length).to(device),
         temps=torch.tensor([r.temperature for r in rows], device=device),
         prefix=prefix,
     )
+
+
+def _advantages(batch: Batch, idx: list[int], length: int) -> Tensor:
+    """The rows' advantages: one per row, or per token (shifted like the weights) under step credit."""
+    if batch.token_advantages is None:
+        return torch.tensor([batch.advantages[i] for i in idx])
+    adv = torch.zeros(len(idx), length)
+    for j, i in enumerate(idx):
+        adv[j, : len(batch.token_advantages[i])] = torch.tensor(batch.token_advantages[i])
+    return adv[:, 1:]
 
 
 def micro_batch_loss(
@@ -153,7 +163,8 @@ def micro_batch_loss(
     sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, entropy=True,
                             checkpoint_layers=checkpoint_layers)  # fmt: skip
     behaviour = p.old_lp[sel.row, sel.pos]
-    adv, w = p.adv[sel.row], p.weights[sel.row, sel.pos]
+    adv = p.adv[sel.row] if p.adv.dim() == 1 else p.adv[sel.row, sel.pos]
+    w = p.weights[sel.row, sel.pos]
     if cfg.tis_cap is None:
         base, iw = behaviour, torch.ones_like(behaviour)
     else:
@@ -235,7 +246,7 @@ NO_STEP_METRICS = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "mismatch": 
 
 def rows_to_run(batch: Batch, cfg: PPOConfig) -> list[int]:
     """The rows an update runs: every row with a KL term, else the rows with a non-zero advantage."""
-    return [i for i in range(len(batch.rows)) if cfg.kl_coef > 0 or batch.advantages[i] != 0.0]
+    return [i for i in range(len(batch.rows)) if cfg.kl_coef > 0 or batch.has_signal(i)]
 
 
 def row_groups(batch: Batch, rows: list[int], token_budget: int) -> list[list[int]]:

@@ -33,7 +33,14 @@ from typing import Any
 
 import httpx
 
-from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, RunnerBase, prepare_workdir
+from harnessrl.controller.runner import (
+    AttemptResult,
+    AttemptSpec,
+    HarnessSpec,
+    RunnerBase,
+    pack_home,
+    prepare_workdir,
+)
 from harnessrl.controller.runners.kubernetes_api import ClusterAccess, KubeApi, KubeApiError
 from harnessrl.controller.runners.kubernetes_jobs import (
     ANN_ATTEMPT,
@@ -187,9 +194,10 @@ class KubernetesRunner(RunnerBase):
 
     # -- steps ---------------------------------------------------------------------------------------
     async def _create(self, spec: AttemptSpec, harness: HarnessSpec, name: str) -> JSON:
-        job_body = build_job(self.settings, self.template, spec, harness, name)
+        home = pack_home(spec.workdir)  # harness.files, unpacked into the pod's home/
+        job_body = build_job(self.settings, self.template, spec, harness, name, with_home=bool(home))
         try:
-            await self.api.create_secret(self.namespace, build_secret(self.settings, spec, name))
+            await self.api.create_secret(self.namespace, build_secret(self.settings, spec, name, home))
         except KubeApiError as e:
             if e.status != 409:  # 409: left by an earlier controller for this same attempt
                 raise

@@ -40,13 +40,17 @@ ANN_ROLLOUT, ANN_ATTEMPT, ANN_RUN = (
     "harnessrl.io/attempt-number",
     "harnessrl.io/run-id",
 )
-SECRET_KEY, SECRET_TASK = "api-key", "task.json"
+SECRET_KEY, SECRET_TASK, SECRET_HOME = "api-key", "task.json", "home.tgz"
+MAX_HOME_BYTES = 700 << 10  # the packed harness.files must fit a Secret (1 MiB, base64 included)
 INPUT_DIR, WORK_DIR = "/harnessrl/input", "/harnessrl/work"
 OUTPUT_MARKER = "HARNESSRL-OUTPUT-TGZ:"
 
-# $1.. = the harness command. Runs it, keeps its exit code, then prints the output dir as one line.
+# $1.. = the harness command. Unpacks harness.files into home/ and runs it there (the working directory
+# of every runner), keeps its exit code, then prints the output dir as one line.
 WRAPPER = (
-    'mkdir -p "$HARNESSRL_OUTPUT" "$HOME"; "$@"; code=$?; '
+    f'mkdir -p "$HARNESSRL_OUTPUT" "$HOME" "{WORK_DIR}/home"; '
+    f'if [ -f "{INPUT_DIR}/{SECRET_HOME}" ]; then tar -xzf "{INPUT_DIR}/{SECRET_HOME}" -C "{WORK_DIR}/home"; fi; '
+    f'cd "{WORK_DIR}/home" || exit 125; "$@"; code=$?; '
     f"printf '\\n{OUTPUT_MARKER}'; "
     '(cd "$HARNESSRL_OUTPUT" && tar -czf - . 2>/dev/null | base64 | tr -d "\\n"); '
     "printf '\\n'; exit $code"
@@ -115,12 +119,18 @@ class JobSettings:
     work_size_limit: str | None = None  # sizeLimit of the emptyDir holding output/ and home/
 
 
-def build_secret(settings: JobSettings, spec: AttemptSpec, name: str) -> JSON:
-    """The per-attempt Secret: the rollout's API key and the task input (mounted as a file)."""
+def build_secret(settings: JobSettings, spec: AttemptSpec, name: str, home: bytes = b"") -> JSON:
+    """The per-attempt Secret: the rollout's API key, the task input and the packed `harness.files`
+    (`home`, from `runner.pack_home`; mounted as files). Raises ValueError when those are too big."""
     data = {
         SECRET_KEY: base64.b64encode(spec.api_key.encode()).decode(),
         SECRET_TASK: base64.b64encode(json.dumps(spec.task_input).encode()).decode(),
     }
+    if len(home) > MAX_HOME_BYTES:
+        raise ValueError(f"harness.files pack to {len(home)} bytes, more than a Secret holds "
+                         f"({MAX_HOME_BYTES}); put large files in the pod template's image instead")  # fmt: skip
+    if home:
+        data[SECRET_HOME] = base64.b64encode(home).decode()
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -172,8 +182,9 @@ def container_env(settings: JobSettings, spec: AttemptSpec, harness: HarnessSpec
 
 
 def build_job(
-    settings: JobSettings, template: JSON, spec: AttemptSpec, harness: HarnessSpec, name: str
-) -> JSON:
+    settings: JobSettings, template: JSON, spec: AttemptSpec, harness: HarnessSpec, name: str,
+    with_home: bool = False,
+) -> JSON:  # fmt: skip
     """The Job of one attempt: the template plus labels, deadline, TTL, no retries, wrapped command."""
     pod = copy.deepcopy(template)
     pod_meta, pod_spec = pod.setdefault("metadata", {}), pod.setdefault("spec", {})
@@ -198,11 +209,12 @@ def build_job(
         {"name": "harnessrl-work", "mountPath": WORK_DIR},
     ]
     empty_dir: JSON = {"sizeLimit": settings.work_size_limit} if settings.work_size_limit else {}
+    secret_files = [SECRET_TASK, SECRET_HOME] if with_home else [SECRET_TASK]
     pod_spec["volumes"] = [
         *(pod_spec.get("volumes") or []),
         {
             "name": "harnessrl-input",
-            "secret": {"secretName": name, "items": [{"key": SECRET_TASK, "path": SECRET_TASK}]},
+            "secret": {"secretName": name, "items": [{"key": k, "path": k} for k in secret_files]},
         },
         {"name": "harnessrl-work", "emptyDir": empty_dir},
     ]

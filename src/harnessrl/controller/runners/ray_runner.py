@@ -38,7 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from harnessrl.controller.runner import AttemptResult, AttemptSpec, HarnessSpec, RunnerBase, prepare_workdir
+from harnessrl.controller.runner import (
+    AttemptResult,
+    AttemptSpec,
+    HarnessSpec,
+    RunnerBase,
+    pack_home,
+    prepare_workdir,
+    unpack_home,
+)
 from harnessrl.controller.runners.local import LocalRunner
 from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec
 
@@ -167,8 +175,11 @@ def write_files(output_dir: Path, files: dict[str, bytes]) -> None:
         target.write_bytes(data)
 
 
-def run_on_node(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec, node_id: str) -> NodeResult:
-    """The body of the Ray task: run one attempt on this node in a private directory, return its outcome."""
+def run_on_node(
+    spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec, node_id: str, home: bytes = b""
+) -> NodeResult:
+    """The body of the Ray task: run one attempt on this node in a private directory whose `home/` gets
+    the controller's copy of the attempt's `home/` (`home`: `pack_home`'s archive); return its outcome."""
     base = ray_spec.node_workdir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f"harnessrl-{spec.rollout_id}-a{spec.attempt}-", dir=base))
@@ -182,6 +193,7 @@ def run_on_node(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec, node
     )
     janitor.wait()  # its detached grandchild holds the pipe's read end
     node_spec = dataclasses.replace(spec, workdir=workdir)
+    unpack_home(home, workdir)  # harness.files, where every runner puts them
     env = {**harness.env, NODE_ID_ENV: node_id}
     try:
         if ray_spec.sandbox is not None:
@@ -222,10 +234,10 @@ def guarded(harness: HarnessSpec, env: dict[str, str]) -> HarnessSpec:
     return dataclasses.replace(harness, command=command, env=env)
 
 
-def _ray_task(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec) -> NodeResult:
+def _ray_task(spec: AttemptSpec, harness: HarnessSpec, ray_spec: RaySpec, home: bytes) -> NodeResult:
     import ray
 
-    return run_on_node(spec, harness, ray_spec, ray.get_runtime_context().get_node_id())
+    return run_on_node(spec, harness, ray_spec, ray.get_runtime_context().get_node_id(), home)
 
 
 class RayRunner(RunnerBase):
@@ -280,7 +292,7 @@ class RayRunner(RunnerBase):
         }
         if rs.memory_bytes is not None:
             options["memory"] = rs.memory_bytes
-        ref = self._remote.options(**options).remote(spec, harness, rs)
+        ref = self._remote.options(**options).remote(spec, harness, rs, pack_home(spec.workdir))
         deadline = harness.timeout_s + rs.overhead_s
         try:
             node: NodeResult = await asyncio.wait_for(ref, timeout=deadline)

@@ -43,6 +43,7 @@ from harnessrl.controller.isolation import (
     UidSlot,
     close_attempt_dir,
     finish_attempt,
+    give_tree,
     warn_once,
 )
 from harnessrl.controller.runner import (
@@ -250,7 +251,7 @@ class SandboxRunner(RunnerBase):
                     uid = stack.enter_context(UidSlot(self.sandbox.uid_base, self.sandbox.uid_slots,
                                                       self.sandbox.lock_dir)).uid  # fmt: skip
                     for d in (output_dir, home):
-                        os.chown(d, uid, uid)
+                        give_tree(d, uid)  # home/ holds the harness.files copied there
                         os.chmod(d, 0o700)
                     stack.callback(close_attempt_dir, spec.workdir)  # before the uid is freed
                 cgroup = AttemptCgroup(self.sandbox.cgroup_memory_bytes, self.sandbox.cgroup_max_pids)
@@ -273,7 +274,7 @@ class SandboxRunner(RunnerBase):
         status_r, status_w = os.pipe()
         os.set_blocking(status_r, False)
         argv = [bwrap, *bwrap_args(self.sandbox, spec.workdir, host_socket, files), "--",
-                *init_args(self.sandbox, status_w, port, uid, Path(env["HOME"])), "--", *harness.command]  # fmt: skip
+                *init_args(self.sandbox, status_w, port, uid, spec.workdir / "home"), "--", *harness.command]  # fmt: skip
         argv = cgroup.join_command(argv)
         out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
         timed_out = False

@@ -281,6 +281,29 @@ function message(m) {
     (m.tool_calls || []).map((t) => el("div", { class: "tool" }, `${t.name}(${typeof t.arguments === "string" ? t.arguments : JSON.stringify(t.arguments)})`)));
 }
 
+// The judge's call (prompt, answer, verdict), the grader's step rewards and the harness's annotations
+// (docs/credit.md); null when the rollout has none of them.
+function creditView(c) {
+  if (!c || (!c.judge && !c.step_rewards.length && !c.annotations.length)) return null;
+  const target = (e) => (e.call !== null && e.call !== undefined ? `call ${e.call}` : `tool call ${e.tool_call_id}`);
+  const box = el("div", { id: "credit" }, el("h2", {}, "credit"));
+  const j = c.judge;
+  if (j) {
+    const verdict = "score" in j ? `score ${j.score}` : `ranking ${JSON.stringify(j.ranking)}: candidate ${j.candidate} at place ${j.place}`;
+    box.appendChild(el("div", { class: "card", id: "judge" },
+      el("div", { class: "head" }, el("strong", {}, `judge (${j.mode}, ${j.model})`), el("span", {}, verdict)),
+      el("details", {}, el("summary", {}, `prompt (${(j.prompt || []).length} messages)`), (j.prompt || []).map(message)),
+      el("div", { class: "msg answer" }, el("div", { class: "role" }, "judge answered"), el("pre", {}, j.answer || ""))));
+  }
+  const rows = c.step_rewards.map((s) => ["grader", target(s), fmt(s.value), ""]).concat(
+    c.annotations.map((a) => ["annotation", target(a), a.value === null || a.value === undefined ? "–" : fmt(a.value) + (c.annotation_rewards_allowed ? "" : " (data)"), a.label || ""]));
+  if (rows.length) {
+    box.appendChild(el("table", { id: "steps" }, el("tr", {}, ["from", "target", "value", "label"].map((h) => el("th", {}, h))),
+      rows.map((cells) => el("tr", {}, cells.map((x) => el("td", {}, x))))));
+  }
+  return box;
+}
+
 async function rolloutView(id) {
   const rep = await api(`/api/rollouts/${encodeURIComponent(id)}`);
   const r = rep.rollout;
@@ -295,6 +318,8 @@ async function rolloutView(id) {
       el("dt", {}, "attempts"), el("dd", {}, r.attempt_details.map((a) => el("div", {}, `#${a.attempt} ${a.status}` + (a.exit_code !== null ? ` exit ${a.exit_code}` : "") + (a.error ? ` — ${a.error}` : "") + `  (${a.folder})`))),
       el("dt", {}, "input"), el("dd", {}, el("pre", {}, JSON.stringify(r.input, null, 1))),
       el("dt", {}, "tokenizer"), el("dd", { class: "muted" }, rep.tokenizer))));
+  const credit = creditView(rep.credit);
+  if (credit) out.appendChild(credit);
   out.appendChild(el("h2", {}, `calls (${rep.calls.length})`));
   const calls = el("div", { id: "calls" });
   rep.calls.forEach((c) => {

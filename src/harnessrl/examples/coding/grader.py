@@ -10,6 +10,9 @@ runs the task's fail-to-pass and pass-to-pass tests in a temp directory with a t
 
 Reward: 1.0 when every fail-to-pass and pass-to-pass test passes, else 0.0. With
 `reference["partial_credit"]` (`pipeline --partial-credit`), the fraction of those tests passing.
+An attempt that edited tests or test configuration, or wrote files outside the repository, is flagged
+(`details["hacking"]`, `hacking_findings`): its changes there were ignored, and the flag is counted per
+step so a policy that learns to try is seen (docs/credit.md).
 """
 
 from __future__ import annotations
@@ -63,6 +66,15 @@ def agent_changes(output_dir: Path, repo: dict[str, str]) -> tuple[dict[str, str
     return applied, ignored
 
 
+def hacking_findings(ignored: list[str], repo: dict[str, str]) -> dict[str, list[str]]:
+    """What of the agent's ignored changes looks like gaming the tests: edits of test files or test
+    configuration, and files outside the repository (a `conftest.py`, a `pytest.py` shadowing the
+    runner, a path that climbs out). Empty when the agent touched only source files."""
+    tests = sorted(p for p in ignored if _safe_relpath(p) and p in repo and is_test_path(p))
+    outside = sorted(p for p in ignored if not _safe_relpath(p) or p not in repo)
+    return {k: v for k, v in (("edited_tests", tests), ("outside_repo", outside)) if v}
+
+
 def grade(task: Task, result: AttemptResult) -> RewardIn:
     """Run the task's tests on its repository with the agent's source changes (see the module doc)."""
     ref: dict[str, Any] = task.reference
@@ -90,6 +102,10 @@ def grade(task: Task, result: AttemptResult) -> RewardIn:
         "ignored": sorted(ignored),
         "tests_timed_out": run.timed_out,
     }
+    flagged = hacking_findings(ignored, repo)
+    if flagged:  # counted per step (`rollouts_flagged_hacking`) and shown by inspect: docs/credit.md
+        details["hacking"] = flagged
+        log.warning("event=coding_hacking task=%s findings=%s", task.task_id, flagged)
     log.info(
         "event=coding_graded task=%s reward=%s passed=%d/%d", task.task_id, value, len(passed), len(tests)
     )
