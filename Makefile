@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-vllm test-vllm bench-vllm demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-train bench-scale test-harnesses opencode-calc clean
+.PHONY: install install-vllm test-vllm bench-vllm demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-lora bench-train bench-scale test-harnesses opencode-calc clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -121,6 +121,13 @@ bench-reliability: $(STAMP)
 MEMORY_BASELINE ?= 5a4d0e4
 bench-memory: $(STAMP)
 	$(PY) bench/memory.py --baseline-ref $(MEMORY_BASELINE)
+
+# A few minutes (about 10 under other load on 2 cores): LoRA against full fine-tuning of SmolLM2 (update time
+# and peak RSS, weight-sync bytes and time into a live engine, logprob gap, decode with the adapter merged
+# vs applied per request), and one LoRA update of a Qwen2.5-1.5B-shaped bf16 model (~4 GB RSS).
+# Results in bench/results/lora.json; figures in docs/benchmarks.md and docs/lora.md.
+bench-lora: $(STAMP)
+	$(PY) bench/lora.py --out bench/results/lora.json
 
 # About 3 minutes: 2 data-parallel trainer ranks vs 1 on the same batch (weight difference, update time),
 # and store throughput on SQLite vs a throwaway PostgreSQL. Results in bench/results/scale.json.

@@ -7,6 +7,8 @@ ENGINE_MAX_BATCH = 32
 DEFAULT_MAX_TOKENS = 256
 # rollouts a gateway keeps in memory (their keys and state; least recently used out, re-read from the store)
 ROLLOUT_CACHE_SIZE = 50_000
+# LoRA (train.lora): the linear projections of a decoder layer an adapter targets by default
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the environment variable that carries the builtin engine's key (to the engine, and to the gateway that
 # calls it): every route but /health needs it when set
 ENGINE_KEY_ENV = "HARNESSRL_ENGINE_KEY"

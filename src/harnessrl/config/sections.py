@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Credit, Estimator, LossMode, ZeroVariance
-from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH, ROLLOUT_CACHE_SIZE
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH, LORA_TARGET_MODULES, ROLLOUT_CACHE_SIZE
 from harnessrl.store import is_postgres_url
 
 
@@ -158,6 +158,16 @@ class ControllerSection(_Section):
 TrackerName = Literal["tensorboard", "wandb", "mlflow"]
 
 
+class LoraSection(_Section):
+    """LoRA adapters on the policy's linear projections (docs/lora.md); `train.lora: {}` turns it on."""
+
+    r: int = Field(default=8, ge=1)  # rank of each adapter (A: r × in, B: out × r)
+    alpha: float = Field(default=16.0, gt=0)  # the update is scaled by alpha / r
+    dropout: float = Field(default=0.0, ge=0, lt=1)  # dropout on the adapter's input, in the update only
+    # linear layers adapted, by module name (PEFT's match: the name or its last parts)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGET_MODULES), min_length=1)
+
+
 class TrainSection(_Section):
     """The RL schedule (sync or collocated async) and the PPO update."""
 
@@ -218,6 +228,9 @@ class TrainSection(_Section):
     # linear layers of the policy on CPU: oneDNN-packed (forward and input gradient), F.linear, or auto
     # (oneDNN when its probe logprobs are within 1e-4 of F.linear's; see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
+    # LoRA: train adapters only (base frozen, optimizer state for the adapters alone; the engine gets
+    # the adapter, a few MB, after each update); None: full fine-tuning
+    lora: LoraSection | None = None
     # collocation: put the engine to sleep during each update (1: KV cache freed, weights moved off the
     # GPU; 2: weights discarded too, the new ones are loaded after wake-up); None keeps it awake
     engine_sleep_level: Literal[1, 2] | None = None
@@ -258,6 +271,8 @@ class TrainSection(_Section):
                 f"train.device {self.device!r} with train.world_size > 1: set cpu, or cuda (each rank then "
                 "takes cuda:<LOCAL_RANK>, one GPU per rank)"
             )
+        if self.world_size > 1 and self.lora is not None:
+            raise ValueError("train.lora trains in one process so far; set train.world_size: 1")
         for tracker, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
             if tracker in self.log_to and importlib.util.find_spec(module) is None:
                 raise ValueError(
@@ -425,6 +440,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _replicas_need_a_shared_store(self) -> RunConfig:
+        if self.train.lora is not None and self.engine.kind != "builtin":
+            raise ValueError(
+                f"train.lora is served by the builtin engine so far (engine.kind {self.engine.kind!r} "
+                "cannot load adapters yet); set engine.kind: builtin or remove train.lora"
+            )
         if self.gateway.urls and self.gateway.replicas > 1:
             raise ValueError("gateway.urls names running gateways; gateway.replicas starts them: set one")
         bad = [u for u in self.gateway.urls if not u.startswith(("http://", "https://"))]

@@ -25,6 +25,7 @@ from harnessrl.modeling.loading import (
     load_tokenizer,
     resolve_model,
 )
+from harnessrl.modeling.lora import is_peft_dir, merge_peft_dir
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import choose_matmul
 
@@ -211,7 +212,10 @@ class Engine:
         if not p.exists():
             raise EngineError(f"weights path {path} does not exist", "path")
         try:
-            state = load_state_dict_file(p)
+            if is_peft_dir(p):  # a LoRA adapter (a few MB): merged into the base this engine started from
+                state = merge_peft_dir(load_state_dict_file(self.model_dir), p)
+            else:
+                state = load_state_dict_file(p)
             dtype = self.model.lm_head.weight.dtype
             return check_state_dict(self.model, {k: v.to(dtype) for k, v in state.items()})
         except (FileNotFoundError, ValueError) as exc:

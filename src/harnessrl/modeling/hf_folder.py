@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.families import config_to_hf
 from harnessrl.modeling.loading import save_model
@@ -57,12 +59,18 @@ def generation_config(model: CausalLM) -> dict[str, Any]:
     return out
 
 
-def save_hf_folder(model: CausalLM, out: Path | str, assets_from: Path | str | None = None) -> Path:
+def save_hf_folder(
+    model: CausalLM,
+    out: Path | str,
+    assets_from: Path | str | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write `model` as a complete HF folder: weights, config, tokenizer + chat template, generation config.
 
     `assets_from`: the folder whose tokenizer files to copy; default: the one the model was loaded from.
+    `state`: weights to write instead of the model's own (HF names; a LoRA adapter merged in).
     """
-    out = save_model(model, out)
+    out = save_model(model, out, state)
     src = assets_from or model.config.source_dir
     copied = copy_assets(src, out) if src else []
     if "tokenizer.json" not in copied and not (out / "tokenizer.json").is_file():

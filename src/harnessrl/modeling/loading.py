@@ -287,11 +287,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return model
 
 
-def save_model(model: CausalLM, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors (HF-compatible, tied lm_head omitted) atomically."""
+def save_model(model: CausalLM, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write config.json + model.safetensors (HF-compatible, tied lm_head omitted) atomically; `state`
+    (HF names) instead of the model's own weights if given (a LoRA adapter merged in, modeling/lora.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    source = model.state_dict() if state is None else state
+    state = {k: v.detach().contiguous().cpu() for k, v in source.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     cfg = config_to_hf(model.config)

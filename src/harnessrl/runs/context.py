@@ -17,6 +17,7 @@ from harnessrl.controller.runner import Runner
 from harnessrl.gateway.client import Control, ControlClient
 from harnessrl.gateway.replicas import GatewayReplicas
 from harnessrl.modeling.loading import load_model
+from harnessrl.modeling.lora import attach_lora, reference_model
 from harnessrl.modeling.packed import use_onednn_for_training
 from harnessrl.runs.project import Project
 from harnessrl.runs.rundir import run_id as run_id_of
@@ -96,7 +97,9 @@ def build_trainer(
     model = load_model(model_dir, device=tc.device)
     matmul = use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
     log.info("event=trainer_matmul path=%r", matmul)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    lora = attach_lora(model, tc.lora, tc.seed, model_dir) if tc.lora is not None else None
+    trained = model.parameters() if lora is None else lora.parameters()  # LoRA: no state for the base
+    optimizer = torch.optim.AdamW(trained, lr=tc.lr, weight_decay=tc.weight_decay)
     schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
     metrics = MetricsLogger(run_dir, make_trackers(
         tc.log_to, run_dir, parts.run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project,
@@ -104,8 +107,8 @@ def build_trainer(
     ctx = TrainContext(
         cfg, parts.run_id, run_dir, parts.client, parts.controller, parts.engine, model, optimizer, metrics,
         progress, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-        ref_model=load_model(model_dir, device=tc.device).requires_grad_(False) if tc.kl_coef > 0 else None,
-        heldout=heldout, notify=notify,
+        ref_model=reference_model(model, model_dir, tc.device, lora) if tc.kl_coef > 0 else None,
+        heldout=heldout, notify=notify, lora=lora,
     )  # fmt: skip
     if tc.world_size > 1:  # ranks 1..k-1 hold replicas; rank 0 (this process) publishes and checkpoints
         from harnessrl.trainer.distributed import DataParallel

@@ -7,6 +7,9 @@ and vLLM load as it is, plus `state.json` (the loop state) and `training/optimiz
 schedule, RNG states) kept apart from the model. A checkpoint is written into a temporary directory and
 renamed, so a crash never leaves a half-written one. Checkpoints written before the `training/` folder
 existed (optimizer.pt beside the weights) still resume.
+With LoRA (`train.lora`) the checkpoint also holds `adapter/` (a PEFT folder: what training resumes
+from); its model.safetensors holds the adapter merged into the base, and the optimizer state is the
+adapters' alone.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import torch
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.hf_folder import save_hf_folder
 from harnessrl.modeling.loading import load_state_dict_file, load_weights_into
+from harnessrl.modeling.lora import LoraAdapter, is_peft_dir, merged_state, read_peft, save_peft
 
 TRAINING_STATE = Path("training") / "optimizer.pt"
+ADAPTER_SUBDIR = "adapter"  # a LoRA run's adapter inside each checkpoint (PEFT layout)
 
 
 def save_checkpoint(
@@ -34,13 +39,18 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | dict[str, Any],
     state: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    lora: LoraAdapter | None = None,
 ) -> Path:
     """Write the checkpoint of `step` (the number of completed updates) atomically. `optimizer` may be
     an optimizer's state dict already gathered (a sharded trainer's, `trainer.fsdp`)."""
     final = ckpt_dir / f"step-{step}"
     tmp = ckpt_dir / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_folder(model, tmp)
+    if lora is not None:
+        save_peft(lora, tmp / ADAPTER_SUBDIR, lora.base_model, step)
+        save_hf_folder(model, tmp, state=merged_state(model, lora))
+    else:
+        save_hf_folder(model, tmp)
     (tmp / TRAINING_STATE).parent.mkdir()
     osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     torch.save(
@@ -81,10 +91,18 @@ def load_checkpoint(
     model: CausalLM,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    lora: LoraAdapter | None = None,
 ) -> dict[str, Any]:
-    """Restore model, optimizer, LR schedule and RNG states in place; return the saved loop state
-    (with `step`)."""
-    load_weights_into(model, load_state_dict_file(path))
+    """Restore model (with `lora`: the adapter; the base is never changed), optimizer, LR schedule and
+    RNG states in place; return the saved loop state (with `step`)."""
+    if lora is not None:
+        if not is_peft_dir(path / ADAPTER_SUBDIR):
+            raise ValueError(
+                f"{path} holds no LoRA adapter: it was written without train.lora; resume without it"
+            )
+        lora.load_peft_tensors(read_peft(path / ADAPTER_SUBDIR)[1])
+    else:
+        load_weights_into(model, load_state_dict_file(path))
     blob = torch.load(training_state_path(path), weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
     return restore_loop_state(path, blob, scheduler)

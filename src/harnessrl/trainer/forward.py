@@ -96,7 +96,9 @@ def selected_logprobs(
     for layer in model.model.blocks:
         args = (layer, xs, xp, rope_s, rope_p, masks[layer.self_attn.window])
         xs, xp = checkpoint(run_layer, *args, use_reentrant=False) if recompute else run_layer(*args)
-        if recompute:  # after each layer's backward its recomputed activations go back to the OS
+        # after each layer's backward its recomputed activations go back to the OS (LoRA on later layers
+        # only: the first layers' outputs need no gradient)
+        if recompute and xs.requires_grad:
             xs.register_hook(_trim_heap_hook)
     row, pos = torch.nonzero(select, as_tuple=True)
     if bool((pos < prefix).any()):

@@ -28,6 +28,7 @@ from harnessrl.config import RunConfig
 from harnessrl.controller import Controller, RolloutOutcome, RolloutRequest, sibling_requests
 from harnessrl.gateway.client import Control
 from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.modeling.lora import LoraAdapter
 from harnessrl.schema import RolloutDetail, RolloutState, SamplingOverrides, Task
 from harnessrl.trainer.checkpoint import (
     latest_checkpoint,
@@ -87,6 +88,7 @@ class TrainContext:
     eval_seconds: float = 0.0  # spent in evaluations during training (`eval.every`)
     notify: Callable[[str], None] = lambda message: None  # warnings for the user (the CLI prints them)
     data_parallel: DataParallel | None = None  # the other trainer ranks, with `train.world_size` > 1
+    lora: LoraAdapter | None = None  # `train.lora`: the adapter trained (the model's weights stay frozen)
 
     @property
     def ppo(self) -> PPOConfig:
@@ -205,7 +207,7 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
     t2 = time.perf_counter()
     if sleep_level:
         await ctx.engine.wake_up()
-    await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", new_version)
+    await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", new_version, ctx.lora)
     await ctx.client.resume(weight_version=new_version)
     t3 = time.perf_counter()
     return {
@@ -283,10 +285,10 @@ async def restore(ctx: TrainContext) -> dict[str, Any]:
     if ctx.data_parallel is not None:  # every rank takes the checkpoint's weights and moments
         state = ctx.data_parallel.load_checkpoint(ckpt, ctx.scheduler)
     else:
-        state = load_checkpoint(ckpt, ctx.model, ctx.optimizer, ctx.scheduler)
+        state = load_checkpoint(ckpt, ctx.model, ctx.optimizer, ctx.scheduler, ctx.lora)
     step = int(state["step"])
     ctx.metrics.truncate_after(step)  # steps after the checkpoint are done again: logged once
-    await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", step)
+    await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", step, ctx.lora)
     await ctx.client.resume(weight_version=step)
     log.info("event=resumed step=%d checkpoint=%s", step, ckpt)
     return state
@@ -300,7 +302,9 @@ def maybe_checkpoint(ctx: TrainContext, step: int, loop_state: dict[str, Any] | 
         if ctx.data_parallel is not None:  # sharded ranks: rank 0 gathers, writes the single-process format
             ctx.data_parallel.save_checkpoint(ctx.run_dir / "checkpoints", step, state, ctx.scheduler)
         else:
-            save_checkpoint(ctx.run_dir / "checkpoints", step, ctx.model, ctx.optimizer, state, ctx.scheduler)
+            save_checkpoint(
+                ctx.run_dir / "checkpoints", step, ctx.model, ctx.optimizer, state, ctx.scheduler, ctx.lora
+            )
         prune_checkpoints(ctx.run_dir / "checkpoints", t.keep_checkpoints)
 
 

@@ -301,7 +301,9 @@ def update_epochs(
         if sum_over_ranks is not None:
             summed = sum_over_ranks([total_loss, *(agg[k] for k in _STAT_KEYS)])
             total_loss, agg = summed[0], dict(zip(_STAT_KEYS, summed[1:], strict=True))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        # the parameters being trained: the model's, or a LoRA adapter's (the model's are then frozen)
+        trained = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm))
         if math.isfinite(grad_norm):
             optimizer.step()
         n = max(agg["tokens"], 1.0)

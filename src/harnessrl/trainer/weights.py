@@ -14,6 +14,7 @@ import httpx
 
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import save_model
+from harnessrl.modeling.lora import LoraAdapter, save_peft
 
 log = logging.getLogger(__name__)
 
@@ -234,11 +235,21 @@ def engine_admin(
     return kinds[kind](base_url, timeout_s, api_key)
 
 
-async def publish_weights(model: CausalLM, engine: EngineAdmin, weights_dir: Path, version: int) -> float:
-    """Save `model` as `version` and load it into the engine; old versions are deleted. Returns seconds."""
+async def publish_weights(
+    model: CausalLM,
+    engine: EngineAdmin,
+    weights_dir: Path,
+    version: int,
+    lora: LoraAdapter | None = None,
+) -> float:
+    """Save `model` (with `lora`: only the adapter, as a PEFT folder the engine merges into the base it
+    holds) as `version` and load it into the engine; old versions are deleted. Returns seconds."""
     t0 = time.perf_counter()
     target = weights_dir / f"v{version}"
-    save_model(model, target)
+    if lora is not None:
+        save_peft(lora, target, lora.base_model, version)
+    else:
+        save_model(model, target)
     loaded = await engine.load_weights(target, version)
     if loaded != version:
         raise RuntimeError(f"engine reports weight version {loaded} after loading {version}")
@@ -246,5 +257,5 @@ async def publish_weights(model: CausalLM, engine: EngineAdmin, weights_dir: Pat
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     seconds = time.perf_counter() - t0
-    log.info("event=weights_published version=%d seconds=%.2f", version, seconds)
+    log.info("event=weights_published version=%d lora=%s seconds=%.2f", version, lora is not None, seconds)
     return seconds
