@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from harnessrl.run import run
+from harnessrl.runs.flow import run
 
 from harnessrl.config import load_config
 from harnessrl.examples import get_example
