@@ -16,17 +16,20 @@ from harnessrl.config.load import (
     resolve_command,
     resolve_paths,
 )
-from harnessrl.config.sections import (
+from harnessrl.config.project import (
     RESERVED_ENV,
+    GraderSection,
+    HarnessSection,
+    JudgeSection,
+    TasksSection,
+)
+from harnessrl.config.sections import (
     ControllerSection,
     DataSection,
     EngineSection,
     EvalSection,
     GatewaySection,
-    GraderSection,
-    HarnessSection,
     RunConfig,
-    TasksSection,
     TrackerName,
     TrainSection,
 )
@@ -43,6 +46,7 @@ __all__ = [
     "GatewaySection",
     "GraderSection",
     "HarnessSection",
+    "JudgeSection",
     "RunConfig",
     "TasksSection",
     "TrackerName",
