@@ -12,6 +12,7 @@ from harnessrl.adapter.loss_weights import LossMode, loss_weights
 from harnessrl.adapter.merge import MergeStats, Row, merge_calls
 from harnessrl.adapter.step_credit import (
     Credit,
+    StepCredit,
     StepReport,
     has_step_signal,
     row_token_advantages,
@@ -70,6 +71,30 @@ class Batch:
         return sum(r.n_trainable for r in self.rows)
 
 
+def _limited(
+    rows: list[Row], version: int | None, max_staleness: int | None, max_row_tokens: int | None
+) -> tuple[list[Row], StalenessReport, LengthReport]:
+    """Rows staler than `max_staleness` at weight `version` dropped, then rows past `max_row_tokens` cut."""
+    staleness = StalenessReport()
+    if version is not None:
+        rows, staleness = filter_stale(rows, version, max_staleness)
+    rows, length = apply_length_limit(rows, max_row_tokens)
+    return rows, staleness, length
+
+
+def _flat_groups(
+    members: dict[str, list[str]], rewards: dict[str, float], credit_of: StepCredit | None
+) -> set[str]:
+    """Groups whose rewards are all equal (and, under step credit, whose calls got no step term): no
+    learning signal."""
+    return {
+        gid
+        for gid, rids in members.items()
+        if max(rewards[r] for r in rids) - min(rewards[r] for r in rids) <= 1e-12
+        and not (credit_of and any(has_step_signal(credit_of.spans[r]) for r in rids))
+    }
+
+
 def build_batch(
     details: Sequence[RolloutDetail],
     level: AdvantageLevel = AdvantageLevel.ROLLOUT,
@@ -108,19 +133,11 @@ def build_batch(
     for rid, gid in groups.items():
         members.setdefault(gid, []).append(rid)
     credit_of = step_credit(details, groups, step_coef) if credit == Credit.STEP else None
-    flat = {
-        gid
-        for gid, rids in members.items()
-        if max(rewards[r] for r in rids) - min(rewards[r] for r in rids) <= 1e-12
-        and not (credit_of and any(has_step_signal(credit_of.spans[r]) for r in rids))
-    }
-    keep = [rid for rid in rows_of if not (zero_variance == ZeroVariance.DROP and groups[rid] in flat)]
-    rows = [row for rid in keep for row in rows_of[rid]]
+    flat = _flat_groups(members, rewards, credit_of)
+    dropped = {gid for gid in flat if zero_variance == ZeroVariance.DROP}
+    rows = [row for rid, rs in rows_of.items() if groups[rid] not in dropped for row in rs]
     zero_var_dropped = sum(len(v) for v in rows_of.values()) - len(rows)
-    staleness = StalenessReport()
-    if version is not None:
-        rows, staleness = filter_stale(rows, version, max_staleness)
-    rows, length = apply_length_limit(rows, max_row_tokens)
+    rows, staleness, length = _limited(rows, version, max_staleness, max_row_tokens)
     return Batch(
         rows=rows,
         advantages=[adv[r.rollout_id] for r in rows],

@@ -222,7 +222,7 @@ def parse_completion(text: str, template: ChatTemplate = SMOLLM2) -> ParsedCompl
     calls: list[dict[str, Any]] = []
     pos = 0
     for m in _TOOL_CALL_RE.finditer(text):
-        call = _parse_call_body(m.group(1))
+        call = call_from_json(m.group(1), ("arguments",))
         if call is None:
             continue  # not a valid call: it remains part of the content
         content_parts.append(text[pos : m.start()])
@@ -232,23 +232,22 @@ def parse_completion(text: str, template: ChatTemplate = SMOLLM2) -> ParsedCompl
     return ParsedCompletion(content="".join(content_parts), tool_calls=calls)
 
 
-def _parse_call_body(body: str) -> dict[str, Any] | None:
+def openai_tool_call(name: str, arguments: Any) -> dict[str, Any]:
+    """One tool call in OpenAI's shape (arguments as a JSON string, a fresh `call_...` id)."""
+    args_text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": new_tool_call_id(), "type": "function", "function": {"name": name, "arguments": args_text}}
+
+
+def call_from_json(body: str, args_keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """A tool call from a JSON object `{"name": ..., <one of args_keys>: ...}`, or None."""
     try:
         obj = json.loads(body.strip())
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", {})
-    if isinstance(args, str):
-        args_text = args
-    else:
-        args_text = json.dumps(args, ensure_ascii=False)
-    return {
-        "id": new_tool_call_id(),
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": args_text},
-    }
+    args: Any = next((obj[k] for k in args_keys if k in obj), {})
+    return openai_tool_call(obj["name"], args)
 
 
 class StreamingParser:

@@ -19,26 +19,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from harnessrl.chat.chatml import ParsedCompletion, new_tool_call_id
+from harnessrl.chat.chatml import ParsedCompletion, call_from_json
 
 PYTHON_TAG = "<|python_tag|>"
-
-
-def openai_tool_call(name: str, arguments: Any) -> dict[str, Any]:
-    """One tool call in OpenAI's shape (arguments as a JSON string, a fresh `call_...` id)."""
-    args_text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_tool_call_id(), "type": "function", "function": {"name": name, "arguments": args_text}}
-
-
-def _call_from_json(body: str, args_keys: tuple[str, ...]) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body.strip())
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args: Any = next((obj[k] for k in args_keys if k in obj), {})
-    return openai_tool_call(obj["name"], args)
 
 
 def partial_tail(text: str, marker: str, full: bool = False) -> int:
@@ -85,7 +68,7 @@ class HermesParser:
             end = text.find(self.close, start + len(self.open))
             if end < 0:
                 break
-            call = _call_from_json(text[start + len(self.open) : end], ("arguments", "parameters"))
+            call = call_from_json(text[start + len(self.open) : end], ("arguments", "parameters"))
             search = end + len(self.close)
             if call is None:
                 continue  # not a valid call: it remains part of the content
@@ -118,7 +101,7 @@ class Llama3JsonParser:
             return ParsedCompletion(content=text)
         calls = []
         for piece in _split_json_objects(body):
-            call = _call_from_json(piece, ("parameters", "arguments"))
+            call = call_from_json(piece, ("parameters", "arguments"))
             if call is None:
                 return ParsedCompletion(content=text)
             calls.append(call)

@@ -20,17 +20,14 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harnessrl.chat import ChatFormatError, render_chat
 from harnessrl.gateway.canonical import ChatCall, Sampling
+from harnessrl.gateway.engine_client.inference import TitoTokenizer, tito_prompt
 from harnessrl.gateway.engine_client.upstream import StickyUpstream, UpstreamClientError, UpstreamFailed
 from harnessrl.gateway.errors import APIError, context_too_long
-from harnessrl.gateway.tito import build_prompt
 from harnessrl.schema import Call
-
-if TYPE_CHECKING:
-    from harnessrl.gateway.engine_client.inference import TitoTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +85,7 @@ class ContextBudget:
         """The prompt's exact token count: the tito prompt's IDs, or the engine's `/tokenize`."""
         try:
             if self.tito is not None:
-                tok = self.tito
-                return len(
-                    build_prompt(
-                        chat.messages,
-                        chat.tools,
-                        history,
-                        tok.encode,
-                        tok.eos_id,
-                        chat=tok.chat,
-                        template_kwargs=chat.template_kwargs,
-                    ).prompt_ids
-                )
+                return len(tito_prompt(chat, self.tito, history).prompt_ids)
             body: dict[str, Any] = {"model": served, "messages": chat.messages, "add_generation_prompt": True}
             if chat.tools:
                 body["tools"] = chat.tools

@@ -24,8 +24,9 @@ def _sum_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Te
 _sum_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
 
 
-class _Loss(nn.Module):
-    """The micro-batch loss as a module, so DDP sees the forward pass it synchronises."""
+class RankLoss(nn.Module):
+    """The micro-batch loss as a module, so DDP (and FSDP, `trainer.fsdp.ShardedLoss`) sees the forward
+    pass it synchronises; an empty micro-batch gives `idle()`'s loss."""
 
     def __init__(self, policy: CausalLM) -> None:
         super().__init__()
@@ -40,15 +41,18 @@ class _Loss(nn.Module):
         ref_model: CausalLM | None,
         checkpoint_layers: bool | None,
     ) -> tuple[Tensor, dict[str, float], Tensor | None]:
-        if not idx:  # a rank without rows still joins the all-reduce, with zero gradients
-            zero = sum((p.sum() * 0.0 for p in self.policy.parameters()), torch.zeros(()))
-            return zero, dict.fromkeys(_STAT_KEYS, 0.0), None
+        if not idx:
+            return self.idle(), dict.fromkeys(_STAT_KEYS, 0.0), None
         return micro_batch_loss(self.policy, batch, idx, cfg, prox, ref_model, checkpoint_layers)
+
+    def idle(self) -> Tensor:
+        """A rank without rows still joins the all-reduce, with zero gradients."""
+        return sum((p.sum() * 0.0 for p in self.policy.parameters()), torch.zeros(()))
 
 
 def wrap(model: CausalLM) -> DDP:
     """The policy inside DDP (parameters broadcast from rank 0 here), gradients reduced by SUM."""
-    ddp = DDP(_Loss(model), find_unused_parameters=False)
+    ddp = DDP(RankLoss(model), find_unused_parameters=False)
     ddp.register_comm_hook(None, _sum_hook)
     return ddp
 

@@ -50,29 +50,17 @@ from torch.distributed.tensor import DTensor
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.trainer.ddp import RankLoss
 from harnessrl.trainer.forward import SHARDED_STEP, layer_forward, selected_logprobs
-from harnessrl.trainer.ppo import _STAT_KEYS, PPOConfig, micro_batch_loss, row_groups
+from harnessrl.trainer.ppo import row_groups
 
 
-class ShardedLoss(nn.Module):
+class ShardedLoss(RankLoss):
     """The FSDP root: the micro-batch loss of its policy; an empty micro-batch is an idle one."""
 
-    def __init__(self, policy: CausalLM) -> None:
-        super().__init__()
-        self.policy = policy
-
-    def forward(
-        self,
-        batch: Batch,
-        idx: list[int],
-        cfg: PPOConfig,
-        prox: Tensor | None,
-        ref_model: CausalLM | None,
-        checkpoint_layers: bool | None,
-    ) -> tuple[Tensor, dict[str, float], Tensor | None]:
-        if idx:
-            return micro_batch_loss(self.policy, batch, idx, cfg, prox, ref_model, checkpoint_layers)
-        return idle_loss(self.policy), dict.fromkeys(_STAT_KEYS, 0.0), None
+    def idle(self) -> Tensor:
+        """`idle_loss`: every unit joins the micro-batch's collectives."""
+        return idle_loss(self.policy)
 
 
 def idle_loss(policy: CausalLM) -> Tensor:

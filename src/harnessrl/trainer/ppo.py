@@ -306,20 +306,25 @@ def update_epochs(
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm))
         if math.isfinite(grad_norm):
             optimizer.step()
-        n = max(agg["tokens"], 1.0)
-        metrics = {
-            "loss": total_loss,
-            "grad_norm": grad_norm,
-            "clip_frac": agg["clipped"] / n,
-            "mismatch": agg["logprob_diff_abs"] / n,
-            "ratio_mean": agg["ratio_sum"] / n,
-            "entropy": agg["entropy_sum"] / n,
-            "kl": agg["kl_sum"] / n,
-            "tis_truncated_frac": agg["tis_truncated"] / n,
-        }
+        metrics = _epoch_metrics(total_loss, grad_norm, agg)
     model.eval()
     release_memory(model, optimizer)
     return metrics
+
+
+def _epoch_metrics(total_loss: float, grad_norm: float, agg: dict[str, float]) -> dict[str, float]:
+    """An epoch's loss, gradient norm and its per-token statistics."""
+    n = max(agg["tokens"], 1.0)
+    return {
+        "loss": total_loss,
+        "grad_norm": grad_norm,
+        "clip_frac": agg["clipped"] / n,
+        "mismatch": agg["logprob_diff_abs"] / n,
+        "ratio_mean": agg["ratio_sum"] / n,
+        "entropy": agg["entropy_sum"] / n,
+        "kl": agg["kl_sum"] / n,
+        "tis_truncated_frac": agg["tis_truncated"] / n,
+    }
 
 
 def release_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -24,7 +24,7 @@ from harnessrl.gateway.engine_client.answers import (
     stop_string,
 )
 from harnessrl.gateway.engine_client.upstream import StickyUpstream
-from harnessrl.gateway.tito import build_prompt
+from harnessrl.gateway.tito import TitoPrompt, build_prompt
 from harnessrl.schema import Call, CallStatus
 
 __all__ = ["BadUpstreamResponse"]  # re-exported: the gateway's handlers catch it from here
@@ -76,6 +76,13 @@ def _sampling_fields(s: Sampling) -> dict[str, Any]:
     return body
 
 
+def tito_prompt(call: ChatCall, tokenizer: TitoTokenizer, history: Sequence[Call]) -> TitoPrompt:
+    """The call's prompt tokens, built here with the model's chat format (an earlier call's exact tokens
+    reused where the messages extend it)."""
+    return build_prompt(call.messages, call.tools, history, tokenizer.encode, tokenizer.eos_id,
+                        chat=tokenizer.chat, template_kwargs=call.template_kwargs)  # fmt: skip
+
+
 async def passthrough(
     upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling
 ) -> Generation:
@@ -109,15 +116,7 @@ async def tito(
     history: Sequence[Call],
 ) -> Generation:
     """Build the prompt's token IDs here (reusing earlier calls' tokens) and send them as a prompt."""
-    prompt = build_prompt(
-        call.messages,
-        call.tools,
-        history,
-        tokenizer.encode,
-        tokenizer.eos_id,
-        chat=tokenizer.chat,
-        template_kwargs=call.template_kwargs,
-    )
+    prompt = tito_prompt(call, tokenizer, history)
     body: dict[str, Any] = {
         "model": served,
         "prompt": prompt.prompt_ids,
@@ -269,15 +268,7 @@ def _take_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[Any]) -> Non
 async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sampling: Sampling,
                       tokenizer: TitoTokenizer, history: Sequence[Call]) -> Streamed:  # fmt: skip
     """Stream a tito call from `/v1/completions`; the gateway parses tool calls out of the text."""
-    prompt = build_prompt(
-        call.messages,
-        call.tools,
-        history,
-        tokenizer.encode,
-        tokenizer.eos_id,
-        chat=tokenizer.chat,
-        template_kwargs=call.template_kwargs,
-    )
+    prompt = tito_prompt(call, tokenizer, history)
     body: dict[str, Any] = {"model": served, "prompt": prompt.prompt_ids, "stop_token_ids": tokenizer.stop_ids,
                             "return_token_ids": True, "logprobs": call.top_logprobs or 1, "stream_options": STREAM_USAGE,
                             **_sampling_fields(sampling)}  # fmt: skip
