@@ -23,9 +23,9 @@ from harnessrl.modeling.families import config_from_hf, config_to_hf
 from harnessrl.modeling.llama import LlamaConfig
 from harnessrl.modeling.loading import (
     default_cache_dir,
-    load_config,
     load_model,
     make_tiny_model_dir,
+    read_model_config,
     resolve_model,
     rope_scaled_config,
     save_model,
@@ -161,7 +161,7 @@ def scaled_dir(request: pytest.FixtureRequest, short_dir: Path) -> Path:
 
 
 def test_scaled_dir_shares_the_weights_and_reads_back(short_dir: Path, scaled_dir: Path) -> None:
-    cfg = load_config(scaled_dir)
+    cfg = read_model_config(scaled_dir)
     assert cfg.max_position_embeddings == 4 * ORIGINAL
     assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 4.0
     src, dst = short_dir / "model.safetensors", scaled_dir / "model.safetensors"
@@ -306,11 +306,13 @@ def test_long_names_resolve_and_bad_ones_are_refused() -> None:
 
 def test_smollm2_16k_directory(smollm2_model_dir: Path) -> None:
     d = resolve_model("smollm2-16k")
-    cfg = load_config(d)
+    cfg = read_model_config(d)
     assert d.name == "SmolLM2-135M-Instruct-yarn-16k" and cfg.max_position_embeddings == 16384
     assert cfg.rope_scaling == RopeScaling(RopeType.YARN, 2.0, original_max_position_embeddings=8192)
     assert (d / "model.safetensors").stat().st_ino == _SMOLLM2.stat().st_ino  # hard-linked, not copied
-    assert load_config(resolve_model("smollm2-32k-linear")).rope_scaling == RopeScaling(RopeType.LINEAR, 4.0)
+    assert read_model_config(resolve_model("smollm2-32k-linear")).rope_scaling == RopeScaling(
+        RopeType.LINEAR, 4.0
+    )
 
 
 @pytest.mark.slow

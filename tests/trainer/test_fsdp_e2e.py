@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from harnessrl.runs.flow import run
 
 from harnessrl.config import load_config
 from harnessrl.examples import get_example
+from harnessrl.runs.flow import run
 
 
 @pytest.mark.slow  # about 2 minutes: pytest -m slow tests/trainer/test_fsdp_e2e.py
