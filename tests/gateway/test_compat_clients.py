@@ -123,5 +123,5 @@ async def test_mini_swe_agent_runs_its_own_loop_through_the_controller(
     assert len(calls) >= 2, "mini-swe-agent should have retried after format errors"
     assert all(c.chat is not None and c.chat["tools"] for c in calls)  # its bash tool reached the model
     attempt_dir = tmp_path / "run" / "rollouts" / outcome.rollout_id / "attempt-0"
-    assert (attempt_dir / "traj.json").exists()  # its own trajectory, written in the work directory
+    assert (attempt_dir / "home" / "traj.json").exists()  # its own trajectory, in its working directory
     assert_tokens_match_answers(calls, tiny_model_dir)
