@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -97,7 +97,23 @@ class TrainContext:
         return PPOConfig(**{f.name: getattr(t, f.name) for f in dataclasses.fields(PPOConfig)})
 
 
-async def run_rollouts(ctx: TrainContext, requests: list[RolloutRequest], label: str) -> list[RolloutOutcome]:
+class EvalTarget(Protocol):
+    """What running rollouts and evaluating need of a run (a `TrainContext`, or `harnessrl eval`'s)."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def controller(self) -> Controller: ...
+
+    @property
+    def progress(self) -> Progress: ...
+
+    @property
+    def notify(self) -> Callable[[str], None]: ...
+
+
+async def run_rollouts(ctx: EvalTarget, requests: list[RolloutRequest], label: str) -> list[RolloutOutcome]:
     """Run rollouts through the controller, reporting progress as they finish."""
     done = 0
 
@@ -109,7 +125,7 @@ async def run_rollouts(ctx: TrainContext, requests: list[RolloutRequest], label:
     return await ctx.controller.run(requests, on_done=on_done)
 
 
-async def evaluate(ctx: TrainContext, tasks: list[Task], label: str, temperature: float) -> EvalResult:
+async def evaluate(ctx: EvalTarget, tasks: list[Task], label: str, temperature: float) -> EvalResult:
     """Held-out reward of the current weights: one rollout per task at `temperature`."""
     sampling = SamplingOverrides(temperature=temperature)
     requests = [
