@@ -114,7 +114,8 @@ def _did_you_mean(loc: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(model.model_fields)}"
 
 
-KNOWN_MODELS = ("smollm2", "gemma3-270m")  # names `harnessrl.modeling.loading.resolve_model` knows (plus variants)
+# names `harnessrl.modeling.loading.resolve_model` knows (plus variants)
+KNOWN_MODELS = ("smollm2", "gemma3-270m")
 
 
 def resolve_paths(cfg: RunConfig, base: Path) -> list[str]:
