@@ -69,7 +69,9 @@ def test_responses_reasoning_item() -> None:
     assert response.output_text == "It is 5."
     frames = responses_face.ResponseStreamer(req, ResponseIds("r", 0)).end(_gen("Add them."), body)
     kinds = [f.split("\n")[0].removeprefix("event: ") for f in frames]
-    assert kinds[-1] == "response.completed" and kinds.count("response.output_item.done") == 1
+    # reasoning not streamed before the end is sent then, as its own item at index 0, before the message's
+    assert kinds[-1] == "response.completed" and kinds.count("response.output_item.done") == 2
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.done")
 
 
 def test_passthrough_reads_the_engines_reasoning() -> None:

@@ -67,3 +67,32 @@ def test_engine_logprobs_equal_the_trainer(tmp_path_factory: pytest.TempPathFact
                 trainer, tokens.expand(2, -1), select.expand(2, -1), temps.expand(2), prefix
             )
         assert (sel.logprobs.view(2, -1) - got).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_engine_serves_bf16_close_to_the_bf16_trainer(
+    tmp_path_factory: pytest.TempPathFactory, family: str
+) -> None:
+    """bf16 weights in the engine: a batch decodes, and its logprobs follow the trainer's bf16 forward
+    as closely as bf16 allows (each product rounds to 8 mantissa bits; docs/models.md)."""
+    d = tiny_family_dir(family, tmp_path_factory.getbasetemp() / "families")
+    trainer = load_model(d, dtype=torch.bfloat16)
+    server = start_server(d, f"family-{family}-bf16", max_model_len=256, dtype="bfloat16")
+    assert next(server.engine.model.parameters()).dtype == torch.bfloat16
+    vocab = load_tokenizer(d).get_vocab_size()
+    gen = torch.Generator().manual_seed(5)
+    bodies = [{"prompt": torch.randint(3, vocab, (n,), generator=gen).tolist(), "max_tokens": 12,
+               "temperature": 1.0, "seed": n, "logprobs": 0, "ignore_eos": True} for n in (9, 33)]  # fmt: skip
+    for body, res in zip(bodies, asyncio.run(_together(server, bodies)), strict=True):
+        ids = res["choices"][0]["token_ids"]
+        got = torch.tensor(res["choices"][0]["logprobs"]["token_logprobs"])
+        want = full_forward_logprobs(trainer, res["prompt_token_ids"], ids, 1.0).float()
+        assert len(ids) == 12 and torch.isfinite(got).all()
+        assert (got - want).abs().mean().item() < 0.1, (got, want)
+
+
+def test_every_eos_id_of_the_folder_stops_the_engine(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Llama 3 lists three eos ids in config.json (<|end_of_text|>, <|eom_id|>, <|eot_id|>): all stop."""
+    d = tiny_family_dir("llama3_2", tmp_path_factory.getbasetemp() / "families")
+    server = start_server(d, "family-llama3_2", max_model_len=256, prefill_chunk=24)
+    assert {128001, 128008, 128009} <= server.engine.eos_ids

@@ -108,7 +108,8 @@ def _added_token_ids(folder: Path) -> dict[str, int]:
     return {t["content"]: int(t["id"]) for t in added if isinstance(t, dict) and "content" in t}
 
 
-def _config_eos_ids(folder: Path) -> set[int]:
+def config_eos_ids(folder: Path) -> set[int]:
+    """Every `eos_token_id` of a model folder's config.json and generation_config.json (an id or a list)."""
     ids: set[int] = set()
     for name in ("config.json", "generation_config.json"):
         path = folder / name
@@ -168,7 +169,7 @@ class ChatFormat:
             rules=CompletionRules(
                 tool_parser(name if tool_parser_name == "auto" else tool_parser_name), stops, think
             ),
-            stop_ids=frozenset({vocab[s] for s in stops if s in vocab} | _config_eos_ids(folder)),
+            stop_ids=frozenset({vocab[s] for s in stops if s in vocab} | config_eos_ids(folder)),
             template_kwargs=dict(template_kwargs or {}),
             chatml=_chatml_for(template),
         )

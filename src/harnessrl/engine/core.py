@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from harnessrl.chat import ChatFormat
+from harnessrl.chat.format import config_eos_ids
 from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
@@ -38,16 +38,6 @@ class EngineError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
-
-
-def _eos_ids(model_dir: Path, eos: int) -> set[int]:
-    """EOS ids from config.json plus generation_config.json, if present."""
-    ids = {eos}
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    return ids
 
 
 class Engine:
@@ -79,7 +69,7 @@ class Engine:
         self.kv_budget = config.kv_budget(self.max_model_len)
         # the model's own chat template, tool-call format and end-of-turn tokens (harnessrl.chat.format)
         self.chat = ChatFormat.from_folder(self.model_dir, config.tool_parser, config.chat_template_kwargs)
-        self.eos_ids = _eos_ids(self.model_dir, self.model.config.eos_token_id) | self.chat.stop_ids
+        self.eos_ids = {self.model.config.eos_token_id} | config_eos_ids(self.model_dir) | self.chat.stop_ids
         self.scheduler = Scheduler(
             self.model,
             self.text,

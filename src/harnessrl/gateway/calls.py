@@ -200,6 +200,9 @@ class ModelCalls:
                 if isinstance(item, inference.ContentDelta):
                     for frame in streamer.delta(item.text):
                         yield frame
+                elif isinstance(item, inference.ReasoningDelta):
+                    for frame in streamer.reasoning(item.text):
+                        yield frame
                 else:
                     gen = item
             if gen is None:

@@ -157,7 +157,14 @@ class ContentDelta:
     text: str
 
 
-Items = AsyncGenerator[ContentDelta | Generation, None]
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Thinking text of a reasoning model the harness can be sent now (before the answer's content)."""
+
+    text: str
+
+
+Items = AsyncGenerator[ContentDelta | ReasoningDelta | Generation, None]
 
 
 class EngineStream:
@@ -173,7 +180,7 @@ class EngineStream:
     def __aiter__(self) -> EngineStream:
         return self
 
-    async def __anext__(self) -> ContentDelta | Generation:
+    async def __anext__(self) -> ContentDelta | ReasoningDelta | Generation:
         item = await self._items.__anext__()
         if isinstance(item, ContentDelta):
             self.text += item.text
@@ -243,8 +250,11 @@ async def _passthrough_events(events: AsyncIterator[dict[str, Any]], acc: Accumu
             acc.texts += [str(e.get("token", "")) for e in entries]
             delta = choice.get("delta") or {}
             piece = str(delta.get("content") or "")
-            reasoning += str(delta.get("reasoning_content") or delta.get("reasoning") or "")
+            thought = str(delta.get("reasoning_content") or delta.get("reasoning") or "")
             _take_tool_calls(calls, delta.get("tool_calls") or [])
+        if thought:
+            reasoning += thought
+            yield ReasoningDelta(thought)
         if piece:
             content += piece
             yield ContentDelta(piece)
@@ -289,12 +299,16 @@ async def _tito_events(
             break
         _, piece = acc.take_completion(event)
         text += piece
-        out = parser.feed(piece)
+        thought, out = parser.feed_parts(piece)
+        if thought:
+            yield ReasoningDelta(thought)
         if out:
             yield ContentDelta(out)
     record = acc.record()
     check_prompt(record, sent)
     parsed, rest = parser.finish(text)
+    if thought := parser.reasoning_rest(parsed):
+        yield ReasoningDelta(thought)
     if rest:
         yield ContentDelta(rest)
     finish = finish_reason(parsed.tool_calls, record)

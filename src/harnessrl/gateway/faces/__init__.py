@@ -43,6 +43,9 @@ class Streamer(Protocol):
     def delta(self, text: str) -> list[str]:
         """Frames carrying a piece of content."""
 
+    def reasoning(self, text: str) -> list[str]:
+        """Frames carrying a piece of a reasoning model's thinking (all of it comes before the content)."""
+
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
         """Frames after the content: tool calls, stop reason, usage (`out`: the face's answer object)."""
 

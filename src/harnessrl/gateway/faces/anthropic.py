@@ -257,12 +257,15 @@ def _event(name: str, data: dict[str, Any]) -> str:
 
 
 class MessageStreamer:
-    """Anthropic's event sequence: message_start, a text block as content comes, tool_use blocks,
-    message_delta with the stop reason and usage, message_stop."""
+    """Anthropic's event sequence: message_start, a thinking block as a reasoning model thinks, a text
+    block as content comes, tool_use blocks, message_delta with the stop reason and usage, message_stop."""
 
     def __init__(self, req: MessagesRequest, ids: ResponseIds) -> None:
         self.req, self.ids = req, ids
-        self.text_open = False
+        self.open: str | None = None  # the kind of the content block open now
+        self.blocks = 0  # content blocks started so far (the next one's index)
+        self.thinking_sent = ""
+        self.text_sent = False
 
     def start(self) -> list[str]:
         """message_start."""
@@ -271,38 +274,54 @@ class MessageStreamer:
                    "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
         return [_event("message_start", {"type": "message_start", "message": message})]
 
+    def _switch(self, kind: str, block: dict[str, Any]) -> list[str]:
+        """Close the open block unless it is of `kind`, and open `block` in its place."""
+        if self.open == kind:
+            return []
+        frames = self._close()
+        self.open, self.blocks = kind, self.blocks + 1
+        start = {"type": "content_block_start", "index": self.blocks - 1, "content_block": block}
+        return [*frames, _event("content_block_start", start)]
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return _event(
+            "content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}
+        )
+
+    def reasoning(self, text: str) -> list[str]:
+        """A thinking_delta (opening the thinking block first; no signature: the served model's own text)."""
+        self.thinking_sent += text
+        frames = self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        return [*frames, self._delta({"type": "thinking_delta", "thinking": text})]
+
     def delta(self, text: str) -> list[str]:
-        """A text_delta (opening the text block first)."""
-        frames = []
-        if not self.text_open:
-            self.text_open = True
-            block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-            frames.append(_event("content_block_start", block))
-        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
-        return [*frames, _event("content_block_delta", delta)]
+        """A text_delta (closing the thinking block and opening the text block first)."""
+        frames = self._switch("text", {"type": "text", "text": ""})
+        self.text_sent = True
+        return [*frames, self._delta({"type": "text_delta", "text": text})]
 
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
-        """Close the text block, stream tool_use blocks, then message_delta and message_stop."""
+        """The thinking not streamed yet, the (empty) text block where the answer has one and none was
+        sent, tool_use blocks, then message_delta and message_stop."""
         frames = []
-        if not self.text_open and not gen.tool_calls:  # the answer has an (empty) text block
+        if rest := (gen.reasoning or "")[len(self.thinking_sent) :]:
+            frames += self.reasoning(rest)
+        if not gen.tool_calls and not self.text_sent:
             frames += self.delta("")
-        if self.text_open:
-            frames.append(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
-        first_tool = 1 if self.text_open else 0
-        for i, block in enumerate(b for b in out["content"] if b["type"] == "tool_use"):
-            index = first_tool + i
+        frames += self._close()
+        for block in (b for b in out["content"] if b["type"] == "tool_use"):
             head = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            frames += [
-                _event(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": head},
-                ),
-                _event(
-                    "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-                ),
-                _event("content_block_stop", {"type": "content_block_stop", "index": index}),
-            ]
+            frames += self._switch("tool_use", head)
+            frames.append(
+                self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+            )
+            frames += self._close()
         frames.append(_event("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": out["stop_reason"], "stop_sequence": None},
             "usage": dict(out["usage"]),

@@ -156,6 +156,7 @@ class ChatStreamer:
         self.req = req
         self.base = {"id": f"chatcmpl-{ids.response_id}", "object": "chat.completion.chunk",
                      "created": ids.created, "model": req.model}  # fmt: skip
+        self.reasoning_sent = ""
 
     def start(self) -> list[str]:
         """The role chunk."""
@@ -165,10 +166,15 @@ class ChatStreamer:
         """A content chunk."""
         return [_data(_chunk(self.base, {"content": text}))]
 
+    def reasoning(self, text: str) -> list[str]:
+        """A `reasoning_content` chunk."""
+        self.reasoning_sent += text
+        return [_data(_chunk(self.base, {"reasoning_content": text}))]
+
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
-        """The reasoning (a reasoning model's, in one chunk), tool-call chunks, the finish chunk, usage if
-        asked, `[DONE]`."""
-        frames = [_data(_chunk(self.base, {"reasoning_content": gen.reasoning}))] if gen.reasoning else []
+        """The reasoning not streamed yet, tool-call chunks, the finish chunk, usage if asked, `[DONE]`."""
+        rest = (gen.reasoning or "")[len(self.reasoning_sent) :]
+        frames = self.reasoning(rest) if rest else []
         for i, tc in enumerate(gen.tool_calls):
             fn = tc["function"]
             head = {

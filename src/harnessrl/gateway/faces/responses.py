@@ -218,13 +218,18 @@ def call_item(tc: dict[str, Any], tools: ToolMap, item_id: str) -> dict[str, Any
     return item
 
 
+def reasoning_item(ids: ResponseIds, text: str) -> dict[str, Any]:
+    """The reasoning item of a reasoning model's thinking (its text as a `reasoning_text` part)."""
+    return {"type": "reasoning", "id": f"rs_{ids.response_id}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
 def output_items(gen: Generation, ids: ResponseIds, tools: ToolMap | None = None) -> list[dict[str, Any]]:
     """The response's output items: reasoning (a reasoning model's), a message (text), then one item per
     tool call."""
     items: list[dict[str, Any]] = []
     if gen.reasoning:
-        items.append({"type": "reasoning", "id": f"rs_{ids.response_id}", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": gen.reasoning}]})  # fmt: skip
+        items.append(reasoning_item(ids, gen.reasoning))
     if gen.content or not gen.tool_calls:
         part = {"type": "output_text", "text": gen.content, "annotations": [], "logprobs": []}
         items.append({"type": "message", "id": f"msg_{ids.response_id}", "status": "completed",
@@ -269,14 +274,17 @@ def response_object(gen: Generation, req: ResponsesRequest, ids: ResponseIds) ->
 
 
 class ResponseStreamer:
-    """Responses streaming events, numbered: created, in_progress, the message item as text comes,
-    function_call items, then completed (or incomplete)."""
+    """Responses streaming events, numbered: created, in_progress, the reasoning item as a reasoning
+    model thinks, the message item as text comes, function_call items, then completed (or incomplete).
+    Output indices are those of the final response's `output`."""
 
     def __init__(self, req: ResponsesRequest, ids: ResponseIds) -> None:
         self.req, self.ids = req, ids
         self.seq = 0
         self.text = ""
-        self.open = False
+        self.thinking = ""
+        self.open: str | None = None  # the item open now: "reasoning" or "message"
+        self.message_open = False
         self.item_id = f"msg_{ids.response_id}"
 
     def _ev(self, kind: str, **data: Any) -> str:
@@ -295,12 +303,31 @@ class ResponseStreamer:
             self._ev("response.in_progress", response=pending),
         ]
 
-    def delta(self, text: str) -> list[str]:
-        """output_text.delta (opening the message item first)."""
+    def reasoning(self, text: str) -> list[str]:
+        """reasoning_text.delta (opening the reasoning item first)."""
         frames = []
-        ref = {"item_id": self.item_id, "output_index": 0}
-        if not self.open:
-            self.open = True
+        ref = {"item_id": f"rs_{self.ids.response_id}", "output_index": 0}
+        if not self.thinking:
+            self.open = "reasoning"
+            item = {"type": "reasoning", "id": ref["item_id"], "summary": [], "content": []}
+            frames.append(self._ev("response.output_item.added", output_index=0, item=item))
+        self.thinking += text
+        return [*frames, self._ev("response.reasoning_text.delta", **ref, content_index=0, delta=text)]
+
+    def _close_reasoning(self) -> list[str]:
+        if self.open != "reasoning":
+            return []
+        self.open = None
+        ref = {"item_id": f"rs_{self.ids.response_id}", "output_index": 0}
+        return [self._ev("response.reasoning_text.done", **ref, content_index=0, text=self.thinking),
+                self._ev("response.output_item.done", output_index=0, item=reasoning_item(self.ids, self.thinking))]  # fmt: skip
+
+    def delta(self, text: str) -> list[str]:
+        """output_text.delta (closing the reasoning item and opening the message item first)."""
+        frames = self._close_reasoning()
+        ref = {"item_id": self.item_id, "output_index": 1 if self.thinking else 0}
+        if not self.message_open:
+            self.open, self.message_open = "message", True
             item = {
                 "type": "message",
                 "id": self.item_id,
@@ -309,7 +336,7 @@ class ResponseStreamer:
                 "content": [],
             }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            frames += [self._ev("response.output_item.added", output_index=0, item=item),
+            frames += [self._ev("response.output_item.added", output_index=ref["output_index"], item=item),
                        self._ev("response.content_part.added", **ref, content_index=0, part=part)]  # fmt: skip
         self.text += text
         return [
@@ -318,19 +345,21 @@ class ResponseStreamer:
         ]
 
     def end(self, gen: Generation, out: dict[str, Any]) -> list[str]:
-        """Close the message item, emit the tool-call items, then the final response."""
+        """The reasoning not streamed yet, the message item closed, the tool-call items, then the final response."""
         frames = []
-        items = [item for item in out["output"] if item["type"] != "reasoning"]  # in the final response only
-        if items and items[0]["type"] == "message":
-            if not self.open:
-                frames += self.delta("")
-            ref = {"item_id": self.item_id, "output_index": 0}
-            part = items[0]["content"][0]
-            frames += [self._ev("response.output_text.done", **ref, content_index=0, text=part["text"], logprobs=[]),
-                       self._ev("response.content_part.done", **ref, content_index=0, part=part),
-                       self._ev("response.output_item.done", output_index=0, item=items[0])]  # fmt: skip
-        for i, item in enumerate(items):
-            if item["type"] != "message":
+        if rest := (gen.reasoning or "")[len(self.thinking) :]:
+            frames += self.reasoning(rest)
+        frames += self._close_reasoning()
+        for i, item in enumerate(out["output"]):
+            if item["type"] == "message":
+                if not self.message_open:
+                    frames += self.delta("")
+                ref = {"item_id": self.item_id, "output_index": i}
+                part = item["content"][0]
+                frames += [self._ev("response.output_text.done", **ref, content_index=0, text=part["text"], logprobs=[]),
+                           self._ev("response.content_part.done", **ref, content_index=0, part=part),
+                           self._ev("response.output_item.done", output_index=i, item=item)]  # fmt: skip
+            elif item["type"] != "reasoning":
                 frames += self._call_frames(i, item)
         done = "response.completed" if out["status"] == "completed" else "response.incomplete"
         return [*frames, self._ev(done, response=out)]
