@@ -51,3 +51,40 @@ def test_gateway_replicas_parse_and_are_addressable_one_by_one() -> None:
         f"http://harnessrl-gateway-{i}.harnessrl-gateway:{args.port}" for i in range(replicas)
     ]
     assert cfg.store == STORE and cfg.engine.kind == "vllm" and cfg.engine.url == args.upstream
+
+
+RANKS = MANIFEST.parent / "trainer-ranks.yaml"
+
+
+def test_trainer_ranks_are_torchrun_nodes_of_one_sharded_run() -> None:
+    """Each pod of the Indexed Job is a torchrun node whose rank is its index; pod 0's name is the
+    rendezvous address; the arguments are a sharded run whose world size is the Job's pods."""
+    from torch.distributed.run import get_args_parser
+
+    docs = [d for d in yaml.safe_load_all(RANKS.read_text()) if d]
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    job = objs[("Job", "harnessrl-train")]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    service = objs[("Service", pod["subdomain"])]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    cmd = _command(job)
+    assert cmd[0] == "torchrun"
+    for index in range(spec["completions"]):
+        args = get_args_parser().parse_args([a.replace("$(NODE_RANK)", str(index)) for a in cmd[1:]])
+        assert (
+            int(args.node_rank) == index and args.module and args.training_script == "harnessrl.trainer.rank"
+        )
+        assert args.master_addr == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+        assert int(args.nnodes) * int(args.nproc_per_node) == spec["completions"]
+    ns = _parser().parse_args(args.training_script_args)
+    cfg = load_config(None, ns.overrides)
+    assert ns.command == "train" and cfg.train.world_size == spec["completions"]
+    assert cfg.train.parallel == "fsdp" and cfg.train.device == "cuda" and cfg.store == STORE
+    scale = _objects()
+    assert ("StatefulSet", "harnessrl-gateway") in scale and ("Service", "harnessrl-vllm") in scale
+    assert cfg.engine.url == "http://harnessrl-vllm:8000"
