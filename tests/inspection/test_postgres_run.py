@@ -69,3 +69,41 @@ def test_inspect_and_export_read_a_postgres_run(fixture_run: Fixture, pg_url: st
     assert _rows(pg_run, tmp_path / "pg.jsonl") == _rows(fixture_run.run_dir, tmp_path / "sqlite.jsonl")
     assert harnessrl(["inspect", str(pg_run)]) == 0
     shutil.rmtree(pg_run)
+
+
+def test_the_dashboard_reads_a_postgres_run(fixture_run: Fixture, pg_url: str, tmp_path: Path) -> None:
+    """The dashboard over a PostgreSQL run shows what it shows over the same run in SQLite."""
+    import httpx
+
+    from harnessrl.dashboard.app import create_dashboard
+    from harnessrl.dashboard.data import RunData
+    from tests.support.gateway import ThreadServer
+
+    pg_run = tmp_path / "pg-run"
+    pg_run.mkdir()
+    cfg = json.loads((fixture_run.run_dir / "config.json").read_text())
+    (pg_run / "config.json").write_text(json.dumps({**cfg, "store": pg_url}))
+    sqlite, pg = SQLiteStore(fixture_run.run_dir / "store.sqlite"), open_store(pg_url)
+    try:
+        assert _copy(sqlite, pg) == 5
+    finally:
+        sqlite.close()
+        pg.close()
+
+    def pages(run_dir: Path) -> list[Any]:
+        data = RunData(run_dir / "store.sqlite", run_dir)
+        with ThreadServer(create_dashboard(data)) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+            got = [c.get(p).json() for p in ("/api/steps", "/api/groups", "/api/rollouts?phase=all")]
+            got.append(c.get("/api/rollouts/roaaaa1111").json())
+            assert c.get("/api/rollouts/ro-none").status_code == 404
+            overview = c.get("/api/run").json()
+        data.close()
+        return [*got, {k: v for k, v in overview.items() if k not in ("run_dir", "store", "live")}]
+
+    on_pg, on_sqlite = pages(pg_run), pages(fixture_run.run_dir)
+    for detail in (on_pg[3], on_sqlite[3]):  # the copy's own: its folder and its attempts' clock
+        del detail["run_dir"]
+        for a in detail["rollout"]["attempt_details"]:
+            del a["started_at"], a["ended_at"]
+    assert on_pg == on_sqlite
+    assert on_pg[2]["total"] == 5 and on_pg[3]["calls"]

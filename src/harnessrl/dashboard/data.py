@@ -28,11 +28,13 @@ from harnessrl.inspection.runview import (
     find_rollout,
     place_of,
     read_settings,
+    run_store_spec,
     summarize,
 )
 from harnessrl.inspection.tokens import load_decoder
 from harnessrl.schema import Rollout, RolloutState
-from harnessrl.store import SQLiteStore
+from harnessrl.store import SQLiteStore, StoreError, is_postgres_url, open_store
+from harnessrl.store.sql import SQLStore
 
 STORE_FILE = "store.sqlite"
 SCAN_TTL_S = 1.0  # the changing columns are re-read at most this often
@@ -80,20 +82,34 @@ class Scan:
     at: float = 0.0
 
 
+def _open_reader(store_path: Path, run_dir: Path | None) -> SQLStore:
+    """The store to read: the PostgreSQL database a run's config names, else the SQLite file, opened
+    read-only (a reader beside the run's writer)."""
+    spec = run_store_spec(run_dir) if run_dir is not None else None
+    if spec is not None and is_postgres_url(spec):
+        try:
+            store = open_store(spec)
+        except StoreError as e:
+            raise RunError(f"the run's PostgreSQL store cannot be read: {e}") from e
+        assert isinstance(store, SQLStore)
+        return store
+    if not store_path.is_file():
+        raise RunError(f"no store at {store_path}; pass --run RUN_DIR (a run's run_dir) or --store FILE")
+    try:
+        return SQLiteStore(store_path, readonly=True)
+    except Exception as e:  # sqlite3.DatabaseError and friends: not a harnessrl store
+        raise RunError(f"{store_path} is not a readable harnessrl store ({e})") from e
+
+
 class RunData:
     """A run's recorded data for the dashboard: overview, steps, groups, rollout pages, one rollout."""
 
     def __init__(self, store_path: Path, run_dir: Path | None = None) -> None:
-        if not store_path.is_file():
-            raise RunError(f"no store at {store_path}; pass --run RUN_DIR (a run's run_dir) or --store FILE")
         self.run_dir = run_dir if run_dir is not None else store_path.parent
         self.settings = (
             read_settings(self.run_dir) if (self.run_dir / "config.json").is_file() else RunSettings()
         )
-        try:
-            self.store = SQLiteStore(store_path, readonly=True)
-        except Exception as e:  # sqlite3.DatabaseError and friends: not a harnessrl store
-            raise RunError(f"{store_path} is not a readable harnessrl store ({e})") from e
+        self.store = _open_reader(store_path, run_dir)
         self._lock = threading.Lock()
         self._fixed: list[Entry] = []
         self._by_seq: dict[int, Entry] = {}

@@ -61,6 +61,11 @@ class SQLStore(Store):
     def _rows(self, sql: str, args: tuple[Any, ...] | list[Any] = ()) -> list[Row]:
         return self._read(self._q(sql), args)
 
+    def query(self, sql: str, args: tuple[Any, ...] | list[Any] = ()) -> list[tuple[Any, ...]]:
+        """Rows of one read-only SQL statement written with `?` placeholders (for views that the
+        `Store` methods do not cover, e.g. the dashboard's), on any backend."""
+        return [tuple(r) for r in self._rows(sql, args)]
+
     def _one(self, conn: Any, sql: str, args: tuple[Any, ...] = ()) -> Row | None:
         return conn.execute(self._q(sql), args).fetchone()
 
