@@ -318,7 +318,9 @@ async def test_a_hostile_harness_is_blocked_by_the_example_guard(
     gw = make_gateway()
     (test_file,) = [p for p in task.input["files"] if p.startswith("tests/")]
     assert task.guard == GuardPolicy(read_only=["repo/pytest.ini", "repo/tests"])
-    hostile = task.model_copy(update={"workspace": {**task.workspace, "repo/.git/config": "[core]\n x = 1\n"}})
+    hostile = task.model_copy(
+        update={"workspace": {**task.workspace, "repo/.git/config": "[core]\n x = 1\n"}}
+    )
     script = tmp_path / "hostile.py"
     script.write_text(HOSTILE)
     client = ControlClient(gw.url, gw.admin_key)
