@@ -85,6 +85,48 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class GuardPolicy(Strict):
+    """What a harness may touch (docs/security.md, "Guards"): paths hidden from it, paths it may read but
+    not change, and the host:port addresses it may reach besides the gateway. Relative paths are glob
+    patterns under the attempt's `home/` (its working directory, where `harness.files` and the task's
+    `workspace` are put before it starts); a hidden path may also be an absolute host path."""
+
+    hidden: list[str] = Field(default_factory=list, max_length=256)  # e.g. ["**/.git"]
+    read_only: list[str] = Field(default_factory=list, max_length=256)  # e.g. ["repo/tests", "repo/*.ini"]
+    egress: list[str] = Field(default_factory=list, max_length=64)  # e.g. ["pypi.org:443"]
+    no_git: bool = False  # the `git` program made unrunnable (the old `controller.sandbox_disable_git`)
+
+    @model_validator(mode="after")
+    def _check(self) -> GuardPolicy:
+        for name, patterns in (("hidden", self.hidden), ("read_only", self.read_only)):
+            for p in patterns:
+                if not p or "\x00" in p or ".." in p.split("/"):
+                    raise ValueError(f"guard.{name}: {p!r} must be a path without '..'")
+                if name == "read_only" and p.startswith("/"):
+                    raise ValueError(f"guard.read_only: {p!r} must be relative to the attempt's home/")
+        for e in self.egress:
+            host, sep, port = e.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+                raise ValueError(f"guard.egress: {e!r} must be host:port (e.g. pypi.org:443)")
+        return self
+
+    @property
+    def empty(self) -> bool:
+        """Whether the policy asks for nothing."""
+        return not (self.hidden or self.read_only or self.egress or self.no_git)
+
+    def merged(self, other: GuardPolicy | None) -> GuardPolicy:
+        """Both policies together: every hidden, read-only and egress entry of either (in order, once)."""
+        if other is None:
+            return self
+        return GuardPolicy(
+            hidden=list(dict.fromkeys([*self.hidden, *other.hidden])),
+            read_only=list(dict.fromkeys([*self.read_only, *other.read_only])),
+            egress=list(dict.fromkeys([*self.egress, *other.egress])),
+            no_git=self.no_git or other.no_git,
+        )
+
+
 class Task(BaseModel):
     """One dataset item: `input` goes to the harness, `reference` only to the grader."""
 
@@ -97,6 +139,18 @@ class Task(BaseModel):
     # The harness's call annotations with a `value` count as step rewards (train.credit: step); off by
     # default: then an annotation is data for inspect and export, never a reward.
     allow_annotation_rewards: bool = False
+    # What the harness may touch (merged with the config's `tasks.guard`); None: no guard of its own.
+    guard: GuardPolicy | None = None
+    # Files ({path under the attempt's home/: text}) written before the harness starts, e.g. the
+    # repository to work on, so a guard can hide or protect them (docs/security.md).
+    workspace: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _workspace_stays_home(self) -> Task:
+        for rel in self.workspace:
+            if not rel or rel.startswith("/") or "\x00" in rel or ".." in rel.split("/"):
+                raise ValueError(f"workspace: {rel!r} must be a relative path without '..'")
+        return self
 
 
 class SamplingOverrides(Strict):

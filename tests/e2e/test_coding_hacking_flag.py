@@ -1,7 +1,7 @@
 """Reward hacking in the `coding` example is flagged and counted: a hostile harness (a real subprocess
-run by the controller through a real gateway) that rewrites the task's tests and drops a `conftest.py`
-gets reward 0 with `details["hacking"]`, and the batch of its step counts it; an honest one is not
-flagged."""
+run by the controller through a real gateway, on the plain runner) that rewrites the task's tests (in
+its read-only workspace: the runner's guard check sees it) and drops a `conftest.py` gets reward 0 with
+`details["hacking"]`, and the batch of its step counts it; an honest one is not flagged."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ out = os.environ["HARNESSRL_OUTPUT"]
 test_file = [p for p in task["files"] if p.startswith("tests/")][0]
 cheat = {test_file: "def test_anything():\n    assert True\n",
          "conftest.py": "def pytest_collection_modifyitems(items):\n    items.clear()\n"}
+open(os.path.join("repo", test_file), "w").write(cheat[test_file])  # the task's read-only copy, in home/
 for rel, text in cheat.items():
     os.makedirs(os.path.dirname(os.path.join(out, "files", rel)), exist_ok=True)
     open(os.path.join(out, "files", rel), "w").write(text)
@@ -74,7 +75,10 @@ async def test_a_harness_that_edits_the_tests_is_flagged_and_counted(task: Task,
     assert all(o.state == RolloutState.SUCCEEDED and o.reward == 0.0 for o in outcomes)
     assert hostile.reward is not None and honest.reward is not None
     (test_file,) = [p for p in task.input["files"] if p.startswith("tests/")]
-    assert hostile.reward.details["hacking"] == {"edited_tests": [test_file], "outside_repo": ["conftest.py"]}
+    assert hostile.reward.details["hacking"] == {  # what the grader saw, what the runner's guard check saw
+        "edited_tests": [test_file], "outside_repo": ["conftest.py"],
+        "guard": {"read_only_changed": {"modified": [f"repo/{test_file}"]}},
+    }  # fmt: skip
     assert "hacking" not in honest.reward.details
     batch = build_batch(details)
     assert batch.flagged_hacking == [hostile.rollout.rollout_id]

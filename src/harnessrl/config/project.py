@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from harnessrl.schema import GuardPolicy
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -51,6 +53,10 @@ class TasksSection(_Section):
     heldout_fraction: float | None = Field(default=None, gt=0, lt=1)  # or: a seeded, disjoint split of train
     # or: `module:function` called with (n_train, n_heldout, seed), returning (train, heldout) task lists
     generator: str | None = None
+    # What every task's harness may touch, merged with a task's own `guard` (docs/security.md, Guards):
+    # {hidden: [glob under the attempt's home/ or host path], read_only: [glob], egress: [host:port],
+    # no_git: bool}; the sandbox enforces all of it, the plain runners check read_only and refuse the rest
+    guard: GuardPolicy | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> TasksSection:

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from harnessrl.adapter import AdvantageLevel, Credit, Estimator, LossMode, ZeroVariance
 from harnessrl.config.project import GraderSection, HarnessSection, TasksSection, _Section
 from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH, LORA_TARGET_MODULES, ROLLOUT_CACHE_SIZE
+from harnessrl.schema import GuardPolicy
 from harnessrl.store import is_postgres_url
 
 
@@ -142,8 +143,10 @@ class ControllerSection(_Section):
     sandbox_cgroup_memory_mb: int | None = 8192  # all of an attempt's processes together
     sandbox_cgroup_max_pids: int | None = 1024  # processes of one attempt together (cgroup pids.max)
     sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness reads (a venv)
-    sandbox_hide_git: bool = False  # `.git` folders in the view are hidden from the harness
-    sandbox_disable_git: bool = False  # `git` commands fail inside the sandbox
+    # aliases of the guard (tasks.guard): hide_git adds hidden "**/.git" (every `.git` in the attempt's
+    # home/), disable_git sets no_git (`git` commands fail); docs/security.md, Guards
+    sandbox_hide_git: bool = False
+    sandbox_disable_git: bool = False
     # Attempts as Ray tasks on a cluster (docs/ray.md): "auto", "host:port" or "ray://…"; None: local.
     # With `sandbox: true` each attempt is sandboxed on its node.
     ray_address: str | None = None
@@ -350,6 +353,14 @@ class RunConfig(_Section):
                 "store to a postgresql:// URL (a SQLite file belongs to one gateway process)"
             )
         return self
+
+    def guard(self) -> GuardPolicy | None:
+        """The guard of every task of the run: `tasks.guard` with the controller's old git flags."""
+        c = self.controller
+        alias = GuardPolicy(hidden=["**/.git"] if c.sandbox_hide_git else [], no_git=c.sandbox_disable_git)
+        if alias.empty:
+            return self.tasks.guard
+        return alias.merged(self.tasks.guard)
 
     def missing(self) -> list[str]:
         """What a training run still lacks (harness, tasks, grader): one line each, empty when complete."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from harnessrl.controller.grader import Grader, GraderError, grade
 from harnessrl.controller.group_grading import HELD_SLOT, GroupGate, grades_groups
+from harnessrl.controller.guard import GuardUnenforceable, write_workspace
 from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
@@ -32,6 +33,8 @@ from harnessrl.gateway.client import Control, ControlError
 from harnessrl.schema import (
     AttemptFinish,
     AttemptStatus,
+    GuardPolicy,
+    RewardIn,
     RolloutCreate,
     RolloutCreated,
     RolloutState,
@@ -101,6 +104,7 @@ class Controller:
         grader_timeout_s: float = 60.0,
         runner: Runner | None = None,
         grader_retries: int = 0,
+        guard: GuardPolicy | None = None,
     ) -> None:
         self.client = client
         # the URL harnesses call; None: the one the client picks for each rollout (its gateway replica)
@@ -112,6 +116,7 @@ class Controller:
         self.grader_timeout_s = grader_timeout_s
         self.grader_retries = grader_retries  # a crashed grader is run again this many times, then FAILED
         self.runner: Runner = runner or LocalRunner()
+        self.guard = guard  # every task's guard (the config's tasks.guard), merged with the task's own
         self._slots = asyncio.Semaphore(concurrency)
         # a grader that ranks whole groups (a group judge) gets each group's results together
         self._gate = GroupGate(grader, grader_timeout_s, grader_retries) if grades_groups(grader) else None  # type: ignore[arg-type]
@@ -119,7 +124,9 @@ class Controller:
     async def run(
         self, requests: list[RolloutRequest], on_done: Callable[[RolloutOutcome], None] | None = None
     ) -> list[RolloutOutcome]:
-        """Run every request to a final state; outcomes come back in request order."""
+        """Run every request to a final state; outcomes come back in request order. A task whose guard
+        the runner cannot enforce stops the run before anything starts (`GuardUnenforceable`)."""
+        self.check_guards([r.task for r in requests])
 
         if self._gate is not None:
             for gid in {r.group_id for r in requests if r.group_id is not None}:
@@ -138,6 +145,25 @@ class Controller:
             return outcome
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    def guard_of(self, task: Task) -> GuardPolicy | None:
+        """The guard an attempt of `task` runs under: the run's and the task's own together."""
+        if self.guard is None:
+            return task.guard
+        return self.guard.merged(task.guard)
+
+    def check_guards(self, tasks: list[Task]) -> None:
+        """Raise `GuardUnenforceable` naming the first task whose guard this runner cannot enforce."""
+        seen: set[str] = set()
+        for task in tasks:
+            guard = self.guard_of(task)
+            if guard is None or guard.empty or (key := guard.model_dump_json()) in seen:
+                continue
+            seen.add(key)
+            check = getattr(self.runner, "guard_problem", None)
+            why = check(guard) if check is not None else f"{type(self.runner).__name__} enforces no guard"
+            if why is not None:
+                raise GuardUnenforceable(f"task {task.task_id!r} declares a guard: {why}")
 
     async def run_one(self, req: RolloutRequest) -> RolloutOutcome:
         """Create (or find) the rollout, run attempts until one yields a gradable result, grade it."""
@@ -249,9 +275,12 @@ class Controller:
                 gateway_url=self._gateway_url(rid),
                 task_input=req.task.input,
                 workdir=self._workdir(rid, attempt.attempt),
+                guard=self.guard_of(req.task),
             )
             if self.harness.files:
                 copy_files(self.harness.files, spec.workdir)
+            if req.task.workspace:
+                write_workspace(req.task.workspace, spec.workdir / "home")
             result = await self.runner.run(spec, self.harness)
             if result.infra_error is None and await self.client.lost(spec.gateway_url):
                 result = dataclasses.replace(result, infra_error=f"the gateway {spec.gateway_url} went away "
@@ -294,6 +323,8 @@ class Controller:
             return RolloutOutcome(
                 rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error, "grader"
             )
+        if result.guard_findings:
+            reward = _flag_guard(reward, result.guard_findings)
         await self.client.set_reward(rid, reward)
         await self.client.set_state(rid, RolloutState.SUCCEEDED)
         return _scored(req, rid, reward.value, result)
@@ -310,6 +341,18 @@ def _scored(req: RolloutRequest, rid: str, value: float, result: AttemptResult) 
     return RolloutOutcome(
         rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, value, timed_out=result.timed_out
     )
+
+
+def _flag_guard(reward: RewardIn, findings: dict[str, Any]) -> RewardIn:
+    """The reward with what the runner's guard check found under `details["hacking"]["guard"]` (next to
+    whatever the grader flagged itself), so it is counted per step like a grader's flag."""
+    details = dict(reward.details)
+    own = details.get("hacking")
+    details["hacking"] = {
+        **(own if isinstance(own, dict) else {"grader": own} if own else {}),
+        "guard": findings,
+    }
+    return reward.model_copy(update={"details": details})
 
 
 def _write_grader_error(workdir: Path, error: str) -> None:

@@ -62,6 +62,4 @@ def sandbox_spec(section: ControllerSection) -> SandboxSpec:
         cgroup_memory_bytes=mb(section.sandbox_cgroup_memory_mb),
         cgroup_max_pids=section.sandbox_cgroup_max_pids,
         ro_paths=tuple(section.sandbox_ro_paths),
-        hide_git=section.sandbox_hide_git,
-        disable_git=section.sandbox_disable_git,
-    )
+    )  # sandbox_hide_git / sandbox_disable_git are guard aliases now (RunConfig.guard)

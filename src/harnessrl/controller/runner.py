@@ -16,7 +16,10 @@ import signal
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from harnessrl.schema import GuardPolicy
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ class AttemptSpec:
     gateway_url: str
     task_input: dict[str, Any]
     workdir: Path
+    guard: GuardPolicy | None = None  # what the task lets the harness touch (controller/guard.py)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,9 @@ class AttemptResult:
     stdout_tail: str
     stderr_tail: str
     infra_error: str | None = None
+    # what a runner that checks (not blocks) the task's guard found, e.g. read-only files changed;
+    # the controller adds it to the reward's details["hacking"]["guard"]
+    guard_findings: dict[str, Any] | None = None
 
 
 def contract_env(
@@ -147,6 +154,11 @@ class Runner(Protocol):
         """Release what `start` took; no attempt runs after it."""
         ...
 
+    def guard_problem(self, guard: GuardPolicy | None) -> str | None:
+        """Why this runner cannot enforce (or check) a task's `guard`, or None when it can; the
+        controller refuses to start a run with such a task (docs/security.md, Guards)."""
+        ...
+
 
 class RunnerBase:
     """Defaults of the `Runner` lifecycle for a runner that needs no setup and cannot reattach."""
@@ -160,6 +172,12 @@ class RunnerBase:
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def guard_problem(self, guard: GuardPolicy | None) -> str | None:
+        """A runner that enforces no guard refuses every non-empty one."""
+        if guard is None or guard.empty:
+            return None
+        return f"{type(self).__name__} enforces no guard (hidden, read_only, egress); use the local or Ray runner"
 
 
 def prepare_workdir(spec: AttemptSpec) -> tuple[Path, Path]:

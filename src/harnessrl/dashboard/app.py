@@ -10,6 +10,9 @@ Routes (all GET; anything else is 405):
     /api/rollouts?...          a page of rollouts: phase, step, group, task, state (or failed),
                                zero_variance, reward_min, reward_max, offset, limit
     /api/rollouts/{id}         one rollout: calls with conversation and tool calls, rows token by token
+    /api/suspects?checks=KEY   rollouts whose reward rose while their checks (details[KEY], default
+                               "passed") did not, against another rollout of the same task (suspects.py);
+                               phase (default train)
     /api/live                  server-sent events: a message whenever the run records something
 
 With an admin key every request needs it: `Authorization: Bearer KEY`, or `?key=KEY` once (it is then
@@ -23,6 +26,7 @@ import hmac
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -181,6 +185,16 @@ class DashboardRoutes:
             raise BadParam(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
         return {"groups": self.data.groups(_int(q, "step", None), None if phase == "all" else phase)}
 
+    def suspects(self, request: Request) -> Any:
+        q = request.query_params
+        checks = q.get("checks") or "passed"
+        if not re.fullmatch(r"[A-Za-z_][\w.-]{0,63}", checks):
+            raise BadParam(f"checks must name a detail of the grader's reward (e.g. passed), not {checks!r}")
+        phase = q.get("phase") or "train"
+        if phase not in PHASES:
+            raise BadParam(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
+        return self.data.suspects(checks, None if phase == "all" else phase)
+
     async def live(self, request: Request) -> Response:
         """Server-sent events: the run's live token whenever it changes (for at most LIVE_MAX_S)."""
 
@@ -214,6 +228,7 @@ class DashboardRoutes:
                 "/api/rollouts/{rollout_id}",
                 _json_endpoint(lambda r: data.rollout(r.path_params["rollout_id"])),
             ),
+            Route("/api/suspects", _json_endpoint(self.suspects)),
             Route("/api/live", self.live),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ]

@@ -19,6 +19,7 @@ from typing import Any
 
 from harnessrl.adapter import AdvantageLevel
 from harnessrl.adapter.advantage import rollout_advantages
+from harnessrl.dashboard.suspects import Graded, checks_of, unbacked_rises
 from harnessrl.export.traces import run_files
 from harnessrl.inspection.report import rollout_view
 from harnessrl.inspection.runview import (
@@ -240,6 +241,28 @@ class RunData:
                 "calls": sum(m.calls for m in members),
             })  # fmt: skip
         return out
+
+    def suspects(self, checks: str, phase: str | None = "train") -> dict[str, Any]:
+        """Rollouts whose reward rose while their checks (`details[checks]`) did not (`suspects.py`)."""
+        scan = self.scan()
+        rows = self.store.query(
+            "SELECT r.seq, w.value, w.details FROM rollouts r JOIN rewards w ON w.rollout_id = r.rollout_id"
+            " WHERE r.state = ?",
+            (RolloutState.SUCCEEDED.value,),
+        )
+        by_seq = {e.seq: e for e in scan.entries}
+        graded = []
+        for seq, value, details_json in rows:
+            e = by_seq.get(seq)
+            if e is None or (phase is not None and e.place.phase != phase):
+                continue
+            details = json.loads(details_json)
+            graded.append(Graded(e.rollout_id, e.task_id, e.group_id, e.place.step, value,
+                                 checks_of(details, checks), details.get("hacking") or None))  # fmt: skip
+        listed, without = unbacked_rises(graded)
+        flagged = sum(g.hacking is not None for g in graded)
+        return {"checks": checks, "graded": len(graded), "without_checks": without,
+                "flagged_hacking": flagged, "items": listed}  # fmt: skip
 
     # run and steps --------------------------------------------------------------------------------
     def overview(self) -> dict[str, Any]:

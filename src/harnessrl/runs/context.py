@@ -77,7 +77,7 @@ def connect(cfg: RunConfig, run_dir: Path, project: Project, stack: ServiceStack
     controller = Controller(
         client, None, project.harness_spec(c.harness_timeout_s), project.grader, run_dir,
         concurrency=c.concurrency, max_attempts=c.max_attempts, grader_timeout_s=c.grader_timeout_s,
-        grader_retries=c.grader_retries, runner=runner,
+        grader_retries=c.grader_retries, runner=runner, guard=cfg.guard(),
     )  # fmt: skip
     return RunParts(run_id_of(run_dir), client, engine, runner, controller)
 

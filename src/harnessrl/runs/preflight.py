@@ -156,7 +156,7 @@ def run_check(cfg: RunConfig, task_index: int = 0) -> CheckReport:
         controller = Controller(
             client, gateway_url, harness, project.grader,
             scratch, concurrency=1, max_attempts=1, grader_timeout_s=cfg.controller.grader_timeout_s,
-            runner=runner,
+            runner=runner, guard=cfg.guard(),
         )  # fmt: skip
         try:
             await runner.start()

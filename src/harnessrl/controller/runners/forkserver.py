@@ -35,8 +35,9 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from harnessrl.controller.guard import ReadOnlyWatch, plain_runner_problem
 from harnessrl.controller.isolation import IsolationError, attempt_identity, finish_attempt
 from harnessrl.controller.runner import (
     DEFAULT_PASSTHROUGH,
@@ -52,6 +53,9 @@ from harnessrl.controller.runner import (
 )
 from harnessrl.controller.runners.local import LocalRunner, OwnUid
 from harnessrl.services.process import die_with_parent
+
+if TYPE_CHECKING:
+    from harnessrl.schema import GuardPolicy
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,10 @@ class ForkServerRunner(RunnerBase):
         """The zygote's environment: what LocalRunner passes a harness of the controller's."""
         return {k: os.environ[k] for k in DEFAULT_PASSTHROUGH if k in os.environ}
 
+    def guard_problem(self, guard: GuardPolicy | None) -> str | None:
+        """As `LocalRunner`: read-only paths checked after the attempt, nothing hidden, no egress bound."""
+        return plain_runner_problem(guard)
+
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
         """Run one attempt to its end (exit, timeout, or failure to start)."""
         form = fork_form(harness.command, self.python)
@@ -139,6 +147,7 @@ class ForkServerRunner(RunnerBase):
         env = contract_env(spec, harness, task_file, output_dir)
         if _interpreter_env(env) != _interpreter_env(self._zygote_env()):
             return await self._local.run(spec, harness)  # e.g. PYTHONHASHSEED: read only at start-up
+        watch = ReadOnlyWatch(spec.guard, spec.workdir)
         with contextlib.ExitStack() as stack:
             program = [self.python, *([target] if kind == "path" else [])]
             try:  # the uid must reach the interpreter and, for a script, the script
@@ -150,7 +159,9 @@ class ForkServerRunner(RunnerBase):
                 result = await self._forked(spec, harness, request)
             finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
                 note = finish_attempt(spec.workdir, uid, spec.rollout_id, spec.attempt)
-        return dataclasses.replace(result, stderr_tail=result.stderr_tail + note) if note else result
+        return dataclasses.replace(
+            result, stderr_tail=result.stderr_tail + note, guard_findings=watch.findings()
+        )
 
     async def _forked(
         self, spec: AttemptSpec, harness: HarnessSpec, request: dict[str, Any]

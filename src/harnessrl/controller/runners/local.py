@@ -1,6 +1,8 @@
 """The local runner: one subprocess per attempt, the harness contract in its environment, a timeout
 that kills the whole process group; as root, the harness runs under a uid of its own (`isolation.py`),
-and after every attempt `output/` is cleaned of links the grader must not follow."""
+and after every attempt `output/` is cleaned of links the grader must not follow. A task's guard is
+checked, not enforced: read-only paths are hashed before and after (`controller/guard.py`), and a guard
+asking to hide paths or bound the network is refused (`guard_problem`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import logging
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from harnessrl.controller.guard import ReadOnlyWatch, plain_runner_problem
 from harnessrl.controller.isolation import IsolationError, attempt_identity, drop_to, finish_attempt
 from harnessrl.controller.runner import (
     AttemptResult,
@@ -26,6 +29,9 @@ from harnessrl.controller.runner import (
     tail,
 )
 from harnessrl.services.process import die_with_parent
+
+if TYPE_CHECKING:
+    from harnessrl.schema import GuardPolicy
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +47,14 @@ class LocalRunner(RunnerBase):
     def __init__(self, own_uid: OwnUid = "auto") -> None:
         self.own_uid = own_uid
 
+    def guard_problem(self, guard: GuardPolicy | None) -> str | None:
+        """Read-only paths are checked after the attempt; hidden paths and egress cannot be enforced."""
+        return plain_runner_problem(guard)
+
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
         """Run one attempt to its end (exit, timeout, or failure to start)."""
         output_dir, task_file = prepare_workdir(spec)
+        watch = ReadOnlyWatch(spec.guard, spec.workdir)
         env = contract_env(spec, harness, task_file, output_dir)
         with contextlib.ExitStack() as stack:
             try:
@@ -56,7 +67,9 @@ class LocalRunner(RunnerBase):
                 result = await self._spawn(spec, harness, env, cwd, preexec(uid))
             finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
                 note = finish_attempt(spec.workdir, uid, spec.rollout_id, spec.attempt)
-        return dataclasses.replace(result, stderr_tail=result.stderr_tail + note) if note else result
+        return dataclasses.replace(
+            result, stderr_tail=result.stderr_tail + note, guard_findings=watch.findings()
+        )
 
     async def _spawn(self, spec: AttemptSpec, harness: HarnessSpec, env: dict[str, str], cwd: Path,
                      before_exec: Callable[[], None]) -> AttemptResult:  # fmt: skip

@@ -36,7 +36,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harnessrl.controller.runner import (
     AttemptResult,
@@ -49,6 +49,9 @@ from harnessrl.controller.runner import (
 )
 from harnessrl.controller.runners.local import LocalRunner
 from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec
+
+if TYPE_CHECKING:
+    from harnessrl.schema import GuardPolicy
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,7 @@ class NodeResult:
     skipped: list[str]
     node_id: str
     hostname: str
+    guard_findings: dict[str, Any] | None = None  # what the inner runner's guard check found
 
 
 def collect_files(
@@ -216,6 +220,7 @@ def run_on_node(
             skipped=skipped,
             node_id=node_id,
             hostname=socket.gethostname(),
+            guard_findings=result.guard_findings,
         )
     finally:
         if not ray_spec.keep_node_workdir:
@@ -265,6 +270,12 @@ class RayRunner(RunnerBase):
                 log.info("event=ray_connected address=%s", self.ray_spec.address)
             if self._remote is None:
                 self._remote = ray.remote(_ray_task)
+
+    def guard_problem(self, guard: GuardPolicy | None) -> str | None:
+        """What the inner runner on the node says: the sandbox enforces a guard, the plain runner
+        checks read-only paths only."""
+        inner = SandboxRunner(self.ray_spec.sandbox) if self.ray_spec.sandbox is not None else LocalRunner()
+        return inner.guard_problem(guard)
 
     def close(self) -> None:
         """Disconnect from the cluster if this runner connected."""
@@ -324,6 +335,7 @@ class RayRunner(RunnerBase):
             stdout_tail=node.stdout_tail,
             stderr_tail=node.stderr_tail,
             infra_error=node.infra_error,
+            guard_findings=node.guard_findings,
         )
 
     @staticmethod

@@ -10,6 +10,9 @@ How an attempt runs (see docs/sandbox.md):
 - The view: system directories, the Python installation and this package read-only, the attempt's
   directory (its `output/` and `home/` writable), a private size-capped `/tmp`, a fresh `/proc` and a
   minimal `/dev`, an empty `/run`. Optionally `.git` directories hidden and `git` made unrunnable.
+- A task's guard (`controller/guard.py`): its hidden paths are an empty tmpfs (`/dev/null` for a
+  file), its read-only paths read-only binds, `no_git` as `disable_git`; its egress allowlist is
+  relayed like the gateway (`egress.py`).
 - As root, the harness runs as a uid of its own (one per concurrent attempt, held with a lock file),
   so RLIMIT_NPROC bounds its processes; RLIMIT_CPU/AS/FSIZE/NOFILE bound the rest. Without root,
   bwrap uses a user namespace and the process limit is not applied.
@@ -33,9 +36,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
+from harnessrl.controller.guard import matched
 from harnessrl.controller.isolation import (
     LOCK_DIR,
     UID_BASE,
@@ -58,6 +62,10 @@ from harnessrl.controller.runner import (
 )
 from harnessrl.controller.runners.bridge import GatewayBridge
 from harnessrl.controller.runners.cgroups import AttemptCgroup
+from harnessrl.controller.runners.egress import EgressRelay, plan
+
+if TYPE_CHECKING:
+    from harnessrl.schema import GuardPolicy
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # src/harnessrl: harnesses may import it
 log = logging.getLogger(__name__)
@@ -132,8 +140,10 @@ def git_paths(roots: list[Path], depth: int = 2) -> list[Path]:
     return found
 
 
-def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_files: list[str]) -> list[str]:
-    """The bwrap options (namespaces, capabilities, mounts) for one attempt, mounts parents-first."""
+def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_files: list[str],
+               guard: GuardPolicy | None = None, egress: EgressRelay | None = None) -> list[str]:  # fmt: skip
+    """The bwrap options (namespaces, capabilities, mounts) for one attempt, mounts parents-first;
+    `guard` adds its hidden and read-only paths (`guard_mounts`), `egress` its relays' sockets."""
     opts = ["--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
             "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]  # fmt: skip
     if os.geteuid() == 0:  # keep only what sandbox_init needs to drop to the attempt's uid
@@ -158,12 +168,14 @@ def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_f
     mounts.append((str(workdir), ["--bind", str(workdir), str(workdir)]))
     mounts += [(p, ["--bind-try", p, p]) for p in sandbox.rw_paths]
     mounts.append((SOCKET_IN_SANDBOX, ["--ro-bind", str(host_socket), SOCKET_IN_SANDBOX]))
+    mounts += egress.mounts() if egress is not None else []
+    mounts += guard_mounts(guard, workdir / "home")
     if sandbox.hide_git:
         roots = [workdir] + [Path(p) for p in (*sandbox.ro_paths, *sandbox.rw_paths)]
         for g in git_paths(roots):
             hide = ["--tmpfs", str(g)] if g.is_dir() else ["--ro-bind", "/dev/null", str(g)]
             mounts.append((str(g), hide))
-    if sandbox.disable_git:
+    if sandbox.disable_git or (guard is not None and guard.no_git):
         for exe in {shutil.which("git"), "/usr/bin/git"} - {None}:
             if exe and os.path.exists(exe):
                 real = os.path.realpath(exe)
@@ -175,6 +187,24 @@ def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_f
     for _, m in mounts:
         opts += m
     return opts
+
+
+def guard_mounts(guard: GuardPolicy | None, home: Path) -> list[tuple[str, list[str]]]:
+    """The mounts of a task's guard: read-only binds over what its `read_only` patterns match in the
+    attempt's `home/`, and an empty tmpfs (a directory) or `/dev/null` (a file) over what its `hidden`
+    patterns match there or name on the host. Links are skipped (a bind would follow them)."""
+    if guard is None:
+        return []
+    out: list[tuple[str, list[str]]] = []
+    for p in matched(home, guard.read_only):
+        if not p.is_symlink():
+            out.append((str(p), ["--ro-bind", str(p), str(p)]))
+    hidden = matched(home, guard.hidden) + [Path(h) for h in guard.hidden if h.startswith("/")]
+    for p in dict.fromkeys(hidden):
+        if p.is_symlink() or not p.exists():
+            continue
+        out.append((str(p), ["--tmpfs", str(p)] if p.is_dir() else ["--ro-bind", "/dev/null", str(p)]))
+    return out
 
 
 def _parent_dirs(mounts: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
@@ -197,9 +227,11 @@ def _under(path: str, root: str) -> bool:
     return os.path.commonpath([os.path.abspath(path), os.path.abspath(root)]) == os.path.abspath(root)
 
 
-def init_args(sandbox: SandboxSpec, status_fd: int, port: int, uid: int | None, cwd: Path) -> list[str]:
-    """The command line of sandbox_init: the forwarder port, the uid and the resource limits."""
+def init_args(sandbox: SandboxSpec, status_fd: int, port: int, uid: int | None, cwd: Path,
+              egress: EgressRelay | None = None) -> list[str]:  # fmt: skip
+    """The command line of sandbox_init: the forwarder port(s), the uid and the resource limits."""
     args = [sys.executable, "-I", "-S", str(INIT_SCRIPT), "--status-fd", str(status_fd)]
+    args += egress.init_args() if egress is not None else []
     args += ["--port", str(port), "--socket", SOCKET_IN_SANDBOX, "--cwd", str(cwd)]
     if uid is not None:
         args += ["--uid", str(uid), "--gid", str(uid)]
@@ -217,6 +249,14 @@ class SandboxRunner(RunnerBase):
 
     def __init__(self, sandbox: SandboxSpec | None = None) -> None:
         self.sandbox = sandbox or SandboxSpec()
+
+    def guard_problem(self, guard: GuardPolicy | None) -> str | None:
+        """Every guard is enforced here; an egress entry that cannot be relayed is refused."""
+        try:
+            plan(guard.egress if guard is not None else [])
+        except ValueError as e:
+            return str(e)
+        return None
 
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
         """Run one attempt to its end; a sandbox that cannot be set up is an `infra_error`."""
@@ -244,6 +284,10 @@ class SandboxRunner(RunnerBase):
         env = contract_env(inner, harness, task_file, output_dir)
         if "HOME" not in harness.env:
             env["HOME"] = str(home)
+        try:  # an egress entry that cannot be relayed (guard_problem refuses it before the run)
+            forwards = plan(spec.guard.egress if spec.guard is not None else [], port)
+        except ValueError as e:
+            return failed(str(e))
         try:
             async with contextlib.AsyncExitStack() as stack:
                 uid = None
@@ -263,18 +307,19 @@ class SandboxRunner(RunnerBase):
                 bridge = await stack.enter_async_context(
                     GatewayBridge(sock_dir / "gw.sock", gw.hostname, port)
                 )
-                return await self._sandboxed(spec, harness, bwrap, bridge.path, env, output_dir, uid, port, cgroup)  # fmt: skip
+                egress = await stack.enter_async_context(EgressRelay(forwards, sock_dir))
+                return await self._sandboxed(spec, harness, bwrap, bridge.path, env, output_dir, uid, port, cgroup, egress)  # fmt: skip
         except OSError as e:
             return failed(f"{type(e).__name__}: {e}")
 
     async def _sandboxed(self, spec: AttemptSpec, harness: HarnessSpec, bwrap: str, host_socket: Path,
                          env: dict[str, str], output_dir: Path, uid: int | None, port: int,
-                         cgroup: AttemptCgroup) -> AttemptResult:  # fmt: skip
+                         cgroup: AttemptCgroup, egress: EgressRelay | None = None) -> AttemptResult:  # fmt: skip
         files = [a for a in harness.command if a.startswith("/") and os.path.isfile(a)]
         status_r, status_w = os.pipe()
         os.set_blocking(status_r, False)
-        argv = [bwrap, *bwrap_args(self.sandbox, spec.workdir, host_socket, files), "--",
-                *init_args(self.sandbox, status_w, port, uid, spec.workdir / "home"), "--", *harness.command]  # fmt: skip
+        argv = [bwrap, *bwrap_args(self.sandbox, spec.workdir, host_socket, files, spec.guard, egress), "--",
+                *init_args(self.sandbox, status_w, port, uid, spec.workdir / "home", egress), "--", *harness.command]  # fmt: skip
         argv = cgroup.join_command(argv)
         out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
         timed_out = False

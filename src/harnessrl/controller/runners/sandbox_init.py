@@ -30,12 +30,13 @@ LIMITS = {
 }
 USAGE = (
     "usage: sandbox_init.py --status-fd N --port N --socket PATH [--uid N --gid N] [--cwd DIR]"
-    " [--limit NAME=VALUE]... -- COMMAND..."
+    " [--limit NAME=VALUE]... [--forward ADDR:PORT=SOCKET]... -- COMMAND..."
 )
 
 
 def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
-    """(options, limits as NAME=VALUE, harness command) from `--key value ... -- command`."""
+    """(options, limits as NAME=VALUE, harness command) from `--key value ... -- command`; the
+    `--forward` values (a guard's egress: ADDR:PORT=SOCKET) are in options["forward"], "\n"-joined."""
     opts: dict[str, str] = {}
     limits: list[str] = []
     i = 0
@@ -43,6 +44,8 @@ def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
         key, value = argv[i].removeprefix("--"), argv[i + 1] if i + 1 < len(argv) else ""
         if key == "limit":
             limits.append(value)
+        elif key == "forward":
+            opts["forward"] = (opts["forward"] + "\n" if "forward" in opts else "") + value
         else:
             opts[key] = value
         i += 2
@@ -97,22 +100,35 @@ def exec_harness(opts: dict[str, str], limits: list[str], command: list[str], er
     os._exit(127)
 
 
+def listen(addr: str, port: int) -> _socket.socket:
+    """A TCP listener on `addr:port` in the sandbox's own network namespace."""
+    listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+    listener.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+    listener.bind((addr, port))
+    listener.listen(256)
+    return listener
+
+
 def main(argv: list[str]) -> int:
-    """Set up the forwarder, start the harness, relay until it exits; return its exit code."""
+    """Set up the forwarders, start the harness, relay until it exits; return its exit code."""
     opts, limits, command = parse_args(argv)
     status = int(opts["status-fd"])
+    relays: list[tuple[_socket.socket, str]] = []
     try:
-        listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
-        listener.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", int(opts["port"])))
-        listener.listen(256)
+        listener = listen("127.0.0.1", int(opts["port"]))
+        relays.append((listener, opts["socket"]))
+        for spec in filter(None, opts.get("forward", "").split("\n")):  # a guard's egress allowlist
+            addr, _, rest = spec.partition(":")
+            port, _, path = rest.partition("=")
+            relays.append((listen(addr, int(port)), path))
         # Connections the harness makes before the relay thread runs wait in the listen backlog.
         err_r, err_w = os.pipe()  # close-on-exec: EOF means the exec succeeded
         pid = os.fork()
         if pid == 0:
             os.close(err_r)
             os.close(status)
-            listener.close()
+            for sock, _ in relays:
+                sock.close()
             exec_harness(opts, limits, command, err_w)
         os.close(err_w)
         failure = os.read(err_r, 4096).decode(errors="replace")
@@ -124,7 +140,8 @@ def main(argv: list[str]) -> int:
         return SETUP_FAILED
     os.write(status, f"ready {pid}\n".encode())
     os.close(status)
-    _thread.start_new_thread(serve, (listener, opts["socket"]))
+    for sock, path in relays:
+        _thread.start_new_thread(serve, (sock, path))
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     return 128 - code if code < 0 else code
 

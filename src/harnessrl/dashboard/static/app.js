@@ -1,5 +1,6 @@
-// harnessrl dashboard: one page, three views chosen by the URL hash, drawn from the read-only JSON API.
+// harnessrl dashboard: one page, four views chosen by the URL hash, drawn from the read-only JSON API.
 //   #/                     the run: summary, plots per step, the steps table
+//   #/suspects?checks=KEY  rollouts whose reward rose while their checks did not (reward hacking?)
 //   #/rollouts?step=N&...  groups of a step and a page of rollouts, with filters
 //   #/rollout/ID           one rollout: attempts, calls with their conversation and tool calls, rows
 // Everything recorded is put into the page with textContent (never as HTML): model output is untrusted.
@@ -245,6 +246,27 @@ async function rolloutsView(params) {
   return out;
 }
 
+async function suspectsView(params) {
+  const q = new URLSearchParams();
+  for (const k of ["checks", "phase"]) if (params.get(k)) q.set(k, params.get(k));
+  const s = await api(`/api/suspects?${q}`);
+  const cols = ["rollout", "step", "task", "reward", `checks (${s.checks})`, "baseline", "its reward", "its checks", "rise", "hacking"];
+  const rid = (id) => link(id, `#/rollout/${encodeURIComponent(id)}`);
+  return el("div", { id: "view-suspects" },
+    el("h1", {}, "reward rose, checks did not"),
+    el("p", { class: "muted" }, `A rollout is listed when another rollout of its task got a lower reward while passing at least as many checks ` +
+      `(details.${s.checks}). ${s.graded} graded rollouts, ${s.without_checks} without that detail, ${s.flagged_hacking} flagged as hacking.`),
+    el("table", { id: "suspects-table" },
+      el("thead", {}, el("tr", {}, cols.map((c) => el("th", {}, c)))),
+      el("tbody", {}, s.items.length ? s.items.map((r) => el("tr", { "data-rollout": r.rollout_id },
+        el("td", {}, rid(r.rollout_id)), el("td", { class: "num" }, fmt(r.step)), el("td", {}, r.task_id),
+        el("td", { class: "num" }, fmt(r.reward)), el("td", { class: "num" }, fmt(r.checks)),
+        el("td", {}, rid(r.baseline.rollout_id)), el("td", { class: "num" }, fmt(r.baseline.reward)),
+        el("td", { class: "num" }, fmt(r.baseline.checks)), el("td", { class: "num" }, fmt(r.rise)),
+        el("td", {}, r.hacking ? el("span", { class: "badge break", title: JSON.stringify(r.hacking) }, "flagged") : ""))) :
+        el("tr", {}, el("td", { colspan: cols.length, class: "muted" }, "no rollout's reward rose without its checks")))));
+}
+
 function pager(page, params) {
   const go = (offset) => { const p = new URLSearchParams(params); p.set("offset", offset); location.hash = `#/rollouts?${p}`; };
   const end = Math.min(page.offset + page.items.length, page.total);
@@ -380,6 +402,7 @@ async function render() {
     let view;
     if (path.startsWith("/rollout/")) view = await rolloutView(decodeURIComponent(path.slice(9)));
     else if (path === "/rollouts") view = await rolloutsView(params);
+    else if (path === "/suspects") view = await suspectsView(params);
     else view = await runView();
     const y = window.scrollY;
     app.replaceChildren(view);

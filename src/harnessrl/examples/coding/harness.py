@@ -2,7 +2,7 @@
 
 It knows nothing of harnessrl (standard library + `minisweagent` only) and follows the harness
 contract: it reads the task from `HARNESSRL_TASK` (a statement and a repository as {path: text}),
-writes the repository to `$HOME/repo`, runs mini-swe-agent's own `DefaultAgent` there with its
+writes the repository to `$HOME/repo` (unless the task's workspace already put it there), runs mini-swe-agent's own `DefaultAgent` there with its
 builtin `mini.yaml` config (tool-calling bash agent, `LocalEnvironment` executing in the repository,
 `LitellmModel` with model `openai/<MODEL>` whose base URL and key litellm takes from
 `OPENAI_BASE_URL` / `OPENAI_API_KEY`; cost tracking set to ignore unknown models and the cost limit
@@ -132,7 +132,8 @@ def main() -> int:
     repo = home / "repo"
     _prepare_env(home)
     files: dict[str, str] = task["files"]
-    write_repo(repo, files)
+    if not repo.is_dir():  # the controller puts it there first when the task has a workspace
+        write_repo(repo, files)
     info = run_agent(task["statement"], repo, output, int(task.get("step_limit", STEP_LIMIT)))
     changes = write_outputs(output, files, read_repo(repo), info)
     n_changed = len(changes["changed"] + changes["added"] + changes["deleted"])

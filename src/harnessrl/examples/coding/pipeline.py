@@ -26,10 +26,11 @@ from typing import Any
 
 from harnessrl.examples.coding.tasks import Candidate, build_candidates, is_test_path, statement
 from harnessrl.examples.coding.validate import Validation, validate_all
-from harnessrl.schema import Task
+from harnessrl.schema import GuardPolicy, Task
 
 log = logging.getLogger(__name__)
 
+REPO_DIR = "repo"  # where the repository is in the attempt's home/ (the harness's `$HOME/repo`)
 EMPTY_STATEMENT = "empty_statement"
 NO_TESTS = "no_tests"
 TOO_MANY_TESTS = "too_many_tests"
@@ -57,14 +58,19 @@ def to_task(c: Candidate, v: Validation, partial_credit: bool = False) -> Task:
     """The validated candidate as a task: the repository and statement for the harness, the
     fix, tests and their outcomes for the grader."""
     text = statement(c.docstring, c.entry_point, c.module_path, v.fail_to_pass)
+    tests = {p: t for p, t in c.files.items() if is_test_path(p)}
     return Task(
         task_id=c.task_id,
         input={"statement": text, "files": c.files},
+        # the repository is in the attempt's home/ before the harness starts, its tests and test
+        # configuration read-only: blocked in the sandbox, flagged by the plain runners (docs/security.md)
+        workspace={f"{REPO_DIR}/{p}": t for p, t in c.files.items()},
+        guard=GuardPolicy(read_only=sorted({f"{REPO_DIR}/{p.split('/')[0]}" for p in tests})),
         reference={
             "problem_id": c.problem_id,
             "module_path": c.module_path,
             "fixed_module": c.fixed_module,
-            "test_files": {p: t for p, t in c.files.items() if is_test_path(p)},
+            "test_files": tests,
             "fail_to_pass": v.fail_to_pass,
             "pass_to_pass": v.pass_to_pass,
             "mutation": c.mutation,

@@ -15,7 +15,7 @@ from harnessrl.controller import Controller, HarnessSpec, sibling_requests
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import Runner
 from harnessrl.gateway.client import ControlClient
-from harnessrl.schema import SamplingOverrides, Task
+from harnessrl.schema import GuardPolicy, SamplingOverrides, Task
 
 SOLVED = 1.0
 
@@ -31,8 +31,10 @@ async def probe_with_gateway(
     concurrency: int = 4,
     timeout_s: float = 600.0,
     max_tokens: int | None = None,
+    guard: GuardPolicy | None = None,
 ) -> dict[str, int]:
-    """{task id: how many of its `k` rollouts scored 1.0} with the coding harness and grader."""
+    """{task id: how many of its `k` rollouts scored 1.0} with the coding harness and grader (under
+    the run's `guard`, the config's `RunConfig.guard()`)."""
     from harnessrl.examples import get_example
 
     example = get_example("coding")
@@ -42,7 +44,8 @@ async def probe_with_gateway(
     requests = [r for t in tasks for r in sibling_requests(t, f"probe-{tag}", k, sampling, {"probe": tag})]
     try:
         controller = Controller(client, gateway_url, HarnessSpec(example.harness_command, timeout_s=timeout_s),
-                                example.grader, run_dir, concurrency=concurrency, runner=runner)  # fmt: skip
+                                example.grader, run_dir, concurrency=concurrency, runner=runner,
+                                guard=guard)  # fmt: skip
         outcomes = await controller.run(requests)
     finally:
         await client.aclose()
@@ -78,6 +81,7 @@ def probe_solve_counts(
                 temperature=cfg.train.temperature,
                 concurrency=cfg.controller.concurrency,
                 timeout_s=cfg.controller.harness_timeout_s,
+                guard=cfg.guard(),
             )
         )
     finally:
