@@ -83,7 +83,7 @@ def test_engine_serves_bf16_close_to_the_bf16_trainer(
     gen = torch.Generator().manual_seed(5)
     bodies = [{"prompt": torch.randint(3, vocab, (n,), generator=gen).tolist(), "max_tokens": 12,
                "temperature": 1.0, "seed": n, "logprobs": 0, "ignore_eos": True} for n in (9, 33)]  # fmt: skip
-    for body, res in zip(bodies, asyncio.run(_together(server, bodies)), strict=True):
+    for res in asyncio.run(_together(server, bodies)):
         ids = res["choices"][0]["token_ids"]
         got = torch.tensor(res["choices"][0]["logprobs"]["token_logprobs"])
         want = full_forward_logprobs(trainer, res["prompt_token_ids"], ids, 1.0).float()
