@@ -13,31 +13,18 @@ import torch
 
 from harnessrl.engine.server import ServerThread
 from harnessrl.modeling.loading import load_model
-from harnessrl.modeling.lora import LoraSpec, attach, save_peft
-from tests.support.engine_server import full_forward_logprobs, start_server
+from harnessrl.modeling.lora import attach, read_peft
+from tests.support.engine_server import full_forward_logprobs, random_adapter_dir, start_server
 
 pytest_plugins = ["tests.support.engine_fixtures"]
 
 PROMPTS = [[1, 4093, 198, 2683, 314, 253, 1345], [1, 4093, 198, 7, 11, 906], [1, 28, 906, 30, 4093]]
 
 
-def _adapter_dir(model_dir: Path, out: Path, seed: int) -> Path:
-    """A PEFT folder of an adapter with random B (a fresh one is the identity) on the tiny model."""
-    model = load_model(model_dir)
-    adapter = attach(model, LoraSpec(r=4, alpha=8.0), seed=seed, base_model=str(model_dir))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for b in adapter.lora_B:
-            b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
-    return save_peft(adapter, out, str(model_dir))
-
-
 def _trainer_logprobs(model_dir: Path, adapter_dir: Path | None, prompt: list[int], out: list[int]) -> torch.Tensor:
     """The trainer's logprobs of `out` after `prompt`: the base model with the adapter hooked in."""
     model = load_model(model_dir)
     if adapter_dir is not None:
-        from harnessrl.modeling.lora import read_peft
-
         spec, tensors = read_peft(adapter_dir)
         attach(model, spec).load_peft_tensors(tensors)
     return full_forward_logprobs(model, prompt, out, 1.0)
@@ -51,8 +38,8 @@ def policy_server(engine_tiny_dir: Path) -> ServerThread:
 def test_one_batch_serves_each_sequence_with_its_adapter(
     policy_server: ServerThread, engine_tiny_dir: Path, tmp_path: Path
 ) -> None:
-    dirs = {"planner": _adapter_dir(engine_tiny_dir, tmp_path / "a", 3),
-            "solver": _adapter_dir(engine_tiny_dir, tmp_path / "b", 5)}  # fmt: skip
+    dirs = {"planner": random_adapter_dir(engine_tiny_dir, tmp_path / "a", 3),
+            "solver": random_adapter_dir(engine_tiny_dir, tmp_path / "b", 5)}  # fmt: skip
     url = policy_server.url
     for name, version in (("planner", 1), ("solver", 4)):
         r = httpx.post(url + "/admin/load_weights", json={"path": str(dirs[name]), "version": version,
@@ -93,7 +80,7 @@ def test_one_batch_serves_each_sequence_with_its_adapter(
 def test_adapter_loads_are_refused_clearly(
     policy_server: ServerThread, engine_server: ServerThread, engine_tiny_dir: Path, tmp_path: Path
 ) -> None:
-    good = _adapter_dir(engine_tiny_dir, tmp_path / "ok", 1)
+    good = random_adapter_dir(engine_tiny_dir, tmp_path / "ok", 1)
     r = httpx.post(engine_server.url + "/admin/load_weights",
                    json={"path": str(good), "version": 1, "adapter": "x"}, timeout=60)  # fmt: skip
     assert r.status_code == 400 and "--lora-adapters" in r.json()["error"]["message"]
