@@ -21,7 +21,9 @@ pytest_plugins = ["tests.support.engine_fixtures"]
 PROMPTS = [[1, 4093, 198, 2683, 314, 253, 1345], [1, 4093, 198, 7, 11, 906], [1, 28, 906, 30, 4093]]
 
 
-def _trainer_logprobs(model_dir: Path, adapter_dir: Path | None, prompt: list[int], out: list[int]) -> torch.Tensor:
+def _trainer_logprobs(
+    model_dir: Path, adapter_dir: Path | None, prompt: list[int], out: list[int]
+) -> torch.Tensor:
     """The trainer's logprobs of `out` after `prompt`: the base model with the adapter hooked in."""
     model = load_model(model_dir)
     if adapter_dir is not None:

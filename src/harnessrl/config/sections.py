@@ -353,7 +353,9 @@ class RunConfig(_Section):
                 )
             for model in (name, *policy.models):
                 if model in seen and seen[model] != name:
-                    raise ValueError(f"policies: model name {model!r} chooses both {seen[model]!r} and {name!r}")
+                    raise ValueError(
+                        f"policies: model name {model!r} chooses both {seen[model]!r} and {name!r}"
+                    )
                 seen[model] = name
         return self
 

@@ -24,7 +24,9 @@ from harnessrl.gateway.state import Gateway
 from harnessrl.schema import AnnotationIn, RewardIn
 
 ROLLOUT_PREFIX = "/r/{rollout_id}"
-POLICY_PREFIX = "/p/{policy}"  # several policies: the route chooses the policy (harnesses that send one model name)
+POLICY_PREFIX = (
+    "/p/{policy}"  # several policies: the route chooses the policy (harnesses that send one model name)
+)
 
 
 class ModelAPIRoutes:
@@ -113,6 +115,8 @@ class ModelAPIRoutes:
         by_policy = [
             dataclasses.replace(s, path=POLICY_PREFIX + s.path, summary=f"{s.summary} (policy in the path)")
             for s in base
-            if s.path.startswith(("/v1/chat", "/v1/messages", "/v1/responses", "/v1/completions", "/v1/models"))
+            if s.path.startswith(
+                ("/v1/chat", "/v1/messages", "/v1/responses", "/v1/completions", "/v1/models")
+            )
         ]
         return base + prefixed + by_policy

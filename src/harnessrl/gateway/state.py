@@ -78,7 +78,9 @@ class GatewayConfig(BaseModel):
             raise ValueError("tito mode needs tokenizer_path (a model directory with tokenizer.json)")
         bad = [p for p in self.policies if not POLICY_NAME.match(p)]
         if bad:
-            raise ValueError(f"policies: {bad[0]!r} is not a valid policy name (letters, digits, '.', '_', '-')")
+            raise ValueError(
+                f"policies: {bad[0]!r} is not a valid policy name (letters, digits, '.', '_', '-')"
+            )
         if self.upstream_kind == "sglang" and self.mode != "tito":
             raise ValueError(
                 "upstream_kind 'sglang' needs mode 'tito' (SGLang returns token IDs only from /generate)"
@@ -160,7 +162,9 @@ class Gateway:
         if route_policy is not None:
             if route_policy not in policies:
                 known = ", ".join(policies) or "none (this gateway serves no policies)"
-                raise APIError(404, f"no policy {route_policy!r} in the route /p/{route_policy}/; known: {known}")
+                raise APIError(
+                    404, f"no policy {route_policy!r} in the route /p/{route_policy}/; known: {known}"
+                )
             return route_policy
         if not policies:
             return None

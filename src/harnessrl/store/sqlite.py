@@ -204,8 +204,10 @@ class SQLiteStore(SQLStore):
                     raise Conflict(f"call '{c.call_id}' is already stored")
             db.executemany(
                 f"INSERT INTO calls ({CALL_INSERT_COLS}) VALUES (?,?,?,?,?,?)",
-                [(c.call_id, r.rollout_id, c.attempt, c.index, c.model_dump_json(), c.policy)
-                 for c in detail.calls],  # fmt: skip
+                [
+                    (c.call_id, r.rollout_id, c.attempt, c.index, c.model_dump_json(), c.policy)
+                    for c in detail.calls
+                ],
             )
             db.execute(
                 "INSERT INTO events (rollout_id, state, group_id, time) VALUES (?,?,?,?)",
@@ -325,9 +327,7 @@ class SQLiteStore(SQLStore):
                     self._next_idx[call.rollout_id] = call.index + 1
                     rows.append(call_row(call))
                 with self._tx() as db:
-                    db.executemany(
-                        f"INSERT INTO calls ({CALL_INSERT_COLS}) VALUES (?,?,?,?,?,?)", rows
-                    )
+                    db.executemany(f"INSERT INTO calls ({CALL_INSERT_COLS}) VALUES (?,?,?,?,?,?)", rows)
             except BaseException:
                 self._next_idx.clear()  # numbering must be re-read after a failed write
                 raise
