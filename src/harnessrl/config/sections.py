@@ -332,8 +332,9 @@ class RunConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     data: DataSection = Field(default_factory=DataSection)
-    # several policies in one run: policy name -> its settings; each trains a LoRA adapter of its own
-    # (needs train.lora). A call naming no policy's model goes to the first one listed (docs/lora.md)
+    # several policies in one run: policy name -> {models: [more model names that choose it]}; each
+    # trains a LoRA adapter of its own (needs train.lora); a harness chooses one by the model name it
+    # sends or the route /p/<name>/v1; a call naming no policy goes to the first listed (docs/lora.md)
     policies: dict[str, PolicySection] = Field(default_factory=dict)
 
     @model_validator(mode="after")
