@@ -18,13 +18,15 @@ def _config(tmp_path: Path, text: str) -> Path:
 
 
 def test_policies_need_lora_and_valid_distinct_names(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="set train.lora"):
+    with pytest.raises(ConfigError, match=r"set train\.lora"):
         load_config(_config(tmp_path, "policies: {planner: {}, solver: {}}\n"))
     with pytest.raises(ConfigError, match="not a valid policy name"):
         load_config(_config(tmp_path, "train: {lora: {}}\npolicies: {'a/b': {}}\n"))
     with pytest.raises(ConfigError, match="chooses both 'planner' and 'solver'"):
-        load_config(_config(tmp_path, "train: {lora: {}}\npolicies: {planner: {}, solver: {models: [planner]}}\n"))
-    with pytest.raises(ConfigError, match="policies.planner.modles"):
+        load_config(
+            _config(tmp_path, "train: {lora: {}}\npolicies: {planner: {}, solver: {models: [planner]}}\n")
+        )
+    with pytest.raises(ConfigError, match=r"policies\.planner\.modles"):
         load_config(_config(tmp_path, "train: {lora: {}}\npolicies: {planner: {modles: [x]}}\n"))
 
 

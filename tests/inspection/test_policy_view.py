@@ -23,7 +23,9 @@ def _call(n: int, prompt: list[int], policy: str) -> Call:
 def _run_dir(tmp_path: Path) -> Path:
     store = SQLiteStore(tmp_path / "store.sqlite")
     for rid, reward in (("ro", 1.0), ("ro2", 0.0)):
-        store.create_rollout(RolloutCreate(client_id=rid, task_id="t", group_id="g", metadata={"step": 0}), rid)
+        store.create_rollout(
+            RolloutCreate(client_id=rid, task_id="t", group_id="g", metadata={"step": 0}), rid
+        )
         store.start_attempt(rid)
         if rid == "ro":
             store.add_calls([_call(0, [1, 2], "planner"), _call(1, [1, 2, 40, 3], "solver")])

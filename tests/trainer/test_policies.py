@@ -11,7 +11,6 @@ import asyncio
 import secrets
 from pathlib import Path
 
-import pytest
 import torch
 from openai import OpenAI
 
