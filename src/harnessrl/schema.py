@@ -244,6 +244,9 @@ class Call(BaseModel):
     weight_version: int | None = None
     finish_reason: str | None = None
     temperature: float = 1.0  # the temperature the logprobs were computed at
+    # with several policies (`policies:`): the policy whose LoRA adapter served the call, and which it
+    # trains (its `weight_version` is that adapter's version); None: the run's one policy
+    policy: str | None = None
     face: str = "openai.chat"  # the API the harness used: openai.chat | openai.completions | openai.responses | anthropic.messages
     # The conversation in one canonical form (OpenAI chat messages and tools) whatever the face:
     # {"messages": [...], "tools": [...] | None, "answer": {assistant message} | None}

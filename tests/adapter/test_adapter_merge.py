@@ -138,3 +138,17 @@ def test_merge_stats_count_single_row_multi_call_rollouts() -> None:
     stats.add(merge_calls([make_call(0, [1], [2])]))
     assert stats.multi_call_rollouts == 2 and stats.merge_rate == 0.5
     assert stats.rows == 4 and stats.as_dict()["breaks"] == {"retokenized": 1}
+
+
+def test_calls_of_different_policies_never_share_a_row() -> None:
+    """Several policies: a solver call that extends the planner's tokens still starts a row of its own
+    (a row trains one adapter), recorded as a policy change; each row keeps its policy."""
+    plan = make_call(0, [10, 11], [12], policy="planner")
+    solve = make_call(1, [10, 11, 12, 13], [14], policy="solver")
+    replan = make_call(2, [10, 11, 12, 15], [16], policy="planner")
+    result = merge_calls([plan, solve, replan])
+    assert [(r.call_ids, r.policy) for r in result.rows] == [
+        (["c0", "c2"], "planner"),
+        (["c1"], "solver"),
+    ]
+    assert result.breaks == [BreakCause.POLICY_CHANGE]

@@ -114,9 +114,10 @@ def test_common_prefix_len(a: list[int], b: list[int]) -> None:
 
 
 class _Seq:
-    def __init__(self, prompt: list[int], out: list[int]) -> None:
+    def __init__(self, prompt: list[int], out: list[int], adapter: str | None = None) -> None:
         self.kv_tokens = prompt + out[:-1]
         self.kv_len = len(self.kv_tokens)
+        self.adapter = adapter  # the served LoRA adapter (several policies); None: the base
 
 
 def _cache(n: int = 4) -> KVCache:
@@ -162,3 +163,15 @@ def test_prefix_cache_disabled_never_reuses() -> None:
     table.admit(s, s.kv_tokens)  # type: ignore[arg-type]
     table.release(s)  # type: ignore[arg-type]
     assert table.admit(_Seq(list(range(60)), [1]), list(range(60))) == (0, 0)  # type: ignore[arg-type]
+
+
+def test_prefix_cache_is_reused_only_within_an_adapter() -> None:
+    """K/V computed under one LoRA adapter are never reused by a sequence of another (or the base)."""
+    table = SlotTable(_cache(), prefix_cache=True)
+    first = _Seq([5, 6, 7, 8, 9, 10], [11, 12], adapter="planner")
+    table.admit(first, first.kv_tokens)  # type: ignore[arg-type]
+    table.release(first)  # type: ignore[arg-type]
+    prompt = [5, 6, 7, 8, 9, 10, 11, 13]
+    assert table.admit(_Seq(prompt, [1], adapter="solver"), prompt)[1] == 0  # type: ignore[arg-type]
+    assert table.admit(_Seq(prompt, [1]), prompt)[1] == 0  # type: ignore[arg-type]
+    assert table.admit(_Seq(prompt, [1], adapter="planner"), prompt)[1] == 7  # type: ignore[arg-type]

@@ -101,7 +101,7 @@ def test_postgres_migration_2_upgrades_a_version_1_database(pg_url: str) -> None
         conn.execute("INSERT INTO rewards VALUES ('old', 0.5, '{}', 1)")
     store = PostgresStore(pg_url)
     try:
-        assert store.migrations_applied == [2]
+        assert store.migrations_applied == [v for v, _, _ in MIGRATIONS[1:]]
         old = store.get_reward("old")
         assert old is not None and old.value == 0.5 and old.steps == []
         store.set_reward("old", RewardIn(value=1.0, steps=[StepReward(tool_call_id="a", value=1.0)]))

@@ -54,3 +54,18 @@ def full_forward_logprobs(
     with torch.no_grad():
         lp = next_token_logprobs(model(ids), ids, temperature)
     return lp[0, len(prompt) - 1 :]
+
+
+def random_adapter_dir(model_dir: Path, out: Path, seed: int, scale: float = 0.2) -> Path:
+    """A PEFT folder of a LoRA adapter (r 4) on `model_dir` whose B is random (a fresh adapter is the
+    identity), so that it visibly changes the model's outputs."""
+    from harnessrl.modeling.loading import load_model
+    from harnessrl.modeling.lora import LoraSpec, attach, save_peft
+
+    model = load_model(model_dir)
+    adapter = attach(model, LoraSpec(r=4, alpha=8.0), seed=seed, base_model=str(model_dir))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in adapter.lora_B:
+            b.copy_(torch.randn(b.shape, generator=gen) * scale)
+    return save_peft(adapter, out, str(model_dir))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -63,6 +64,26 @@ class Batch:
             return self.advantages[i] != 0.0
         return any(
             a != 0.0 for a, m in zip(self.token_advantages[i], self.rows[i].loss_mask, strict=True) if m
+        )
+
+    def policy_rows(self) -> dict[str | None, list[int]]:
+        """The indices of the rows of each policy (several policies; {None: all} with one)."""
+        out: dict[str | None, list[int]] = {}
+        for i, row in enumerate(self.rows):
+            out.setdefault(row.policy, []).append(i)
+        return out
+
+    def select(self, indices: list[int]) -> Batch:
+        """The batch of rows `indices` only, with their advantages and loss weights as computed on the
+        whole batch (so the update of one policy's rows is the whole loss's gradient for its adapter)."""
+        return dataclasses.replace(
+            self,
+            rows=[self.rows[i] for i in indices],
+            advantages=[self.advantages[i] for i in indices],
+            weights=[self.weights[i] for i in indices],
+            token_advantages=None
+            if self.token_advantages is None
+            else [self.token_advantages[i] for i in indices],
         )
 
     @property

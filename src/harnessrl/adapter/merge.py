@@ -9,6 +9,7 @@ that extends no open row starts a new row, and the break is recorded with one ca
 - `history_edited`: the call's messages do not extend the previous call's messages + its answer;
 - `template_change`: the messages extend, but the tools or the sampling temperature changed;
 - `truncation`: the previous completion was cut by the length limit;
+- `policy_change`: the call was served by another policy (several policies: a row trains one adapter);
 - `retokenized`: the messages extend, yet the tokens do not (text re-encoded differently).
 
 Calls that cannot enter a row are left out before merging (`usable`): failed calls, calls with an
@@ -36,6 +37,7 @@ class BreakCause(StrEnum):
     RETOKENIZED = "retokenized"
     TEMPLATE_CHANGE = "template_change"
     TRUNCATION = "truncation"
+    POLICY_CHANGE = "policy_change"
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Row:
     temperature: float
     call_ids: list[str] = field(default_factory=list)
     weight_versions: list[int | None] = field(default_factory=list)
+    policy: str | None = None  # several policies: the one whose adapter its calls trained (None: the one)
 
     @property
     def n_trainable(self) -> int:
@@ -74,6 +77,7 @@ def _new_row(call: Call) -> Row:
         temperature=call.temperature,
         call_ids=[call.call_id],
         weight_versions=[call.weight_version],
+        policy=call.policy,
     )
 
 
@@ -90,6 +94,7 @@ def _extends(row: Row, call: Call) -> bool:
     n = len(row.tokens)
     return (
         row.temperature == call.temperature
+        and row.policy == call.policy
         and len(call.prompt_ids) >= n
         and call.prompt_ids[:n] == row.tokens
     )
@@ -127,6 +132,8 @@ def merge_calls(calls: Sequence[Call], merge: bool = True) -> MergeResult:
 
 def classify_break(prev: Call, call: Call) -> BreakCause:
     """The cause of a break between `prev` and `call`, read from their recorded messages and tokens."""
+    if prev.policy != call.policy:
+        return BreakCause.POLICY_CHANGE
     prev_msgs, prev_tools, answer = prev.conversation()
     new_msgs, new_tools, _ = call.conversation()
     expected = [normalize_message(m) for m in prev_msgs]

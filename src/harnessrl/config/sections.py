@@ -168,6 +168,17 @@ class LoraSection(_Section):
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGET_MODULES), min_length=1)
 
 
+POLICY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a policy's name: a model name and a route
+
+
+class PolicySection(_Section):
+    """One policy of a run with several (docs/lora.md): a LoRA adapter of its own on the shared base,
+    chosen by the model name a harness sends (the policy's name, or one of `models`) or the route
+    `/p/<name>/v1/...`."""
+
+    models: list[str] = Field(default_factory=list)  # more model names that choose this policy
+
+
 class TrainSection(_Section):
     """The RL schedule (sync or collocated async) and the PPO update."""
 
@@ -324,6 +335,38 @@ class RunConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     data: DataSection = Field(default_factory=DataSection)
+    # several policies in one run: policy name -> {models: [more model names that choose it]}; each
+    # trains a LoRA adapter of its own (needs train.lora); a harness chooses one by the model name it
+    # sends or the route /p/<name>/v1; a call naming no policy goes to the first listed (docs/lora.md)
+    policies: dict[str, PolicySection] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _policies_are_adapters(self) -> RunConfig:
+        if not self.policies:
+            return self
+        if self.train.lora is None:
+            raise ValueError(
+                "policies: each policy trains a LoRA adapter of its own on the shared base; set train.lora "
+                "(train.lora={} takes every default) or remove policies"
+            )
+        seen: dict[str, str] = {}
+        for name, policy in self.policies.items():
+            if not POLICY_NAME.match(name):
+                raise ValueError(
+                    f"policies: {name!r} is not a valid policy name (letters, digits, '.', '_', '-'; at most 64)"
+                )
+            for model in (name, *policy.models):
+                if model in seen and seen[model] != name:
+                    raise ValueError(
+                        f"policies: model name {model!r} chooses both {seen[model]!r} and {name!r}"
+                    )
+                seen[model] = name
+        return self
+
+    def policy_models(self) -> dict[str, list[str]]:
+        """Every policy with the model names that choose it (its own first), in the config's order (the
+        first policy is the default)."""
+        return {name: [name, *(m for m in p.models if m != name)] for name, p in self.policies.items()}
 
     @model_validator(mode="after")
     def _calls_fail_before_harnesses_die(self) -> RunConfig:

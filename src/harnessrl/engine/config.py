@@ -47,6 +47,9 @@ class EngineConfig:
     tool_parser: str = "auto"
     # variables for the chat template on every call (a request's `chat_template_kwargs` overrides them)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # serve LoRA adapters by name, per request and unmerged (several policies in one run): a request
+    # whose `model` names a loaded adapter is served by it (modeling/served_lora.py)
+    lora_adapters: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

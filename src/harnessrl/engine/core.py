@@ -16,7 +16,7 @@ from harnessrl.engine.config import EngineConfig
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
 from harnessrl.engine.scheduler import Scheduler
-from harnessrl.engine.sequence import EngineSequence, GenerationResult, Maintenance, WeightLoad
+from harnessrl.engine.sequence import AdapterLoad, EngineSequence, GenerationResult, Maintenance, WeightLoad
 from harnessrl.engine.state import EngineOp, EngineState
 from harnessrl.modeling.loading import (
     check_state_dict,
@@ -25,9 +25,10 @@ from harnessrl.modeling.loading import (
     load_tokenizer,
     resolve_model,
 )
-from harnessrl.modeling.lora import is_peft_dir, merge_peft_dir
+from harnessrl.modeling.lora import is_peft_dir, merge_peft_dir, read_peft
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import choose_matmul
+from harnessrl.modeling.served_lora import ServedAdapters
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,17 @@ class Engine:
         torch.set_num_threads(1)
         try:
             self.model = load_model(self.model_dir, dtype=config.torch_dtype, device=config.device)
-            self.packed, self.matmul = choose_matmul(self.model, config.matmul, torch.device(config.device))
+            # served adapters hook each layer's own product: no fused q/k/v, gate/up then
+            self.packed, self.matmul = choose_matmul(
+                self.model, config.matmul, torch.device(config.device), fuse=not config.lora_adapters
+            )
             if self.packed is not None:  # the packed copies serve state dict, loads and sleep from now on
                 freed = self.packed.release_originals()
                 release_freed_memory()
                 log.info("event=packed_originals_released mb=%.0f", freed / 2**20)
         finally:
             torch.set_num_threads(previous)
+        self.adapters = ServedAdapters(self.model) if config.lora_adapters else None
         self.tokenizer = load_tokenizer(self.model_dir)
         self.text = TokenText(self.tokenizer)
         self.served_model_name = config.served_model_name or config.model
@@ -82,6 +87,7 @@ class Engine:
             prefill_chunk=config.prefill_chunk,
             max_cached_tokens=self.kv_budget,
             packed=self.packed,
+            adapters=self.adapters,
         )
         log.info(
             "event=engine_ready model=%s dir=%s threads=%d max_batch=%d max_model_len=%d kv_budget=%d "
@@ -187,15 +193,31 @@ class Engine:
         self.scheduler.submit(seq)
         return seq
 
-    async def load_weights(self, path: str, version: int) -> int:
+    async def load_weights(self, path: str, version: int, adapter: str | None = None) -> int:
         """Swap in the weights at `path` between steps, once no sequence is running. They are read then,
         after the prefix cache (stale after the swap) is given back, so its memory and the read weights
-        are never held together; a request arriving meanwhile waits and is served by the new weights."""
+        are never held together; a request arriving meanwhile waits and is served by the new weights.
+        With `adapter`, `path` is a PEFT folder served (unmerged) as that adapter at `version`."""
         if not Path(path).exists():
             raise EngineError(f"weights path {path} does not exist", "path")
         fut, on_done = self._future()
-        self.scheduler.queue_weight_load(WeightLoad(lambda: self._read_weights(path), version, on_done))
+        if adapter is not None:
+            if self.adapters is None:
+                raise EngineError(
+                    "this engine serves no per-request adapters; start it with --lora-adapters", "adapter"
+                )
+            if not is_peft_dir(path):
+                raise EngineError(f"{path} is not a LoRA adapter folder (no adapter_config.json)", "path")
+            self.scheduler.queue_weight_load(AdapterLoad(adapter, lambda: read_peft(path), version, on_done))
+        else:
+            self.scheduler.queue_weight_load(WeightLoad(lambda: self._read_weights(path), version, on_done))
         return int(await fut)
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """The served adapter a request's `model` names (None: the base weights serve it)."""
+        if self.adapters is None or model is None or model == self.served_model_name:
+            return None
+        return model
 
     def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
         p = Path(path)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from harnessrl.engine.sequence import Stats, WeightLoad
+from harnessrl.engine.sequence import AdapterLoad, Stats, WeightLoad
 from harnessrl.engine.slots import SlotTable
 from harnessrl.engine.state import EngineOp, EngineState, InvalidEngineTransition, engine_transition
 from harnessrl.modeling.cache import KVCache
@@ -18,6 +18,7 @@ from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_weights_into
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import PackedLinears
+from harnessrl.modeling.served_lora import ServedAdapters
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class ModelMemory:
 
     model: CausalLM
     packed: PackedLinears | None
+    adapters: ServedAdapters | None
     device: torch.device
     cache: KVCache
     slots: SlotTable
@@ -116,6 +118,23 @@ class ModelMemory:
         self._enter(target)
         self.stats.weight_loads += 1
         log.info("event=weights_swapped version=%d seconds=%.2f", load.version, time.monotonic() - t0)
+        load.on_done(load.version)
+
+    def _apply_adapter_load(self, load: AdapterLoad) -> None:
+        """Add or replace one served LoRA adapter (the base weights, their version and the memory state
+        stay: adapters are kept apart from them); the prefix cache is cleared (K/V computed with the old
+        adapter are stale)."""
+        try:
+            if self.adapters is None:
+                raise ValueError("this engine serves no per-request adapters (start it with --lora-adapters)")
+            spec, tensors = load.read()
+            self.slots.clear_cache()
+            self.adapters.put(load.name, spec, tensors, load.version)
+        except Exception as exc:
+            log.exception("event=adapter_load_failed name=%s version=%d", load.name, load.version)
+            load.on_done(exc)
+            return
+        self.stats.weight_loads += 1
         load.on_done(load.version)
 
     def _swap_weights(self, state: dict[str, torch.Tensor]) -> None:

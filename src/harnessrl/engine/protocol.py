@@ -85,6 +85,8 @@ class LoadWeightsRequest(BaseModel):
 
     path: str
     version: int
+    # a served LoRA adapter's name (an engine started with --lora-adapters): `path` is its PEFT folder
+    adapter: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def error_body(
@@ -145,7 +147,8 @@ def _envelope(
 ) -> dict[str, Any]:
     """The body around one choice: ids, usage and the weight version that generated it."""
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(result), "weight_version": result.weight_version}  # fmt: skip
+            "usage": usage(result), "weight_version": result.weight_version,
+            **({"adapter": result.adapter} if result.adapter is not None else {})}  # fmt: skip
 
 
 def _lp_entry(text: TokenText, token_id: int, logprob: float) -> dict[str, Any]:

@@ -86,9 +86,13 @@ def _check_common(req: EngineCompletionRequest | EngineChatCompletionRequest) ->
 
 
 def _sampling(
-    req: EngineCompletionRequest | EngineChatCompletionRequest, max_tokens: int, top_logprobs: int
+    req: EngineCompletionRequest | EngineChatCompletionRequest,
+    max_tokens: int,
+    top_logprobs: int,
+    adapter: str | None = None,
 ) -> SamplingParams:
     return SamplingParams(
+        adapter=adapter,
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -148,7 +152,7 @@ class EngineRoutes:
             raise EngineError("echo=true is not supported by the builtin engine", "echo")
         prompt_ids = _completion_prompt(engine, req.prompt)
         max_tokens = engine.check_length(len(prompt_ids), req.max_tokens)
-        params = _sampling(req, max_tokens, req.logprobs or 0)
+        params = _sampling(req, max_tokens, req.logprobs or 0, engine.adapter_for(req.model))
         if req.stream:
             events = completion_events(engine, prompt_ids, params, self.name, req.logprobs is not None)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -167,7 +171,7 @@ class EngineRoutes:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = engine.check_length(len(prompt_ids), req.max_completion_tokens or req.max_tokens, param)
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        params = _sampling(req, max_tokens, top)
+        params = _sampling(req, max_tokens, top, engine.adapter_for(req.model))
         if req.stream:
             events = chat_events(engine, prompt_ids, params, self.name, bool(req.logprobs))
             return StreamingResponse(events, media_type="text/event-stream")
@@ -219,7 +223,12 @@ class EngineRoutes:
     async def load_weights(self, request: Request) -> Response:
         """POST /admin/load_weights: returns after the swap, with the new version."""
         req = await _parse(request, LoadWeightsRequest)
-        version = await self.engine.load_weights(req.path, req.version)
+        try:
+            version = await self.engine.load_weights(req.path, req.version, req.adapter)
+        except (ValueError, OSError) as exc:  # an adapter that does not fit this model, or unreadable
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(f"cannot load adapter {req.adapter!r} from {req.path}: {exc}", "path") from exc
         return JSONResponse({"weight_version": version})
 
     async def weight_version(self, request: Request) -> Response:

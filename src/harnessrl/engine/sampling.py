@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    adapter: str | None = None  # the served LoRA adapter of this request (None: the base weights)
 
     @property
     def greedy(self) -> bool:

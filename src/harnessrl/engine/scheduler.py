@@ -23,11 +23,19 @@ import torch
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.model_memory import ModelMemory
 from harnessrl.engine.sampling import StepSample, sample_step
-from harnessrl.engine.sequence import EngineSequence, GenerationResult, Maintenance, Stats, WeightLoad
+from harnessrl.engine.sequence import (
+    AdapterLoad,
+    EngineSequence,
+    GenerationResult,
+    Maintenance,
+    Stats,
+    WeightLoad,
+)
 from harnessrl.engine.slots import SlotTable
 from harnessrl.engine.state import EngineState
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.packed import PackedLinears
+from harnessrl.modeling.served_lora import ServedAdapters
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +64,11 @@ class Scheduler(ModelMemory):
         prefill_chunk: int = PREFILL_CHUNK,
         max_cached_tokens: int | None = None,
         packed: PackedLinears | None = None,
+        adapters: ServedAdapters | None = None,
     ) -> None:
         self.model, self.text, self.eos_ids = model, text, eos_ids
         self.packed = packed  # oneDNN-packed copies of the linear weights: repacked when weights change
+        self.adapters = adapters  # LoRA adapters served per sequence (several policies), or None
         self.prefill_chunk = prefill_chunk
         self.max_cached_tokens = max_cached_tokens or max_batch * max_model_len
         self.max_model_len = max_model_len
@@ -72,7 +82,7 @@ class Scheduler(ModelMemory):
         self.paused = False
         self._state = EngineState.AWAKE  # what the memory holds; changed only by `_enter`
         self._waiting: deque[EngineSequence] = deque()
-        self._loads: deque[WeightLoad | Maintenance] = deque()
+        self._loads: deque[WeightLoad | AdapterLoad | Maintenance] = deque()
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -98,7 +108,7 @@ class Scheduler(ModelMemory):
             self._waiting.append(seq)
             self._cond.notify_all()
 
-    def queue_weight_load(self, load: WeightLoad) -> None:
+    def queue_weight_load(self, load: WeightLoad | AdapterLoad) -> None:
         """Queue a weight swap: admission stops until running sequences finish and the swap is done."""
         with self._cond:
             self._loads.append(load)
@@ -177,6 +187,8 @@ class Scheduler(ModelMemory):
             op = self._loads.popleft()
             if isinstance(op, WeightLoad):
                 self._apply_weight_load(op)
+            elif isinstance(op, AdapterLoad):
+                self._apply_adapter_load(op)
             else:
                 self._apply_maintenance(op)
             return
@@ -234,6 +246,8 @@ class Scheduler(ModelMemory):
             for seq, a, b in work
         ]
         t0 = time.perf_counter()
+        if self.adapters is not None:  # which packed tokens each adapter applies to
+            self.adapters.assign([seq.adapter for seq, _, _ in work], [b - a for _, a, b in work])
         try:
             logits = self.model.prefill_many(items, self.cache)
         except Exception as exc:
@@ -265,6 +279,8 @@ class Scheduler(ModelMemory):
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         lengths = torch.tensor([s.kv_len for s in seqs], device=self.device)
         t0 = time.perf_counter()
+        if self.adapters is not None:  # one row per sequence
+            self.adapters.assign([s.adapter for s in seqs])
         logits = self.model.decode(tokens, self.cache, lengths)
         running = [seqs[i] for i in live]
         for s in running:
@@ -314,6 +330,7 @@ class Scheduler(ModelMemory):
         text = (
             seq.stop_text if seq.stop_text is not None else self.text.decode(text_ids, p.skip_special_tokens)
         )
+        adapter, version = self.served_by(seq)
         seq.on_done(
             GenerationResult(
                 prompt_ids=seq.prompt_ids,
@@ -323,10 +340,19 @@ class Scheduler(ModelMemory):
                 text=text,
                 finish_reason=reason,
                 stop_reason=stop_reason,
-                weight_version=self.weight_version,
+                weight_version=version,
                 cached_tokens=seq.cached_tokens,
+                adapter=adapter,
             )
         )
+
+    def served_by(self, seq: EngineSequence) -> tuple[str | None, int]:
+        """(adapter, version) that served `seq`: its LoRA adapter if loaded, else (None, the base's)."""
+        if self.adapters is not None and seq.adapter is not None:
+            version = self.adapters.version(seq.adapter)
+            if version is not None:
+                return seq.adapter, version
+        return None, self.weight_version
 
     def _drop_cancelled(self) -> None:
         for seq in self.slots.active():

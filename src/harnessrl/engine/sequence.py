@@ -12,6 +12,7 @@ import torch
 
 from harnessrl.engine.detok import StopChecker, TokenText
 from harnessrl.engine.sampling import SamplingParams, make_generator
+from harnessrl.modeling.lora import LoraSpec
 
 
 @dataclass
@@ -27,6 +28,7 @@ class GenerationResult:
     stop_reason: str | int | None
     weight_version: int
     cached_tokens: int
+    adapter: str | None = None  # the LoRA adapter that served it (None: the base weights)
 
 
 class EngineSequence:
@@ -54,6 +56,7 @@ class EngineSequence:
         self.cached_tokens = 0
         self.kv_len = 0  # positions of this sequence's slot holding valid K/V
         self.cancelled = False
+        self.adapter = params.adapter  # the served LoRA adapter (None: the base weights)
 
     @property
     def prefilling(self) -> bool:
@@ -71,6 +74,16 @@ class WeightLoad:
     """A queued weight swap, applied when no sequence is running: `read` returns the state dict then."""
 
     read: Callable[[], dict[str, torch.Tensor]]
+    version: int
+    on_done: Callable[[int | BaseException], None]
+
+
+@dataclass
+class AdapterLoad:
+    """A queued swap of one served LoRA adapter (`name`, PEFT tensors), applied like a weight load."""
+
+    name: str
+    read: Callable[[], tuple[LoraSpec, dict[str, torch.Tensor]]]
     version: int
     on_done: Callable[[int | BaseException], None]
 

@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
                    help="tool-call format: auto (from the chat template), hermes, llama3_json, none")  # fmt: skip
     p.add_argument("--chat-template-kwargs", type=json.loads, default={},
                    help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')  # fmt: skip
+    p.add_argument("--lora-adapters", action="store_true",
+                   help="serve LoRA adapters per request (a request's model names its adapter)")  # fmt: skip
     p.add_argument("--log-level", default="info")
     args = vars(p.parse_args(argv))
     logging.basicConfig(

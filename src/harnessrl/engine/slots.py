@@ -49,6 +49,7 @@ class SlotTable:
         n = cache.max_batch
         self.seqs: list[EngineSequence | None] = [None] * n
         self.tokens: list[list[int]] = [[] for _ in range(n)]  # tokens whose K/V a free slot holds
+        self.owner: list[str | None] = [None] * n  # the LoRA adapter those K/V were computed with
         self.last_used = [0.0] * n
         self.touched = [0] * n  # positions of each slot that may hold resident pages
         self.n_active = 0
@@ -63,6 +64,7 @@ class SlotTable:
         self._copied(b, length)
         self.seqs[a], self.seqs[b] = self.seqs[b], self.seqs[a]
         self.tokens[a], self.tokens[b] = self.tokens[b], self.tokens[a]
+        self.owner[a], self.owner[b] = self.owner[b], self.owner[a]
         self.last_used[a], self.last_used[b] = self.last_used[b], self.last_used[a]
 
     def _copy(self, src: int, dst: int, length: int) -> None:
@@ -79,10 +81,13 @@ class SlotTable:
             self.cache.release(slot, keep, self.touched[slot])
             self.touched[slot] = keep
 
-    def _best_match(self, prompt: list[int]) -> tuple[int, int]:
-        """(slot, reusable prefix length) among free slots; the prefix leaves >= 1 token to prefill."""
+    def _best_match(self, prompt: list[int], adapter: str | None = None) -> tuple[int, int]:
+        """(slot, reusable prefix length) among free slots computed with the same LoRA adapter; the
+        prefix leaves >= 1 token to prefill."""
         best, best_len = -1, 0
         for j in range(self.n_active, self.cache.max_batch):
+            if self.owner[j] != adapter:
+                continue
             n = min(common_prefix_len(self.tokens[j], prompt), len(prompt) - 1)
             if n > best_len:
                 best, best_len = j, n
@@ -93,7 +98,7 @@ class SlotTable:
         target = self.n_active
         if target >= self.cache.max_batch:
             raise RuntimeError("no free KV slot")
-        best, start = self._best_match(prompt) if self.prefix_cache else (-1, 0)
+        best, start = self._best_match(prompt, seq.adapter) if self.prefix_cache else (-1, 0)
         moved = max(len(self.tokens[best]), len(self.tokens[target])) if best >= 0 else 0
         if best >= 0 and start * REUSE_RATIO >= moved:
             self._swap(best, target, moved)
@@ -105,6 +110,7 @@ class SlotTable:
             if victim != target:  # keep target's cached K/V by moving it over the evicted slot
                 self._copy(target, victim, len(self.tokens[target]))
                 self.tokens[victim], self.last_used[victim] = self.tokens[target], self.last_used[target]
+                self.owner[victim] = self.owner[target]
                 self._trim(victim, len(self.tokens[victim]))
         self._trim(target, start)
         self.tokens[target] = []
@@ -122,6 +128,7 @@ class SlotTable:
         last = self.n_active - 1
         self.seqs[i] = None
         self.tokens[i] = seq.kv_tokens if (keep and self.prefix_cache) else []
+        self.owner[i] = seq.adapter
         self.last_used[i] = time.monotonic()
         # what the sequence may have written: its K/V and the decode step's row at kv_len (or more)
         self._copied(i, min(self.cache.max_len, max(seq.kv_len + 1, written)))

@@ -139,6 +139,7 @@ def call_span(call: Call, parent: str, row: int | None, cause: str | None) -> di
         "harnessrl.face": call.face,
         "harnessrl.upstream": call.upstream or None,
         "harnessrl.weight_version": call.weight_version,
+        "harnessrl.policy": call.policy,
         "harnessrl.sampling_temperature": call.temperature,
         "harnessrl.prompt_token_ids": call.prompt_ids,
         "harnessrl.completion_token_ids": call.completion_ids,

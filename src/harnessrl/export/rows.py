@@ -47,6 +47,9 @@ class TrainingRow(BaseModel):
     row_index: int = Field(description="position of the row among its rollout's rows")
     call_ids: list[str] = Field(description="the calls merged into the row, in order")
     weight_versions: list[int | None] = Field(description="the weight version that served each call")
+    policy: str | None = Field(
+        default=None, description="several policies: the policy (LoRA adapter) the row trains; None: the one"
+    )
     temperature: float = Field(description="sampling temperature the old logprobs were computed at")
     reward: float = Field(description="the rollout's reward")
     advantage: float = Field(
@@ -117,7 +120,7 @@ def iter_rows(store: Store, settings: RunSettings, run_id: str | None) -> Iterat
                 step=step if step >= 0 else None, group_index=group if group >= 0 else None,
                 rollout_id=row.rollout_id, group_id=d.rollout.group_id or row.rollout_id,
                 task_id=d.rollout.task_id, attempt=attempt, row_index=index, call_ids=list(row.call_ids),
-                weight_versions=list(row.weight_versions), temperature=row.temperature,
+                weight_versions=list(row.weight_versions), policy=row.policy, temperature=row.temperature,
                 reward=batch.rewards[row.rollout_id], advantage=adv, input_ids=list(row.tokens),
                 loss_mask=list(row.loss_mask), old_logprobs=list(row.old_logprobs),
                 token_weights=list(weights), n_tokens=len(row.tokens), n_trainable=row.n_trainable,

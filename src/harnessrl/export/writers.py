@@ -18,12 +18,12 @@ from harnessrl.export.rows import ROWS_SCHEMA_VERSION, TrainingRow
 ROW_ARROW_TYPES: dict[str, str] = {
     "schema_version": "int32", "run_id": "string", "step": "int32", "group_index": "int32",
     "rollout_id": "string", "group_id": "string", "task_id": "string", "attempt": "int32",
-    "row_index": "int32", "call_ids": "list<string>", "weight_versions": "list<int64>",
+    "row_index": "int32", "call_ids": "list<string>", "weight_versions": "list<int64>", "policy": "string",
     "temperature": "float64", "reward": "float64", "advantage": "float64", "input_ids": "list<int32>",
     "loss_mask": "list<int8>", "old_logprobs": "list<float64>", "token_weights": "list<float64>",
     "n_tokens": "int32", "n_trainable": "int32", "token_advantages": "list<float64>",
 }  # fmt: skip
-NULLABLE = frozenset({"run_id", "step", "group_index", "token_advantages"})
+NULLABLE = frozenset({"run_id", "step", "group_index", "token_advantages", "policy"})
 PARQUET_BATCH_ROWS = 512
 
 

@@ -108,6 +108,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME=SERVED",
         help="map a model name harnesses send to a served model name (repeatable)",
     )
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME[=MODEL,...]",
+        help="a policy (a served LoRA adapter) and the model names that choose it; the first is the "
+        "default (repeatable)",
+    )
     return p
 
 
@@ -132,6 +140,15 @@ def _problem(err: Any) -> str:
     where = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     return f"{where}: {msg}" if where else msg
+
+
+def parse_policies(flags: list[str]) -> dict[str, list[str]]:
+    """`--policy NAME[=MODEL,...]` flags as {policy: model names} (the policy's own name always included)."""
+    out: dict[str, list[str]] = {}
+    for flag in flags:
+        name, _, models = flag.partition("=")
+        out[name] = [name, *(m for m in models.split(",") if m and m != name)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             replica_urls=args.replica,
             served_model=args.served_model,
             model_map=dict(m.split("=", 1) for m in args.model_map),
+            policies=parse_policies(args.policy),
             default_max_tokens=args.default_max_tokens,
             mode=args.mode,
             tokenizer_path=args.tokenizer,

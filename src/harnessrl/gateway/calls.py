@@ -57,11 +57,11 @@ class ModelCalls:
         sampling = self._seed_policy(
             effective_sampling(chat, rollout.sampling, g.config.default_max_tokens), notes
         )
-        served = g.served_model(chat.model)
+        served, policy = g.route(chat.model, request.path_params.get("policy"))
         ids = ResponseIds(uuid.uuid4().hex, int(time.time()))
         streamer = face.streamer(req, ids)
         async with g.admission.slot() as slot:
-            call = g.recorder.open(rollout, attempt, served, body, sampling.temperature, face.name)
+            call = g.recorder.open(rollout, attempt, served, body, sampling.temperature, face.name, policy)
             t0 = time.perf_counter()
             up = StickyUpstream(g.upstreams, rollout.rollout_id)
             call.upstream = up.served_by
@@ -98,10 +98,12 @@ class ModelCalls:
         sampling = self._seed_policy(
             effective_sampling(shape, rollout.sampling, g.config.default_max_tokens), {}
         )
-        served = g.served_model(req.model)
+        served, policy = g.route(req.model, request.path_params.get("policy"))
         attempt = max(rollout.n_attempts - 1, 0)
         async with g.admission.slot() as slot:
-            call = g.recorder.open(rollout, attempt, served, body, sampling.temperature, "openai.completions")
+            call = g.recorder.open(
+                rollout, attempt, served, body, sampling.temperature, "openai.completions", policy
+            )
             t0 = time.perf_counter()
             up = StickyUpstream(g.upstreams, rollout.rollout_id)
             call.upstream = up.served_by
@@ -138,7 +140,8 @@ class ModelCalls:
         history = History(g.recorder.recent, rollout.rollout_id, max(rollout.n_attempts - 1, 0))
         chat = AnthropicFace().to_chat_call(req, history)
         up = StickyUpstream(g.upstreams, rollout.rollout_id)
-        n = await g.budget.count(up, g.served_model(chat.model), chat, history.recent())
+        n = await g.budget.count(up, g.route(chat.model, request.path_params.get("policy"))[0], chat,
+                                 history.recent())  # fmt: skip
         if n is None:
             raise APIError(502, "the engine could not count the prompt's tokens", code="upstream_failed")
         return JSONResponse({"input_tokens": n})

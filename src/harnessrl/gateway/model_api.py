@@ -24,6 +24,9 @@ from harnessrl.gateway.state import Gateway
 from harnessrl.schema import AnnotationIn, RewardIn
 
 ROLLOUT_PREFIX = "/r/{rollout_id}"
+POLICY_PREFIX = (
+    "/p/{policy}"  # several policies: the route chooses the policy (harnesses that send one model name)
+)
 
 
 class ModelAPIRoutes:
@@ -82,7 +85,8 @@ class ModelAPIRoutes:
         return await annotate_call(self._gw(), request)
 
     def table(self) -> list[RouteSpec]:
-        """Every model-API route with its OpenAPI entry, at `/v1/...` and under `/r/{rollout_id}/`."""
+        """Every model-API route with its OpenAPI entry, at `/v1/...`, under `/r/{rollout_id}/`, and the
+        model calls under `/p/{policy}/` (several policies)."""
         base = [
             RouteSpec("/v1/chat/completions", "POST", self.face(OpenAIChatFace()), "OpenAI chat completions",
                       ChatCompletionRequest, counted=True),
@@ -108,4 +112,11 @@ class ModelAPIRoutes:
             dataclasses.replace(s, path=ROLLOUT_PREFIX + s.path, summary=f"{s.summary} (rollout in the path)")
             for s in base
         ]
-        return base + prefixed
+        by_policy = [
+            dataclasses.replace(s, path=POLICY_PREFIX + s.path, summary=f"{s.summary} (policy in the path)")
+            for s in base
+            if s.path.startswith(
+                ("/v1/chat", "/v1/messages", "/v1/responses", "/v1/completions", "/v1/models")
+            )
+        ]
+        return base + prefixed + by_policy

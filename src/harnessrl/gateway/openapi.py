@@ -25,6 +25,7 @@ PATH_PARAMS: dict[str, dict[str, Any]] = {
     "rollout_id": {"type": "string", "pattern": "^[a-z0-9]{1,64}$"},
     "attempt": {"type": "integer", "minimum": 0},
     "model_id": {"type": "string", "maxLength": 200},
+    "policy": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
 }
 SECURITY_SCHEMES = {
     "rolloutKey": {"type": "http", "scheme": "bearer", "description": "the rollout's API key"},

@@ -36,9 +36,17 @@ class CallRecorder:
         self._weight_version = weight_version  # the version last announced by resume
 
     def open(
-        self, rollout: Rollout, attempt: int, served: str, body: Any, temperature: float, face: str
+        self,
+        rollout: Rollout,
+        attempt: int,
+        served: str,
+        body: Any,
+        temperature: float,
+        face: str,
+        policy: str | None = None,
     ) -> Call:
-        """A new call of `rollout`; `failed` until an outcome is recorded."""
+        """A new call of `rollout` (served by `policy`'s adapter, with several policies); `failed` until
+        an outcome is recorded."""
         return Call(
             call_id="call" + uuid.uuid4().hex,
             rollout_id=rollout.rollout_id,
@@ -51,6 +59,7 @@ class CallRecorder:
             request=body if isinstance(body, dict) else {"body": body},
             temperature=temperature,
             face=face,
+            policy=policy,
         )
 
     async def ok(

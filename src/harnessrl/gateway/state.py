@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -17,6 +18,7 @@ from harnessrl.gateway.budget import ContextBudget
 from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from harnessrl.gateway.engine_client.sglang import SGLangUpstream
 from harnessrl.gateway.engine_client.upstream import Upstream, UpstreamPool
+from harnessrl.gateway.errors import APIError
 from harnessrl.gateway.keys import KeyRing, new_secret
 from harnessrl.gateway.metrics import Metrics
 from harnessrl.gateway.recording import CallRecorder
@@ -24,6 +26,8 @@ from harnessrl.schema import Rollout
 from harnessrl.store import Store
 
 log = logging.getLogger(__name__)
+
+POLICY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # config.sections' rule, repeated (no import)
 
 PAUSED_META = "gateway_paused"  # "1" between a pause and its resume
 WEIGHT_VERSION_META = "gateway_weight_version"  # the engine's weight version the last resume named
@@ -42,6 +46,9 @@ class GatewayConfig(BaseModel):
     )  # more replicas of the same model (sticky per rollout)
     served_model: str = "smollm2"
     model_map: dict[str, str] = Field(default_factory=dict)  # harness model name -> served model name
+    # several policies: policy name -> the model names that choose it; each is served by the engine's
+    # LoRA adapter of that name. A call naming none of them goes to the first policy (the default).
+    policies: dict[str, list[str]] = Field(default_factory=dict)
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     pause_wait_s: float = 30.0  # how long a call waits for resume before getting 429
     max_body_bytes: int = 8 * 1024 * 1024
@@ -69,6 +76,11 @@ class GatewayConfig(BaseModel):
         """The one place these rules are checked (the gateway's command line builds this model too)."""
         if self.mode == "tito" and not self.tokenizer_path:
             raise ValueError("tito mode needs tokenizer_path (a model directory with tokenizer.json)")
+        bad = [p for p in self.policies if not POLICY_NAME.match(p)]
+        if bad:
+            raise ValueError(
+                f"policies: {bad[0]!r} is not a valid policy name (letters, digits, '.', '_', '-')"
+            )
         if self.upstream_kind == "sglang" and self.mode != "tito":
             raise ValueError(
                 "upstream_kind 'sglang' needs mode 'tito' (SGLang returns token IDs only from /generate)"
@@ -85,6 +97,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, store: Store, upstreams: list[Upstream] | None = None) -> None:
         self.config = config
         self.store = store
+        self._policy_of_model = {m: p for p, models in config.policies.items() for m in (p, *models)}
         self.keys = KeyRing(store.set_meta_if_absent("key_secret", new_secret()))
         # A store other gateway replicas write too (PostgreSQL): their attempts, state changes and calls
         # would not reach this process's memory, so rollouts and recent calls are read from the store.
@@ -140,6 +153,28 @@ class Gateway:
     def served_model(self, requested: str) -> str:
         """The model that serves a request naming `requested` (any name is served)."""
         return self.config.model_map.get(requested, self.config.served_model)
+
+    def policy_for(self, requested: str, route_policy: str | None = None) -> str | None:
+        """The policy serving a call (None when the run has no policies): the one the route names
+        (`/p/<name>/v1/...`; an unknown name is a 404), else the one whose model names include
+        `requested`, else the first (the default)."""
+        policies = self.config.policies
+        if route_policy is not None:
+            if route_policy not in policies:
+                known = ", ".join(policies) or "none (this gateway serves no policies)"
+                raise APIError(
+                    404, f"no policy {route_policy!r} in the route /p/{route_policy}/; known: {known}"
+                )
+            return route_policy
+        if not policies:
+            return None
+        return self._policy_of_model.get(requested, next(iter(policies)))
+
+    def route(self, requested: str, route_policy: str | None = None) -> tuple[str, str | None]:
+        """(the model name sent to the engine, the policy) of a call naming `requested`: with policies,
+        the policy's adapter name (vLLM's convention: a request names its LoRA adapter as its model)."""
+        policy = self.policy_for(requested, route_policy)
+        return (policy if policy is not None else self.served_model(requested)), policy
 
     # pause ----------------------------------------------------------------------------------------
     async def pause(self, drain_timeout_s: float, preempt: bool = False) -> bool:

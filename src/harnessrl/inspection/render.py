@@ -193,7 +193,7 @@ def _calls_table(calls: list[dict[str, Any]]) -> Table:
     rows: list[list[str | Text]] = [
         [
             str(c["index"]), str(c["attempt"]), Text(c["status"], style="green" if c["status"] == "ok" else "red"),
-            c["finish_reason"] or "-", _num(c["weight_version"], "d"), str(c["prompt_tokens"]),
+            c["finish_reason"] or "-", c.get("policy") or "-", _num(c["weight_version"], "d"), str(c["prompt_tokens"]),
             str(c["completion_tokens"]), _num(c["row"], "d"), c["break_cause"] or "-",
             Text(", ".join(_tool_call(t) for t in c["tool_calls"]) or "-"),
         ]
@@ -201,7 +201,7 @@ def _calls_table(calls: list[dict[str, Any]]) -> Table:
     ]  # fmt: skip
     columns = [
         ("#", "right", True), ("att", "right", True), ("status", "left", True), ("finish", "left", True),
-        ("weights", "right", True), ("prompt", "right", True), ("compl", "right", True), ("row", "right", True),
+        ("policy", "left", True), ("weights", "right", True), ("prompt", "right", True), ("compl", "right", True), ("row", "right", True),
         ("break", "left", True), ("tool calls", "left", False),
     ]  # fmt: skip
     return _filled_table("calls", columns, rows)
@@ -236,7 +236,8 @@ def _render_row(console: Console, row: dict[str, Any], tokens: bool) -> None:
     versions = ",".join("-" if v is None else str(v) for v in row["weight_versions"])
     console.rule(
         f"row {row['index']} (attempt {row['attempt']}): calls {','.join(map(str, row['calls']))}, "
-        f"{row['n_tokens']} tokens, {row['n_trainable']} trainable, weight versions {versions}",
+        f"{row['n_tokens']} tokens, {row['n_trainable']} trainable, weight versions {versions}"
+        + (f", policy {row['policy']}" if row.get("policy") else ""),
         align="left",
     )
     text = Text()

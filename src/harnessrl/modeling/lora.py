@@ -172,13 +172,13 @@ def attach(model: nn.Module, spec: LoraSpec, seed: int = 0, base_model: str | Pa
     return adapter
 
 
-def base_view(model: nn.Module, adapter: LoraAdapter) -> nn.Module:
-    """A second model object over the same frozen base tensors, without `adapter`'s hooks: the base
+def base_view(model: nn.Module, *adapters: LoraAdapter) -> nn.Module:
+    """A second model object over the same frozen base tensors, without the `adapters`' hooks: the base
     model (the KL term's reference) at no extra weight memory. The base must stay frozen (it does under
-    LoRA: only the adapter trains)."""
+    LoRA: only the adapters train)."""
     shared: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     view = copy.deepcopy(model, shared)
-    ids = {h.id for h in adapter._handles}
+    ids = {h.id for adapter in adapters for h in adapter._handles}
     for mod in view.modules():
         for hook_id in ids & set(mod._forward_hooks):
             del mod._forward_hooks[hook_id]

@@ -83,8 +83,9 @@ class PackedLinears:
     (`fused_qkv`, `fused_gate_up`): fewer, wider products run closer to the CPU's peak at decode sizes.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, fuse: bool = True) -> None:
         self.model = model
+        self.fuse = fuse  # False: every layer its own product (per-request LoRA hooks need them)
         self.active = False
         self.released: set[str] = set()  # weights whose packed copy is the only copy (`release_originals`)
 
@@ -94,7 +95,7 @@ class PackedLinears:
     def _plan(self) -> _Plan:
         plan: _Plan = []
         fused: set[int] = set()  # layers computed inside a fused product: not packed on their own
-        for mod in self.model.modules():
+        for mod in self.model.modules() if self.fuse else ():
             if isinstance(mod, Attention) and mod.q_proj.bias is None:  # biased (Qwen2): F.linear
                 plan.append((mod, "fused_qkv", [mod.q_proj, mod.k_proj, mod.v_proj]))
             elif isinstance(mod, MLP) and mod.gate_proj.bias is None:
@@ -218,8 +219,11 @@ def _probe_gap(model: nn.Module, install: Callable[[], None]) -> float:
     return float((_probe_logprobs(model, vocab) - reference).gather(-1, top).abs().max())
 
 
-def choose_matmul(model: nn.Module, want: Matmul, device: torch.device) -> tuple[PackedLinears | None, str]:
-    """Install packed linears when `want` asks for them (and, for "auto", the probe accepts them).
+def choose_matmul(
+    model: nn.Module, want: Matmul, device: torch.device, fuse: bool = True
+) -> tuple[PackedLinears | None, str]:
+    """Install packed linears when `want` asks for them (and, for "auto", the probe accepts them);
+    `fuse` False keeps every layer's own product (served LoRA adapters hook them).
 
     Returns the installed `PackedLinears` (None: plain `F.linear`) and a one-line reason for the log.
     """
@@ -230,7 +234,7 @@ def choose_matmul(model: nn.Module, want: Matmul, device: torch.device) -> tuple
             raise ValueError("matmul 'onednn' needs a CPU engine and a torch build with oneDNN")
         return None, f"aten (oneDNN packing is for CPU; device {device.type})"
     dtype = next(model.parameters()).dtype
-    packed = PackedLinears(model)
+    packed = PackedLinears(model, fuse)
     if want == "onednn":
         packed.refresh()
         return packed, "onednn (asked)"

@@ -16,8 +16,9 @@ from harnessrl.controller import Controller
 from harnessrl.controller.runner import Runner
 from harnessrl.gateway.client import Control, ControlClient
 from harnessrl.gateway.replicas import GatewayReplicas
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_model
-from harnessrl.modeling.lora import attach_lora, reference_model
+from harnessrl.modeling.lora import attach_lora, base_view, reference_model
 from harnessrl.modeling.packed import use_onednn_for_training
 from harnessrl.runs.project import Project
 from harnessrl.runs.rundir import run_id as run_id_of
@@ -25,6 +26,7 @@ from harnessrl.schema import Task
 from harnessrl.services.stack import ServiceStack, vllm_restarter
 from harnessrl.trainer.loop import Progress, TrainContext
 from harnessrl.trainer.metrics import MetricsLogger
+from harnessrl.trainer.policies import PolicyState
 from harnessrl.trainer.ppo import lr_lambda
 from harnessrl.trainer.trackers import make_trackers
 from harnessrl.trainer.weights import EngineAdmin, engine_admin
@@ -97,10 +99,12 @@ def build_trainer(
     model = load_model(model_dir, device=tc.device)
     matmul = use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
     log.info("event=trainer_matmul path=%r", matmul)
+    schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
+    if cfg.policies:  # one adapter, optimizer and schedule per policy (trainer.policies)
+        return _policies_trainer(cfg, run_dir, model, model_dir, parts, heldout, progress, notify, schedule)
     lora = attach_lora(model, tc.lora, tc.seed, model_dir) if tc.lora is not None else None
     trained = model.parameters() if lora is None else lora.parameters()  # LoRA: no state for the base
     optimizer = torch.optim.AdamW(trained, lr=tc.lr, weight_decay=tc.weight_decay)
-    schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
     metrics = MetricsLogger(run_dir, make_trackers(
         tc.log_to, run_dir, parts.run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project,
         tc.wandb_mode, tc.mlflow_tracking_uri))  # fmt: skip
@@ -117,3 +121,35 @@ def build_trainer(
                                          matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs",
                                          parallel=tc.parallel)  # fmt: skip
     return ctx
+
+
+def _policies_trainer(
+    cfg: RunConfig,
+    run_dir: Path,
+    model: CausalLM,
+    model_dir: Path,
+    parts: RunParts,
+    heldout: list[Task],
+    progress: Progress,
+    notify: Callable[[str], None],
+    schedule: Callable[[int], float],
+) -> TrainContext:
+    """The trainer of a run with several policies: an adapter per policy on the frozen `model`, each
+    with its own AdamW and LR schedule (all adapters off outside a policy's update)."""
+    tc = cfg.train
+    policies: dict[str, PolicyState] = {}
+    for i, name in enumerate(cfg.policies):
+        adapter = attach_lora(model, tc.lora, tc.seed + i, model_dir)
+        adapter.enabled = False
+        opt = torch.optim.AdamW(adapter.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        policies[name] = PolicyState(name, adapter, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    first = next(iter(policies.values()))
+    metrics = MetricsLogger(run_dir, make_trackers(
+        tc.log_to, run_dir, parts.run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project,
+        tc.wandb_mode, tc.mlflow_tracking_uri))  # fmt: skip
+    ref = base_view(model, *(p.adapter for p in policies.values())) if tc.kl_coef > 0 else None
+    return TrainContext(
+        cfg, parts.run_id, run_dir, parts.client, parts.controller, parts.engine, model, first.optimizer,
+        metrics, progress, scheduler=first.scheduler, ref_model=ref,  # type: ignore[arg-type]
+        heldout=heldout, notify=notify, policies=policies,
+    )  # fmt: skip

@@ -22,9 +22,11 @@ def start_engine(
     matmul: str = "auto",
     api_key: str | None = None,
     chat: dict[str, Any] | None = None,
+    lora_adapters: bool = False,
 ) -> Service:
     """The builtin engine serving `model_dir` (`max_model_len` None: the model's own context); with
-    `api_key` every route but /health requires it (passed in the environment, not on the command line)."""
+    `api_key` every route but /health requires it (passed in the environment, not on the command line);
+    `lora_adapters`: LoRA adapters served per request (several policies)."""
     args = ["harnessrl.engine", "--model", str(model_dir), "--port", str(port), "--max-batch", str(max_batch)]
     if max_model_len is not None:
         args += ["--max-model-len", str(max_model_len)]
@@ -32,6 +34,8 @@ def start_engine(
     if threads:
         args += ["--threads", str(threads)]
     args += chat_args(chat)
+    if lora_adapters:
+        args.append("--lora-adapters")
     return start_service("engine", args, port, log_dir, env={ENGINE_KEY_ENV: api_key} if api_key else None)
 
 
@@ -51,9 +55,11 @@ def start_gateway(
     settings: dict[str, float] | None = None,
     forward_seed: bool = True,
     chat: dict[str, Any] | None = None,
+    policies: dict[str, list[str]] | None = None,
 ) -> Service:
     """The gateway over the store `store_path`: a SQLite file, or a postgresql:// URL (`name`: its
-    service and log name, e.g. `gateway1` for a second replica)."""
+    service and log name, e.g. `gateway1` for a second replica); `policies`: policy -> the model names
+    that choose it (the first policy is the default)."""
     args = ["harnessrl.gateway", "--store", str(store_path), "--upstream", upstream_url, "--port", str(port)]
     args += [
         "--default-max-tokens",
@@ -72,6 +78,8 @@ def start_gateway(
         args += [flag, f"{value:g}"]
     if not forward_seed:
         args.append("--no-forward-seed")
+    for policy, models in (policies or {}).items():
+        args += ["--policy", f"{policy}={','.join(models)}"]
     env = {"HARNESSRL_ADMIN_KEY": admin_key, **({ENGINE_KEY_ENV: upstream_key} if upstream_key else {})}
     return start_service(name, args, port, log_dir, env=env)
 

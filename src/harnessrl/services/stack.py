@@ -126,6 +126,7 @@ def start_services(
             upstream_kind="sglang" if cfg.engine.kind == "sglang" else "openai",
             name="gateway" if r == 0 else f"gateway{r}", rollout_cache_size=cfg.gateway.rollout_cache_size,
             upstream_key=engine_key, settings=settings, forward_seed=cfg.engine.kind != "vllm", chat=chat,
+            policies=cfg.policy_models(),
         ))  # fmt: skip
     stack.gateway_urls = stack.gateway_urls or [g.url for g in stack.gateways]
     try:
@@ -146,7 +147,8 @@ def _engine_process(cfg: RunConfig, run_dir: Path, model_dir: Path, key: str | N
     if e.kind == "builtin":
         service = start_engine(model_dir, e.port or free_port(), run_dir / "logs", e.max_batch,
                                e.max_model_len, e.threads, e.device, e.dtype, e.matmul, api_key=key,
-                               chat={"tool_parser": e.tool_parser, "chat_template_kwargs": e.chat_template_kwargs})  # fmt: skip
+                               chat={"tool_parser": e.tool_parser, "chat_template_kwargs": e.chat_template_kwargs},
+                               lora_adapters=bool(cfg.policies))  # fmt: skip
         return BuiltinEngine(service)
     if e.kind == "vllm" and not e.url:
         vllm = managed_vllm(cfg, run_dir, model_dir, key)

@@ -125,6 +125,13 @@ CREATE TABLE annotations (
 CREATE INDEX annotations_rollout ON annotations (rollout_id, seq);
 """,
     ),
+    (
+        3,
+        "the policy (several policies: the LoRA adapter) that served each call",
+        """
+ALTER TABLE calls ADD COLUMN policy TEXT;
+""",
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

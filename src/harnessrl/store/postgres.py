@@ -42,7 +42,7 @@ from harnessrl.schema import (
 )
 from harnessrl.store.base import Conflict, NotFound, StoreError
 from harnessrl.store.pg_schema import migrate
-from harnessrl.store.rows import ROLLOUT_COLS, call_row, dumps, to_rollout
+from harnessrl.store.rows import CALL_INSERT_COLS, ROLLOUT_COLS, call_row, dumps, to_rollout
 from harnessrl.store.sql import SQLStore
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class PostgresStore(SQLStore):
                     rows.append(call_row(c))
                 with conn.cursor() as cur:
                     cur.executemany(
-                        "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (%s,%s,%s,%s,%s)",
+                        f"INSERT INTO calls ({CALL_INSERT_COLS}) VALUES (%s,%s,%s,%s,%s,%s)",
                         rows,
                     )
         except BaseException:

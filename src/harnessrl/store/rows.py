@@ -32,6 +32,8 @@ ROLLOUT_COLS = (
 )
 ATTEMPT_COLS = "rollout_id, attempt, status, started_at, ended_at, exit_code, error"
 CALL_COLS = "call_id, rollout_id, attempt, idx, body"
+# written: also the policy (several policies: the LoRA adapter that served the call), queryable by SQL
+CALL_INSERT_COLS = "call_id, rollout_id, attempt, idx, body, policy"
 EVENT_COLS = "seq, rollout_id, state, group_id, time"
 REWARD_COLS = "value, details, updated_at, steps"
 ANNOTATION_COLS = "seq, rollout_id, created_at, body"
@@ -125,8 +127,8 @@ def to_call(row: Row) -> Call:
 
 
 def call_row(c: Call) -> Row:
-    """The `CALL_COLS` values of a call (its index already assigned)."""
-    return (c.call_id, c.rollout_id, c.attempt, c.index, c.model_dump_json())
+    """The `CALL_INSERT_COLS` values of a call (its index already assigned)."""
+    return (c.call_id, c.rollout_id, c.attempt, c.index, c.model_dump_json(), c.policy)
 
 
 def clip_depth(value: Any, max_depth: int) -> Any:

@@ -26,7 +26,7 @@ from harnessrl.schema import (
     now,
 )
 from harnessrl.store.base import Conflict
-from harnessrl.store.rows import ROLLOUT_COLS, call_row, dumps, steps_json, to_rollout
+from harnessrl.store.rows import CALL_INSERT_COLS, ROLLOUT_COLS, call_row, dumps, steps_json, to_rollout
 from harnessrl.store.sql import SQLStore
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ CREATE TABLE IF NOT EXISTS calls (
   rollout_id TEXT NOT NULL,
   attempt INTEGER NOT NULL,
   idx INTEGER NOT NULL,
-  body TEXT NOT NULL
+  body TEXT NOT NULL,
+  policy TEXT
 );
 CREATE INDEX IF NOT EXISTS calls_rollout ON calls (rollout_id, idx);
 CREATE TABLE IF NOT EXISTS events (
@@ -91,7 +92,7 @@ CREATE INDEX IF NOT EXISTS annotations_rollout ON annotations (rollout_id, seq);
 """
 # Columns added after a file was first created, with their definitions: `_upgrade` adds the ones an
 # older store file lacks (SQLite keeps no migration table: a column's presence is its version).
-_ADDED_COLUMNS = {("rewards", "steps"): "TEXT NOT NULL DEFAULT '[]'"}
+_ADDED_COLUMNS = {("rewards", "steps"): "TEXT NOT NULL DEFAULT '[]'", ("calls", "policy"): "TEXT"}
 
 
 def _upgrade(db: sqlite3.Connection) -> None:
@@ -202,8 +203,11 @@ class SQLiteStore(SQLStore):
                 if db.execute("SELECT 1 FROM calls WHERE call_id = ?", (c.call_id,)).fetchone():
                     raise Conflict(f"call '{c.call_id}' is already stored")
             db.executemany(
-                "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)",
-                [(c.call_id, r.rollout_id, c.attempt, c.index, c.model_dump_json()) for c in detail.calls],
+                f"INSERT INTO calls ({CALL_INSERT_COLS}) VALUES (?,?,?,?,?,?)",
+                [
+                    (c.call_id, r.rollout_id, c.attempt, c.index, c.model_dump_json(), c.policy)
+                    for c in detail.calls
+                ],
             )
             db.execute(
                 "INSERT INTO events (rollout_id, state, group_id, time) VALUES (?,?,?,?)",
@@ -323,9 +327,7 @@ class SQLiteStore(SQLStore):
                     self._next_idx[call.rollout_id] = call.index + 1
                     rows.append(call_row(call))
                 with self._tx() as db:
-                    db.executemany(
-                        "INSERT INTO calls (call_id, rollout_id, attempt, idx, body) VALUES (?,?,?,?,?)", rows
-                    )
+                    db.executemany(f"INSERT INTO calls ({CALL_INSERT_COLS}) VALUES (?,?,?,?,?,?)", rows)
             except BaseException:
                 self._next_idx.clear()  # numbering must be re-read after a failed write
                 raise

@@ -38,6 +38,13 @@ from harnessrl.trainer.checkpoint import (
 )
 from harnessrl.trainer.distributed import DataParallel
 from harnessrl.trainer.metrics import MetricsLogger, mean_ci95
+from harnessrl.trainer.policies import (
+    PolicyState,
+    load_policies_checkpoint,
+    policies_update,
+    publish_policies,
+    save_policies_checkpoint,
+)
 from harnessrl.trainer.ppo import PPOConfig, ppo_update
 from harnessrl.trainer.trackers import sample_table
 from harnessrl.trainer.weights import EngineAdmin, publish_weights
@@ -89,6 +96,8 @@ class TrainContext:
     notify: Callable[[str], None] = lambda message: None  # warnings for the user (the CLI prints them)
     data_parallel: DataParallel | None = None  # the other trainer ranks, with `train.world_size` > 1
     lora: LoraAdapter | None = None  # `train.lora`: the adapter trained (the model's weights stay frozen)
+    # `policies:`: one adapter, optimizer and schedule per policy (trainer.policies); `lora` is None then
+    policies: dict[str, PolicyState] = field(default_factory=dict)
 
     @property
     def ppo(self) -> PPOConfig:
@@ -214,7 +223,10 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
         await ctx.engine.sleep(sleep_level)
     t1 = time.perf_counter()
     label = f"update {new_version}"
-    if ctx.data_parallel is not None:  # every rank takes its share of the rows
+    if ctx.policies:  # one update per policy, each moving its own adapter only
+        update = policies_update(ctx.model, ctx.policies, batch, ctx.ppo, ctx.ref_model,
+                                 progress=lambda done, total: ctx.progress(label, done, total))  # fmt: skip
+    elif ctx.data_parallel is not None:  # every rank takes its share of the rows
         update = ctx.data_parallel.update(batch, ctx.ppo, ctx.ref_model, ctx.scheduler,
                                           progress=lambda done, total: ctx.progress(label, done, total))  # fmt: skip
     else:
@@ -223,7 +235,7 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
     t2 = time.perf_counter()
     if sleep_level:
         await ctx.engine.wake_up()
-    await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", new_version, ctx.lora)
+    await publish(ctx, new_version)
     await ctx.client.resume(weight_version=new_version)
     t3 = time.perf_counter()
     return {
@@ -235,6 +247,15 @@ async def apply_update(ctx: TrainContext, batch: Batch, new_version: int) -> dic
         "preempted_calls_total": paused.get("preempted_calls", 0),
         "weight_version": new_version,
     }
+
+
+async def publish(ctx: TrainContext, version: int) -> None:
+    """Load the trained weights into the engine as `version`: every policy's adapter, the adapter, or
+    the whole model."""
+    if ctx.policies:
+        await publish_policies(ctx.policies, ctx.engine, ctx.run_dir / "weights", version)
+    else:
+        await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", version, ctx.lora)
 
 
 def full_model(ctx: TrainContext) -> CausalLM:
@@ -297,14 +318,18 @@ async def restore(ctx: TrainContext) -> dict[str, Any]:
     ckpt = latest_checkpoint(ctx.run_dir / "checkpoints")
     if ckpt is None:
         ctx.metrics.truncate_after(0)
+        if ctx.policies:  # the engine serves each policy's adapter by name from the first call on
+            await publish(ctx, 0)
         return {"step": 0}
-    if ctx.data_parallel is not None:  # every rank takes the checkpoint's weights and moments
+    if ctx.policies:
+        state = load_policies_checkpoint(ckpt, ctx.policies)
+    elif ctx.data_parallel is not None:  # every rank takes the checkpoint's weights and moments
         state = ctx.data_parallel.load_checkpoint(ckpt, ctx.scheduler)
     else:
         state = load_checkpoint(ckpt, ctx.model, ctx.optimizer, ctx.scheduler, ctx.lora)
     step = int(state["step"])
     ctx.metrics.truncate_after(step)  # steps after the checkpoint are done again: logged once
-    await publish_weights(full_model(ctx), ctx.engine, ctx.run_dir / "weights", step, ctx.lora)
+    await publish(ctx, step)
     await ctx.client.resume(weight_version=step)
     log.info("event=resumed step=%d checkpoint=%s", step, ckpt)
     return state
@@ -315,7 +340,9 @@ def maybe_checkpoint(ctx: TrainContext, step: int, loop_state: dict[str, Any] | 
     t = ctx.cfg.train
     if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
         state = {"run_id": ctx.run_id, **(loop_state or {})}
-        if ctx.data_parallel is not None:  # sharded ranks: rank 0 gathers, writes the single-process format
+        if ctx.policies:
+            save_policies_checkpoint(ctx.run_dir / "checkpoints", step, ctx.policies, state)
+        elif ctx.data_parallel is not None:  # sharded ranks: rank 0 gathers, writes the single-process format
             ctx.data_parallel.save_checkpoint(ctx.run_dir / "checkpoints", step, state, ctx.scheduler)
         else:
             save_checkpoint(

@@ -40,9 +40,13 @@ class EngineAdmin:
             )
         return resp
 
-    async def load_weights(self, path: Path, version: int) -> int:
-        """Make the engine serve the weights at `path` as `version`; returns the version it reports."""
-        resp = await self._call("POST", "/admin/load_weights", json={"path": str(path), "version": version})
+    async def load_weights(self, path: Path, version: int, adapter: str | None = None) -> int:
+        """Make the engine serve the weights at `path` as `version` (with `adapter`: the PEFT folder at
+        `path` served per request as that adapter); returns the version it reports."""
+        body: dict[str, Any] = {"path": str(path), "version": version}
+        if adapter is not None:
+            body["adapter"] = adapter
+        resp = await self._call("POST", "/admin/load_weights", json=body)
         data: dict[str, Any] = resp.json()
         return int(data["weight_version"])
 
@@ -123,8 +127,12 @@ class VLLMAdmin(EngineAdmin):
         """How each weight sync into vLLM went (method, seconds)."""
         return {"vllm_weight_syncs": self.syncs}
 
-    async def load_weights(self, path: Path, version: int) -> int:
+    async def load_weights(self, path: Path, version: int, adapter: str | None = None) -> int:
         """Reload in place (or restart), tag the version, return the version vLLM reports."""
+        if adapter is not None:
+            raise EngineAdminError(
+                "per-request LoRA adapters (policies) are served by the builtin engine only"
+            )
         from harnessrl.services.vllm import add_lm_head
 
         t0 = time.perf_counter()
@@ -187,8 +195,12 @@ class SGLangAdmin(EngineAdmin):
 
     kind = "sglang"
 
-    async def load_weights(self, path: Path, version: int) -> int:
+    async def load_weights(self, path: Path, version: int, adapter: str | None = None) -> int:
         """Load from disk as `version`; SGLang answers `{"success": bool, "message": str}`."""
+        if adapter is not None:
+            raise EngineAdminError(
+                "per-request LoRA adapters (policies) are served by the builtin engine only"
+            )
         resp = await self._call("POST", "/update_weights_from_disk",
                                 json={"model_path": str(path), "weight_version": str(version)})  # fmt: skip
         data = resp.json()

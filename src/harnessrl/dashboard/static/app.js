@@ -351,7 +351,7 @@ async function rolloutView(id) {
     calls.appendChild(el("div", { class: "card call", "data-call": c.index },
       el("div", { class: "head" },
         el("strong", {}, `call ${c.index}`), el("span", {}, `attempt ${c.attempt}`), stateCell(c.status === "ok" ? "succeeded" : "failed"),
-        el("span", { class: "muted" }, `${c.status} · finish ${c.finish_reason || "–"} · weights v${c.weight_version ?? "–"} · ${c.prompt_tokens}+${c.completion_tokens} tokens · ${fmt(c.latency_s, 2)}s`),
+        el("span", { class: "muted" }, `${c.status} · finish ${c.finish_reason || "–"}${c.policy ? ` · policy ${c.policy}` : ""} · weights v${c.weight_version ?? "–"} · ${c.prompt_tokens}+${c.completion_tokens} tokens · ${fmt(c.latency_s, 2)}s`),
         c.row !== null ? el("span", { class: "badge" }, `row ${c.row}`) : el("span", { class: "badge bad" }, "no row"),
         c.break_cause ? el("span", { class: "badge break", title: "this call could not extend the previous row" }, `break: ${c.break_cause}`) : null),
       c.error ? el("div", { class: "error" }, c.error) : null,
@@ -375,7 +375,7 @@ async function rolloutView(id) {
     rep.rows.forEach((row) => {
       const first = rep.calls.find((c) => c.index === row.calls[0]);
       rowsBox.appendChild(el("div", { class: "row-head" }, el("strong", {}, `row ${row.index}`),
-        el("span", { class: "muted" }, `attempt ${row.attempt} · calls ${row.calls.join(", ")} · ${row.n_tokens} tokens, ${row.n_trainable} trainable · weights ${row.weight_versions.map((v) => `v${v}`).join(" ")}`),
+        el("span", { class: "muted" }, `attempt ${row.attempt} · calls ${row.calls.join(", ")} · ${row.n_tokens} tokens, ${row.n_trainable} trainable · weights ${row.weight_versions.map((v) => `v${v}`).join(" ")}${row.policy ? ` · policy ${row.policy}` : ""}`),
         first && first.break_cause ? el("span", { class: "badge break" }, `starts after break: ${first.break_cause}`) : null));
       rowsBox.appendChild(renderTokens(row, mode, r.advantage));
     });
