@@ -141,10 +141,12 @@ class SandboxedForkServerRunner(RunnerBase):
         """Run one attempt to its end: forked in the sandbox where it can be, else in the exec sandbox."""
         form = fork_form(harness.command, self.python)
         gw = urlsplit(spec.gateway_url)
-        root = attempts_root(spec.workdir, self.sandbox)
-        if form is None or os.geteuid() != 0 or gw.scheme != "http" or not gw.hostname or root is None:
+        if form is None or os.geteuid() != 0 or gw.scheme != "http" or not gw.hostname:
             return await self._exec.run(spec, harness)
         output_dir, task_file = prepare_workdir(spec)
+        root = attempts_root(spec.workdir, self.sandbox)
+        if root is None:
+            return await self._exec.run(spec, harness)
         port = gw.port or 80
         inner = dataclasses.replace(spec, gateway_url=f"http://127.0.0.1:{port}{gw.path}")
         env = contract_env(inner, harness, task_file, output_dir)
@@ -157,14 +159,14 @@ class SandboxedForkServerRunner(RunnerBase):
             if "HOME" not in harness.env:
                 env["HOME"] = str(cwd)
             request = {"kind": kind, "target": target, "args": args, "cwd": str(cwd), "env": env,
-                       "uid": slot.uid, "sandbox": self._box(spec.workdir, root, port)}  # fmt: skip
+                       "uid": slot.uid, "sandbox": self._box(spec.workdir, root, port, files)}  # fmt: skip
             try:
                 result = await self._attempt(spec, harness, request, (str(root), gw.hostname, str(port), *files))
             finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
                 note = finish_attempt(spec.workdir, slot.uid, spec.rollout_id, spec.attempt)
         return dataclasses.replace(result, stderr_tail=result.stderr_tail + note) if note else result
 
-    def _box(self, workdir: Path, root: Path, port: int) -> dict[str, Any]:
+    def _box(self, workdir: Path, root: Path, port: int, files: list[str]) -> dict[str, Any]:
         """The `sandbox` part of a request (`sandbox_zygote.py`): the attempt's view, port and limits."""
         from harnessrl.controller.runners.sandbox import SOCKET_IN_SANDBOX, git_paths
 
@@ -172,7 +174,9 @@ class SandboxedForkServerRunner(RunnerBase):
         pairs = [args[i + 1].partition("=") for i, a in enumerate(args) if a == "--limit"]
         limits = {name: int(value) for name, _, value in pairs}
         hide = [str(g) for g in git_paths([workdir])] if self.sandbox.hide_git else []
-        return {"root": str(root), "workdir": str(workdir), "hide": hide, "unmount": [ZYGOTE_DIR],
+        view = view_paths(self.sandbox)
+        extra = [f for f in files if not any(os.path.commonpath([f, os.path.abspath(v)]) == os.path.abspath(v) for v in view)]  # fmt: skip
+        return {"root": str(root), "workdir": str(workdir), "files": extra, "hide": hide, "unmount": [ZYGOTE_DIR],
                 "socket": SOCKET_IN_SANDBOX, "port": port, "tmp_bytes": self.sandbox.tmp_bytes,
                 "shm_bytes": self.sandbox.shm_bytes, "limits": limits}  # fmt: skip
 

@@ -5,15 +5,16 @@ It is `fork_zygote.py`'s zygote (the same preload, socket protocol and harness s
 step between the fork and the harness: each attempt gets namespaces of its own inside the sandbox.
 A request carries, besides `fork_zygote`'s fields, a `sandbox` object
 
-    {"root": DIR, "workdir": DIR, "hide": [PATH...], "unmount": [PATH...], "socket": PATH,
-     "port": N, "tmp_bytes": N, "shm_bytes": N, "limits": {NAME: VALUE}}
+    {"root": DIR, "workdir": DIR, "files": [PATH...], "hide": [PATH...], "unmount": [PATH...],
+     "socket": PATH, "port": N, "tmp_bytes": N, "shm_bytes": N, "limits": {NAME: VALUE}}
 
 and file descriptors: the write end of a status pipe first, then the `cgroup.procs` files of the
 attempt's cgroups (opened by the runner outside). The zygote's child (C, root, in the sandbox) then:
 - enters a mount, network, IPC and UTS namespace of its own and a pid namespace for its children;
 - mounts a fresh `/tmp` and `/dev/shm`, unmounts `unmount` (the zygote's socket folder), covers
   `root` (the run's `rollouts/` folder, bound read-write into the sandbox) with an empty tmpfs and
-  binds back only `workdir`, its own attempt's folder; `hide` paths (`.git`) get an empty tmpfs;
+  binds back only `workdir`, its own attempt's folder, and read-only the harness's `files` (its
+  script, bound into the sandbox outside the view); `hide` paths (`.git`) get an empty tmpfs;
 - joins the attempt's cgroups (writing `0` into each `cgroup.procs`);
 - brings its own loopback up and listens on 127.0.0.1:`port`;
 - forks G, the init (pid 1) of the attempt's pid namespace, which mounts its own `/proc`, writes
@@ -42,7 +43,8 @@ import sandbox_init  # type: ignore[import-not-found]
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MNT_DETACH = 2
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 PR_SET_NO_NEW_PRIVS = 38
@@ -67,7 +69,7 @@ def check(req: Any) -> str | None:
     for key in BOX_INTS:
         if not isinstance(box.get(key), int) or isinstance(box[key], bool) or box[key] <= 0:
             return f"sandbox.{key} must be a positive integer"
-    for key in ("hide", "unmount"):
+    for key in ("files", "hide", "unmount"):
         if not isinstance(box.get(key), list) or not all(isinstance(p, str) and os.path.isabs(p) for p in box[key]):  # fmt: skip
             return f"sandbox.{key} must be a list of absolute paths"
     limits = box.get("limits")
@@ -103,6 +105,7 @@ def enter_view(box: dict[str, Any]) -> None:
     _call(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the zygote or siblings
     own = os.open(box["workdir"], os.O_PATH | os.O_DIRECTORY)  # before the folder is covered
+    files = [(path, os.open(path, os.O_PATH)) for path in box["files"]]
     for path in box["unmount"]:
         _call(_libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
     tmpfs("/tmp", "1777", box["tmp_bytes"])
@@ -113,6 +116,13 @@ def enter_view(box: dict[str, Any]) -> None:
     os.makedirs(box["workdir"], mode=0o755, exist_ok=True)
     mount(f"/proc/self/fd/{own}", box["workdir"], None, MS_BIND | MS_REC)
     os.close(own)
+    for path, fd in files:  # the harness's script where a fresh /tmp or the tmpfs over root hid it
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND)
+        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
     for path in box["hide"]:
         if os.path.isdir(path):
             tmpfs(path, "0755", 1 << 16)
