@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 
 from harnessrl.controller import AttemptResult, Controller, HarnessSpec, RolloutRequest
-from harnessrl.controller.runner import AttemptSpec
-from harnessrl.controller.runner import Runner
+from harnessrl.controller.runner import AttemptSpec, Runner
 from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec, find_bwrap
 from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
 from harnessrl.gateway.client import ControlClient
@@ -285,10 +284,11 @@ async def test_escapes_fail_and_the_gateway_works(make_gateway: Callable[..., Ga
 
 
 async def test_the_calc_example_runs_sandboxed(
-    make_gateway: Callable[..., GatewayHandle], tmp_path: Path
+    make_gateway: Callable[..., GatewayHandle], tmp_path: Path, make_runner: MakeRunner
 ) -> None:
-    """What `controller.sandbox=true` runs: the packaged calc harness (openai SDK, tool calls) through
-    the Controller; it answers (the tiny random model is graded 0 or 1) and its calls are recorded."""
+    """What the calc example runs (`fork_server: true` under `sandbox: auto`; exec with `fork_server:
+    false`): the packaged calc harness (openai SDK, tool calls) through the Controller; it answers (the
+    tiny random model is graded 0 or 1) and its calls are recorded."""
     from harnessrl.examples import get_example
 
     gw = make_gateway(default_max_tokens=8)
@@ -297,7 +297,7 @@ async def test_the_calc_example_runs_sandboxed(
     harness = HarnessSpec(example.harness_command, timeout_s=60)
     task = Task(task_id="t", input={"question": "What is 2 + 3?"}, reference={"answer": "5"})
     try:
-        ctl = Controller(client, gw.url, harness, example.grader, tmp_path / "run", runner=SandboxRunner())
+        ctl = Controller(client, gw.url, harness, example.grader, tmp_path / "run", runner=make_runner())
         (out,) = await ctl.run([RolloutRequest(task, client_id="calc-0")])
     finally:
         await client.aclose()

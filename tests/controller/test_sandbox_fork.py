@@ -93,7 +93,9 @@ async def test_attempts_of_one_zygote_cannot_see_each_other(
         assert json.loads((first.workdir / "output" / "ready.json").read_text())["preloaded"]
         rid, key = gw.new_rollout()
         task = {"role": "second", "port": port, "other": str(first.workdir), "rollouts": str(rollouts)}
-        second = await runner.run(AttemptSpec(rid, 0, key, gw.url, task, rollouts / rid / "attempt-0"), harness)
+        second = await runner.run(
+            AttemptSpec(rid, 0, key, gw.url, task, rollouts / rid / "attempt-0"), harness
+        )
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running
@@ -142,7 +144,9 @@ async def test_a_command_it_cannot_fork_runs_in_the_exec_sandbox(
     runner = SandboxedForkServerRunner()
     try:
         rid, key = gw.new_rollout()
-        result = await runner.run(AttemptSpec(rid, 0, key, gw.url, {}, tmp_path / "run" / rid / "a0"), harness)
+        result = await runner.run(
+            AttemptSpec(rid, 0, key, gw.url, {}, tmp_path / "run" / rid / "a0"), harness
+        )
     finally:
         runner.close()
     assert result.infra_error is None and result.exit_code == 0, result.stderr_tail

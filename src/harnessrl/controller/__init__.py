@@ -40,8 +40,8 @@ __all__ = [
     "RolloutRequest",
     "Runner",
     "RunnerBase",
-    "SandboxedForkServerRunner",
     "SandboxRunner",
     "SandboxSpec",
+    "SandboxedForkServerRunner",
     "sibling_requests",
 ]

