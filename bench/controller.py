@@ -2,8 +2,9 @@
 subprocesses (LocalRunner) against bubblewrap sandboxes (SandboxRunner) and forks of a fork server
 (ForkServerRunner), in one run; the plain runner as root with and without a uid of its own per attempt
 (with an interpreter other uids can run, when there is one); then a harness that imports the `openai`
-SDK (as the examples' do): plain, forked from a fork server that preloaded it, and sandboxed (what the
-default `controller.sandbox: auto` costs the examples, whose fork server a sandbox replaces).
+SDK (as the examples' do): plain, forked from a fork server that preloaded it, sandboxed (a bwrap, an
+interpreter and an import per attempt), and forked from a zygote inside one sandbox (the examples'
+`fork_server: true` under the default `controller.sandbox: auto`: SandboxedForkServerRunner).
 
 A real gateway process over a real SQLite store, the real Controller (create rollout, start attempt,
 run the harness, finish the attempt, grade, write the reward, set the state), and a trivial harness
@@ -13,6 +14,7 @@ the saturated figure (1000/rate_sandbox - 1000/rate_plain) is reported beside it
 the control path alone (a runner that writes the answer without starting any process).
 
     python bench/controller.py --attempts 256 --concurrency 64 --out bench/results/controller.json
+    python bench/controller.py --openai-only --attempts 256 --out bench/results/controller_openai.json
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from harnessrl.controller import (
     LocalRunner,
     RolloutRequest,
     Runner,
+    SandboxedForkServerRunner,
     SandboxRunner,
 )
 from harnessrl.controller.isolation import unreachable
@@ -146,14 +149,26 @@ def cpu_seconds(runner: Runner) -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
     proc = getattr(runner, "_proc", None)  # ForkServerRunner's zygote: its harnesses are its children
-    if proc is not None:
-        try:
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += sum(int(f) for f in fields[11:15]) / os.sysconf(
-                "SC_CLK_TCK"
-            )  # utime stime cutime cstime
-        except (OSError, ValueError):
-            pass
+    roots = [proc.pid] if proc is not None else list(getattr(runner, "pids", []))  # sandboxed: bwrap
+    return total + sum(tree_cpu_seconds(pid) for pid in roots)
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU time of a live process and all its live descendants, each with what it has waited for
+    (utime stime cutime cstime: the ended attempts of a zygote are in its own cutime/cstime)."""
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, seconds)
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, ValueError):
+                continue
+            stats[int(name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK"))
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo += [child for child, (parent, _) in stats.items() if parent == pid]
     return total
 
 
@@ -178,14 +193,42 @@ async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[s
         for name, runner in runners.items():
             out["sequential"][name] = await measure(f"seq-{name}", runner, gw.url, admin, work, sequential, 1)
         out["uid"] = await bench_uid(gw.url, admin, work, n, concurrency)
-        out["openai"] = {}
-        for name in ("plain", "fork", "sandbox"):
-            out["openai"][name] = r = await measure(f"openai-{name}", runners[name], gw.url, admin, work, n // 4,
-                                                    concurrency, OPENAI_HARNESS)  # fmt: skip
-            log.info("openai harness runner=%s attempts_per_s=%.1f", name, r["attempts_per_s"])
+        out["openai"] = await bench_openai(gw.url, admin, work, n // 4, concurrency, runners)
         return out
     finally:
         fork.close()
+        gw.stop()
+
+
+async def bench_openai(gw_url: str, admin: str, work: Path, n: int, concurrency: int,
+                       runners: dict[str, Runner] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The harness importing `openai`: plain, forked, sandboxed (exec) and forked inside the sandbox
+    (both fork servers preload `openai`, as the examples' `harnessrl.preload.openai` does)."""
+    runners = dict(runners or {"plain": LocalRunner(own_uid="never"), "sandbox": SandboxRunner(),
+                               "fork": ForkServerRunner(["openai"], own_uid="never")})  # fmt: skip
+    runners["sandbox-fork"] = SandboxedForkServerRunner(preload=["openai"])
+    out: dict[str, Any] = {}
+    try:
+        for name in ("fork", "sandbox-fork"):  # warm-up: the zygotes start (not counted)
+            await measure(f"warm-openai-{name}", runners[name], gw_url, admin, work, 4, 4, OPENAI_HARNESS)
+        for name in ("plain", "fork", "sandbox", "sandbox-fork"):
+            out[name] = r = await measure(f"openai-{name}", runners[name], gw_url, admin, work, n, concurrency,
+                                          OPENAI_HARNESS)  # fmt: skip
+            log.info("openai harness runner=%s attempts_per_s=%.1f", name, r["attempts_per_s"])
+    finally:
+        for runner in runners.values():
+            runner.close()
+    return out
+
+
+async def openai_only(n: int, concurrency: int, work: Path) -> dict[str, Any]:
+    """Only the `openai` harness's runners (a quicker run on a shared machine)."""
+    port, admin = free_port(), secrets.token_hex(16)
+    gw = start_gateway(work / "store.sqlite", "http://127.0.0.1:9", port, admin, work / "logs", 16)
+    try:
+        gw.wait_healthy(60)
+        return await bench_openai(gw.url, admin, work, n, concurrency)
+    finally:
         gw.stop()
 
 
@@ -215,10 +258,14 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--sequential", type=int, default=30, help="attempts run one at a time per runner")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "controller.json")
+    p.add_argument("--openai-only", action="store_true",
+                   help="only the harness importing openai (--attempts of them): plain, fork, sandbox, sandbox-fork")  # fmt: skip
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     load_before = os.getloadavg()[0]
     become_subreaper()
+    if args.openai_only:
+        return report_openai_only(args, load_before)
     with tempfile.TemporaryDirectory(prefix="bench-controller-") as tmp:
         os.chmod(tmp, 0o711)  # the plain runner's attempt uids must reach their folders
         raw = asyncio.run(bench(args.attempts, args.concurrency, args.sequential, Path(tmp)))
@@ -245,6 +292,10 @@ def main() -> int:
             raw["openai"]["fork"]["attempts_per_s"] / raw["openai"]["plain"]["attempts_per_s"], 2
         ),
         "openai_harness_attempts_per_s_sandbox": round(raw["openai"]["sandbox"]["attempts_per_s"], 2),
+        "openai_harness_cpu_ratio_sandbox_fork_vs_fork": round(
+            raw["openai"]["sandbox-fork"]["cpu_ms_per_attempt"] / raw["openai"]["fork"]["cpu_ms_per_attempt"],
+            2,
+        ),
         "openai_harness_ratio_sandbox_vs_fork": round(
             raw["openai"]["sandbox"]["attempts_per_s"] / raw["openai"]["fork"]["attempts_per_s"], 3
         ),
@@ -281,6 +332,35 @@ def main() -> int:
     if raw["uid"]:
         print(f"plain runner as root ({raw['uid']['python']}): {summary['attempts_per_s_plain_root_same_python']} "
               f"attempts/s as root, {summary['attempts_per_s_plain_own_uid']} with a uid of its own per attempt")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def report_openai_only(args: argparse.Namespace, load_before: float) -> int:
+    """`--openai-only`: CPU per attempt and attempts/s of the openai harness per runner, printed and
+    written as JSON."""
+    with tempfile.TemporaryDirectory(prefix="bench-controller-") as tmp:
+        os.chmod(tmp, 0o711)
+        raw = asyncio.run(openai_only(args.attempts, args.concurrency, Path(tmp)))
+    cpu = {k: round(v["cpu_ms_per_attempt"], 1) for k, v in raw.items()}
+    summary = {
+        "openai_harness_cpu_ms_per_attempt": cpu,
+        "openai_harness_attempts_per_s": {k: round(v["attempts_per_s"], 2) for k, v in raw.items()},
+        "openai_harness_cpu_ratio_sandbox_fork_vs_fork": round(cpu["sandbox-fork"] / cpu["fork"], 2),
+        "attempts": args.attempts,
+        "concurrency": args.concurrency,
+        "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, {len(os.sched_getaffinity(0))} CPUs",
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "command": f"python bench/controller.py --openai-only --attempts {args.attempts} --concurrency {args.concurrency}",
+        "raw": raw,
+    }
+    print(f"{'runner':<14}{'CPU ms/attempt':>16}{'attempts/s':>12}")
+    for name in raw:
+        print(f"{name:<14}{cpu[name]:>16.1f}{summary['openai_harness_attempts_per_s'][name]:>12.2f}")
+    print(
+        f"sandboxed fork / fork CPU per attempt: {summary['openai_harness_cpu_ratio_sandbox_fork_vs_fork']}x"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     return 0

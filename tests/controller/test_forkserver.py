@@ -240,11 +240,24 @@ async def test_close_stops_the_zygote_and_its_running_harnesses(tmp_path: Path) 
 
 
 def test_config_builds_the_runner_only_for_local_runs() -> None:
+    """The calc example (`fork_server: true` under `sandbox: auto`): the sandboxed fork server where
+    bwrap works, the plain one with `sandbox=false`; without `fork_server`, the exec sandbox or plain."""
+    from harnessrl.controller.runners.sandbox import bwrap_problem
+    from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
+
     path = get_example("calc").config_path
-    runner = make_runner(load_config(path, ["controller.preload=[openai, json]"]).controller)
+    plain = ["controller.sandbox=false"]
+    runner = make_runner(load_config(path, [*plain, "controller.preload=[openai, json]"]).controller)
     assert isinstance(runner, ForkServerRunner) and runner.preload == ("openai", "json")
-    assert type(make_runner(load_config(path, ["controller.fork_server=false"]).controller)) is LocalRunner
-    assert type(make_runner(load_config(path, ["controller.sandbox=true"]).controller)) is SandboxRunner
+    off = [*plain, "controller.fork_server=false"]
+    assert type(make_runner(load_config(path, off).controller)) is LocalRunner
+    if bwrap_problem() is None:
+        default = make_runner(load_config(path, []).controller)
+        assert isinstance(default, SandboxedForkServerRunner) and default.preload == (
+            "harnessrl.preload.openai",
+        )
+        exec_only = ["controller.sandbox=true", "controller.fork_server=false"]
+        assert type(make_runner(load_config(path, exec_only).controller)) is SandboxRunner
 
 
 async def test_a_harness_whose_runner_went_away_is_killed(

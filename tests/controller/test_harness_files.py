@@ -22,7 +22,14 @@ from typing import Any
 
 import pytest
 
-from harnessrl.controller import ForkServerRunner, HarnessSpec, LocalRunner, Runner, SandboxRunner
+from harnessrl.controller import (
+    ForkServerRunner,
+    HarnessSpec,
+    LocalRunner,
+    Runner,
+    SandboxedForkServerRunner,
+    SandboxRunner,
+)
 from harnessrl.controller.isolation import unreachable
 from harnessrl.controller.runner import AttemptSpec, copy_files, pack_home
 from harnessrl.controller.runners import kubernetes_jobs as kj
@@ -92,6 +99,7 @@ RUNNERS = {
     "fork-server": lambda: ForkServerRunner(python=PYTHON, own_uid="never"),
     "fork-server-own-uid": lambda: ForkServerRunner(python=PYTHON, own_uid="required"),
     "sandbox": lambda: SandboxRunner(SandboxSpec(cgroup="never")),
+    "sandbox-fork": lambda: SandboxedForkServerRunner(SandboxSpec(cgroup="never"), python=PYTHON),
 }
 
 
@@ -99,7 +107,7 @@ RUNNERS = {
 async def test_a_harness_finds_its_files_and_writes_its_output(project: Path, kind: str) -> None:
     if "own-uid" in kind and not ROOT:
         pytest.skip("a uid of its own needs root")
-    if kind == "sandbox" and NO_SANDBOX:
+    if kind.startswith("sandbox") and NO_SANDBOX:
         pytest.skip(f"no sandbox here: {NO_SANDBOX}")
     runner: Runner = RUNNERS[kind]()
     spec, harness = _attempt(project)
@@ -109,10 +117,12 @@ async def test_a_harness_finds_its_files_and_writes_its_output(project: Path, ki
     finally:
         runner.close()
     assert result.infra_error is None and result.exit_code == 0, result
+    if isinstance(runner, SandboxedForkServerRunner):
+        assert runner.starts == 1  # forked, not run by the exec sandbox
     where = json.loads((result.output_dir / "where.json").read_text())
     _check(where, result.output_dir)
     assert where["cwd"] == str(spec.workdir / "home")
-    if "own-uid" in kind or (kind == "sandbox" and ROOT):
+    if "own-uid" in kind or (kind.startswith("sandbox") and ROOT):
         assert where["uid"] != 0  # and it could still read the 0600 files copied for it
 
 

@@ -27,7 +27,14 @@ import httpx
 import pytest
 
 from harnessrl.config import load_config
-from harnessrl.controller import ForkServerRunner, HarnessSpec, LocalRunner, Runner, SandboxRunner
+from harnessrl.controller import (
+    ForkServerRunner,
+    HarnessSpec,
+    LocalRunner,
+    Runner,
+    SandboxedForkServerRunner,
+    SandboxRunner,
+)
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.isolation import (
     REMOVED_NOTE,
@@ -276,6 +283,28 @@ async def test_the_default_runner_contains_a_hostile_harness(run: Run) -> None:
     if isinstance(runner, SandboxRunner):
         assert not probe["engine port"]["ok"]  # only the gateway is reachable from the sandbox
         assert "no gateway process in sight" in probe["read gateway environ"]["error"]
+
+
+@pytest.mark.skipif(not ROOT, reason="the sandboxed fork server forks as root (otherwise: the exec sandbox)")
+@pytest.mark.skipif(PYTHON is None, reason="no Python interpreter that an unprivileged uid can run")
+async def test_the_sandboxed_fork_server_contains_a_hostile_harness(run: Run) -> None:
+    """`fork_server: true` under the default `sandbox: auto`: forked inside one bwrap, beside the victim
+    forked from the same zygote."""
+    assert PYTHON is not None
+    runner = make_runner(load_config(None, ["controller.fork_server=true"]).controller)
+    if not isinstance(runner, SandboxedForkServerRunner):
+        pytest.skip("no bubblewrap here")
+    runner = SandboxedForkServerRunner(runner.sandbox, python=PYTHON)  # an interpreter the uid can run
+    try:
+        rid, victim, result, probe = await _attack(run, runner, "sandbox-fork")
+    finally:
+        runner.close()
+    assert runner.starts == 2  # forked, no fallback to the exec sandbox: a zygote per harness script
+    # (victim.py, hostile.py); attempts of one zygote against each other: test_sandbox_fork.py
+    assert probe["uid"] >= 2_000_000
+    _check_contained(run, rid, victim, result, probe)
+    assert not probe["engine port"]["ok"]  # only the gateway is reachable from the sandbox
+    assert "no gateway process in sight" in probe["read gateway environ"]["error"]
 
 
 @pytest.mark.skipif(not ROOT, reason="a uid of its own for the harness needs root")

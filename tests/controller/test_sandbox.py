@@ -1,4 +1,6 @@
-"""The sandboxed runner with real bubblewrap sandboxes, a real gateway and the real OpenAI SDK.
+"""The sandboxed runners with real bubblewrap sandboxes, a real gateway and the real OpenAI SDK: each
+escape, limit and kill test runs against the exec sandbox (`SandboxRunner`, a bwrap per attempt) and
+the sandboxed fork server (`SandboxedForkServerRunner`, attempts forked inside one bwrap).
 
 The escape tests run a probe harness inside the sandbox that tries each way out and records what
 happened; every escape must fail, and the one allowed path (the gateway, through the forwarder) must
@@ -23,8 +25,9 @@ from typing import Any
 import pytest
 
 from harnessrl.controller import AttemptResult, Controller, HarnessSpec, RolloutRequest
-from harnessrl.controller.runner import AttemptSpec
+from harnessrl.controller.runner import AttemptSpec, Runner
 from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec, find_bwrap
+from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import AttemptStatus, RolloutState, Task
 from tests.support.gateway import GatewayHandle
@@ -199,15 +202,38 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-async def _attempt(gw: GatewayHandle, tmp_path: Path, sandbox: SandboxSpec, harness: HarnessSpec,
+MakeRunner = Callable[..., Runner]
+
+
+@pytest.fixture(params=["exec", "fork"])
+def make_runner(request: pytest.FixtureRequest) -> Iterator[MakeRunner]:
+    """Builds the runner under test from a SandboxSpec; a forked one must really have forked (a zygote
+    started, no fallback to the exec sandbox), checked when the test ends."""
+    made: list[Runner] = []
+
+    def make(sandbox: SandboxSpec | None = None) -> Runner:
+        sandbox = sandbox or SandboxSpec()
+        runner = SandboxRunner(sandbox) if request.param == "exec" else SandboxedForkServerRunner(sandbox)
+        made.append(runner)
+        return runner
+
+    yield make
+    for runner in made:
+        runner.close()
+        if isinstance(runner, SandboxedForkServerRunner):
+            assert runner.starts == 1, "the attempts were not forked from one sandboxed zygote"
+
+
+async def _attempt(gw: GatewayHandle, tmp_path: Path, runner: Runner, harness: HarnessSpec,
                    task: dict[str, Any], workdir: Path | None = None) -> tuple[str, AttemptResult]:  # fmt: skip
     rid, key = gw.new_rollout()
     spec = AttemptSpec(rid, 0, key, gw.url, task, workdir or tmp_path / "run" / rid / "attempt-0")
-    return rid, await SandboxRunner(sandbox).run(spec, harness)
+    return rid, await runner.run(spec, harness)
 
 
 async def test_escapes_fail_and_the_gateway_works(make_gateway: Callable[..., GatewayHandle], tmp_path: Path,
-                                                  server: EchoServer, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                  server: EchoServer, monkeypatch: pytest.MonkeyPatch,
+                                                  make_runner: MakeRunner) -> None:  # fmt: skip
     monkeypatch.setenv("SECRET_FROM_PARENT", "do-not-leak")
     gw = make_gateway()
     hosts = host_addresses()
@@ -222,7 +248,7 @@ async def test_escapes_fail_and_the_gateway_works(make_gateway: Callable[..., Ga
         with socket.socket(socket.AF_UNIX) as c:  # reachable from the host
             c.connect(address)
     os.chmod(unix_path, 0o777)  # by any uid: only invisibility can stop the sandbox
-    workdir = tmp_path / "run" / "attempt"
+    workdir = tmp_path / "run" / "r" / "attempt"
     git_config = _write(workdir / "repo" / ".git" / "config", "[core]\n secret = yes\n")
     targets = [str(tmp_path / "escape.txt"), "/etc/harnessrl-escape", str(Path.cwd() / "escape.txt"),
                str(workdir / "escape.txt"), str(Path(sys.executable).parent / "escape")]  # fmt: skip
@@ -232,7 +258,7 @@ async def test_escapes_fail_and_the_gateway_works(make_gateway: Callable[..., Ga
             "unix_path": unix_path, "unix_abstract": unix_abstract}  # fmt: skip
     harness = HarnessSpec([sys.executable, str(_write(tmp_path / "probe.py", PROBE))], timeout_s=60)
     sandbox = SandboxSpec(hide_git=True, disable_git=True)
-    rid, result = await _attempt(gw, tmp_path, sandbox, harness, task, workdir)
+    rid, result = await _attempt(gw, tmp_path, make_runner(sandbox), harness, task, workdir)
     for srv in unix_servers:
         srv.close()
     assert result.infra_error is None and result.exit_code == 0, result.stderr_tail
@@ -258,10 +284,11 @@ async def test_escapes_fail_and_the_gateway_works(make_gateway: Callable[..., Ga
 
 
 async def test_the_calc_example_runs_sandboxed(
-    make_gateway: Callable[..., GatewayHandle], tmp_path: Path
+    make_gateway: Callable[..., GatewayHandle], tmp_path: Path, make_runner: MakeRunner
 ) -> None:
-    """What `controller.sandbox=true` runs: the packaged calc harness (openai SDK, tool calls) through
-    the Controller; it answers (the tiny random model is graded 0 or 1) and its calls are recorded."""
+    """What the calc example runs (`fork_server: true` under `sandbox: auto`; exec with `fork_server:
+    false`): the packaged calc harness (openai SDK, tool calls) through the Controller; it answers (the
+    tiny random model is graded 0 or 1) and its calls are recorded."""
     from harnessrl.examples import get_example
 
     gw = make_gateway(default_max_tokens=8)
@@ -270,7 +297,7 @@ async def test_the_calc_example_runs_sandboxed(
     harness = HarnessSpec(example.harness_command, timeout_s=60)
     task = Task(task_id="t", input={"question": "What is 2 + 3?"}, reference={"answer": "5"})
     try:
-        ctl = Controller(client, gw.url, harness, example.grader, tmp_path / "run", runner=SandboxRunner())
+        ctl = Controller(client, gw.url, harness, example.grader, tmp_path / "run", runner=make_runner())
         (out,) = await ctl.run([RolloutRequest(task, client_id="calc-0")])
     finally:
         await client.aclose()
@@ -279,11 +306,12 @@ async def test_the_calc_example_runs_sandboxed(
     assert len(gw.store.calls(out.rollout_id)) >= 1
 
 
-async def test_resource_limits_hold(make_gateway: Callable[..., GatewayHandle], tmp_path: Path) -> None:
+async def test_resource_limits_hold(make_gateway: Callable[..., GatewayHandle], tmp_path: Path,
+                                   make_runner: MakeRunner) -> None:  # fmt: skip
     gw = make_gateway()
     sandbox = SandboxSpec(cpu_seconds=1, memory_bytes=512 << 20, max_processes=16, max_file_bytes=1 << 20)
     harness = HarnessSpec([sys.executable, str(_write(tmp_path / "limits.py", LIMITS))], timeout_s=30)
-    _, result = await _attempt(gw, tmp_path, sandbox, harness, {})
+    _, result = await _attempt(gw, tmp_path, make_runner(sandbox), harness, {})
     assert result.infra_error is None and not result.timed_out, result.stderr_tail
     lines = (result.output_dir / "limits.txt").read_text().splitlines()
     forks = lines[0].split()
@@ -296,7 +324,7 @@ async def test_resource_limits_hold(make_gateway: Callable[..., GatewayHandle], 
 
 
 async def test_cgroup_bounds_the_attempt_as_a_whole(
-    make_gateway: Callable[..., GatewayHandle], tmp_path: Path
+    make_gateway: Callable[..., GatewayHandle], tmp_path: Path, make_runner: MakeRunner
 ) -> None:
     """Four processes of 150 MiB each stay under RLIMIT_AS alone; the attempt's 256 MiB cgroup stops them."""
     from harnessrl.controller.runners.cgroups import AttemptCgroup
@@ -308,19 +336,20 @@ async def test_cgroup_bounds_the_attempt_as_a_whole(
     gw = make_gateway()
     sandbox = SandboxSpec(memory_bytes=1 << 30, cgroup="required", cgroup_memory_bytes=256 << 20)
     harness = HarnessSpec([sys.executable, str(_write(tmp_path / "greedy.py", GREEDY))], timeout_s=60)
-    _, result = await _attempt(gw, tmp_path, sandbox, harness, {})
+    _, result = await _attempt(gw, tmp_path, make_runner(sandbox), harness, {})
     assert result.infra_error is None and result.exit_code == 0, result.stderr_tail
     assert int((result.output_dir / "killed").read_text()) >= 1
     assert "memory limit killed" in result.stderr_tail
 
 
-async def test_timeout_kills_everything(make_gateway: Callable[..., GatewayHandle], tmp_path: Path) -> None:
+async def test_timeout_kills_everything(make_gateway: Callable[..., GatewayHandle], tmp_path: Path,
+                                       make_runner: MakeRunner) -> None:  # fmt: skip
     gw = make_gateway()
     marker = f"harnessrl-sandbox-marker-{os.getpid()}-{time.monotonic_ns()}"
     harness = HarnessSpec([sys.executable, str(_write(tmp_path / "hang.py", HANG))], timeout_s=3)
     rid, key = gw.new_rollout()
-    spec = AttemptSpec(rid, 0, key, gw.url, {}, tmp_path / "hang")
-    result = await SandboxRunner().run(replace(spec, task_input={"m": marker}), harness)
+    spec = AttemptSpec(rid, 0, key, gw.url, {}, tmp_path / "run" / rid / "hang")
+    result = await make_runner().run(replace(spec, task_input={"m": marker}), harness)
     assert result.timed_out and result.exit_code is None and result.infra_error is None
     assert (result.output_dir / "started").exists()
     deadline = time.monotonic() + 5
@@ -329,13 +358,14 @@ async def test_timeout_kills_everything(make_gateway: Callable[..., GatewayHandl
     assert not _marked(marker), "a process of the sandbox survived its timeout"
 
 
-async def test_cancel_kills_everything(make_gateway: Callable[..., GatewayHandle], tmp_path: Path) -> None:
+async def test_cancel_kills_everything(make_gateway: Callable[..., GatewayHandle], tmp_path: Path,
+                                      make_runner: MakeRunner) -> None:  # fmt: skip
     gw = make_gateway()
     marker = f"harnessrl-sandbox-marker-{os.getpid()}-{time.monotonic_ns()}"
     harness = HarnessSpec([sys.executable, str(_write(tmp_path / "hang.py", HANG))], timeout_s=600)
     rid, key = gw.new_rollout()
-    spec = AttemptSpec(rid, 0, key, gw.url, {"m": marker}, tmp_path / "hang")
-    task = asyncio.create_task(SandboxRunner().run(spec, harness))
+    spec = AttemptSpec(rid, 0, key, gw.url, {"m": marker}, tmp_path / "run" / rid / "hang")
+    task = asyncio.create_task(make_runner().run(spec, harness))
     deadline = time.monotonic() + 30
     while not (spec.workdir / "output" / "started").exists() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -3,7 +3,8 @@
 `controller` (rollouts, attempts, retries, grading) runs each attempt through a runner: `runner` (the
 contract: specs, results, the `Runner` lifecycle), `runners/` (the backends: `local` subprocesses,
 `forkserver` + `fork_zygote` for Python harnesses forked from a preloaded process, `sandbox` +
-`sandbox_init` + `bridge` + `cgroups` for bubblewrap — the default wherever it works —, `ray_runner`,
+`sandbox_init` + `bridge` + `cgroups` for bubblewrap — the default wherever it works —, `sandbox_fork` +
+`sandbox_zygote` for Python harnesses forked inside one bubblewrap sandbox, `ray_runner`,
 `kubernetes*`), `factory` (the runner a config's `controller` section describes). `isolation` keeps an unsandboxed harness to its own rollout (a uid of its
 own as root) and cleans `output/` after each attempt of the local runners (Ray runs them on its nodes);
 docs/security.md says what each mode guarantees.
@@ -18,6 +19,7 @@ from harnessrl.controller.runners.kubernetes import KubernetesRunner, Kubernetes
 from harnessrl.controller.runners.local import LocalRunner
 from harnessrl.controller.runners.ray_runner import RayRunner, RaySpec  # ray itself is imported lazily
 from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec
+from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
 
 __all__ = [
     "AttemptResult",
@@ -40,5 +42,6 @@ __all__ = [
     "RunnerBase",
     "SandboxRunner",
     "SandboxSpec",
+    "SandboxedForkServerRunner",
     "sibling_requests",
 ]

@@ -1,5 +1,5 @@
 """The runner a run's `controller` config section describes: local, forked from a fork server,
-sandboxed (bubblewrap), or on Ray (sandboxed or not). Kubernetes runners are built by their own
+sandboxed (bubblewrap; forked inside one sandbox with `fork_server`), or on Ray (sandboxed or not). Kubernetes runners are built by their own
 launcher (docs/kubernetes.md)."""
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def make_runner(section: ControllerSection, harness: HarnessSpec | None = None) 
         memory = None if section.ray_memory_mb is None else section.ray_memory_mb << 20
         return RayRunner(RaySpec(address=section.ray_address, num_cpus=section.ray_num_cpus, memory_bytes=memory,
                                  resources=dict(section.ray_resources), sandbox=sandbox))  # fmt: skip
+    if sandbox is not None and section.fork_server:
+        from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
+
+        return SandboxedForkServerRunner(sandbox, section.preload)
     if sandbox is not None:
         return SandboxRunner(sandbox)
     from harnessrl.controller.runners.local import LocalRunner

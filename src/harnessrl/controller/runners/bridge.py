@@ -26,6 +26,10 @@ class GatewayBridge:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening, close every piped connection and remove the socket."""
         if self._server is not None:
             self._server.close()
         for w in list(self._writers):

@@ -21,7 +21,9 @@ exits the normal way (atexit handlers, non-daemon threads joined, output flushed
 exception prints its traceback and exits 1). Python reseeds `random` in a forked child.
 
 The runner keeps the connection open until the exit is reported; a connection closed earlier (the
-runner was cancelled or died) gets its child's process group killed. The zygote is single-threaded
+runner was cancelled or died) gets its child's process group killed, and so does a `kill` line sent on
+it (the exit is then still reported). A request may carry file descriptors (SCM_RIGHTS, at most
+MAX_FDS): the child finds them in the request as `fds`; the zygote closes its copies. The zygote is single-threaded
 (forking a process with threads is unsafe) and handles SIGCHLD through a wakeup fd, so one loop serves
 every connection.
 """
@@ -38,9 +40,11 @@ import selectors
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 KINDS = ("path", "module", "code")
+MAX_FDS = 8  # descriptors a request may carry (the sandboxed fork server's status pipe and cgroups)
 
 
 def die_with_parent() -> None:
@@ -81,7 +85,8 @@ def check(req: Any) -> str | None:
 class Server:
     """The zygote's loop: accept connections, read requests, fork, report exits."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, checks: Callable[[Any], str | None] = check) -> None:
+        self.checks = checks  # why a request cannot run (None: it can)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         self.listener.listen(256)
@@ -94,6 +99,7 @@ class Server:
         self.sel.register(self.listener, selectors.EVENT_READ, "accept")
         self.sel.register(self.wake_r, selectors.EVENT_READ, "sigchld")
         self.reading: dict[socket.socket, bytes] = {}  # connections whose request is not complete yet
+        self.fds: dict[socket.socket, list[int]] = {}  # descriptors sent with a request (SCM_RIGHTS)
         self.children: dict[int, socket.socket] = {}  # pid -> the connection that asked for it
 
     def serve(self) -> dict[str, Any]:
@@ -127,20 +133,23 @@ class Server:
         """Read from a connection that is sending its request; fork once it is complete. Returns the
         request in the child, None in the zygote."""
         try:
-            chunk = conn.recv(65536)
+            chunk, fds, _, _ = socket.recv_fds(conn, 65536, MAX_FDS)
         except BlockingIOError:
             return None
         except OSError:
-            chunk = b""
+            chunk, fds = b"", []
+        self.fds.setdefault(conn, []).extend(fds)
         if not chunk:  # closed before its request was complete
             self.sel.unregister(conn)
             del self.reading[conn]
+            _close_fds(self.fds.pop(conn, []))
             conn.close()
             return None
         self.reading[conn] += chunk
         if b"\n" not in self.reading[conn]:
             return None
         line = self.reading.pop(conn).split(b"\n", 1)[0]
+        fds = self.fds.pop(conn, [])
         self.sel.unregister(conn)
         why: str | None
         try:
@@ -148,9 +157,10 @@ class Server:
         except ValueError as e:
             req, why = None, f"request is not JSON: {e}"
         else:
-            why = check(req)
+            why = self.checks(req)
         if why is not None:
             send(conn, {"error": why})
+            _close_fds(fds)
             conn.close()
             return None
         pid = os.fork()
@@ -159,8 +169,10 @@ class Server:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for c in [*self.reading, *self.children.values(), conn, self.listener, self.wake_r, self.wake_w]:
                 c.close()
+            _close_fds([fd for other in self.fds.values() for fd in other])
             self.sel.close()
-            return req  # type: ignore[no-any-return]
+            return {**req, "fds": fds}  # type: ignore[dict-item]
+        _close_fds(fds)
         self.children[pid] = conn
         send(conn, {"pid": pid})
         conn.setblocking(False)
@@ -169,15 +181,17 @@ class Server:
 
     def watch(self, conn: socket.socket, pid: int) -> None:
         """The connection of a running child became readable: closed by the runner (cancelled, or
-        died) — the harness has no one left to report to, so its process group is killed."""
+        died) — the harness has no one left to report to — or a `kill` line from it (a timeout): the
+        child's process group is killed (the exit is still reported on a connection left open)."""
         try:
-            closed = not conn.recv(4096)
+            data = conn.recv(4096)
         except BlockingIOError:
             return
         except OSError:
-            closed = True
-        if closed:
+            data = b""
+        if not data:
             self.sel.unregister(conn)
+        if not data or data.startswith(b"kill"):
             for kill in (os.killpg, os.kill):  # the group; the child itself if it has no group yet
                 with contextlib.suppress(OSError):
                     kill(pid, signal.SIGKILL)
@@ -202,6 +216,12 @@ class Server:
                 conn.close()
 
 
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def redirect(fd: int, path: str, flags: int) -> None:
     """Point file descriptor `fd` at `path`."""
     new = os.open(path, flags, 0o644)
@@ -218,13 +238,9 @@ def become(req: dict[str, Any]) -> None:
     redirect(0, os.devnull, os.O_RDONLY)
     redirect(1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     redirect(2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.chdir(req["cwd"])
     zygote_pythonpath = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(req["env"])
-    pythonpath = req["env"].get("PYTHONPATH", "")
-    if pythonpath != zygote_pythonpath:  # the interpreter read the zygote's at start: add the attempt's
-        sys.path[0:0] = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
     if req.get("uid") is not None:
         try:
             drop_to(req["uid"])
@@ -232,6 +248,10 @@ def become(req: dict[str, Any]) -> None:
             sys.stderr.write(f"harnessrl: the fork server could not take uid {req['uid']}: {e}\n")
             os._exit(125)
         die_with_parent()  # a change of uid clears the parent-death signal
+    os.chdir(req["cwd"])  # as the uid: its home is its own (a sandboxed zygote's root cannot override modes)
+    pythonpath = req["env"].get("PYTHONPATH", "")
+    if pythonpath != zygote_pythonpath:  # the interpreter read the zygote's at start: add the attempt's
+        sys.path[0:0] = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
 
 
 def drop_to(uid: int) -> None:
@@ -268,6 +288,19 @@ def run_main(req: dict[str, Any]) -> None:
         exec(compile(target, "<string>", "exec"), main.__dict__)
 
 
+def preload(names: list[str]) -> bool:
+    """Import the preload modules (a failure is written to stdout as `{"error": why}`: False), then
+    freeze the heap: the preloaded objects are never scanned by a child's collections (nor at exit)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # any failure to import is reported, not raised
+            sys.stdout.write(json.dumps({"error": f"preload {name!r}: {type(e).__name__}: {e}"}) + "\n")
+            return False
+    gc.freeze()
+    return True
+
+
 def main(argv: list[str]) -> int:
     """Preload, serve; in a child, run the harness."""
     if len(argv) < 2:
@@ -275,13 +308,8 @@ def main(argv: list[str]) -> int:
         return 2
     die_with_parent()
     sys.path.pop(0)  # this file's directory: not a place to import the preload modules from
-    for name in argv[2:]:
-        try:
-            importlib.import_module(name)
-        except BaseException as e:  # any failure to import is reported, not raised
-            sys.stdout.write(json.dumps({"error": f"preload {name!r}: {type(e).__name__}: {e}"}) + "\n")
-            return 2
-    gc.freeze()  # the preloaded objects: never scanned by a child's collections (nor at its exit)
+    if not preload(argv[2:]):
+        return 2
     req = Server(argv[1]).serve()
     become(req)
     run_main(req)
