@@ -24,6 +24,7 @@ from harnessrl.controller.runners.forkserver import ForkServerRunner
 from harnessrl.controller.runners.local import LocalRunner
 from harnessrl.controller.runners.ray_runner import RayRunner, RaySpec, run_on_node
 from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec, bwrap_problem
+from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import GuardPolicy, RewardIn, RolloutState, Task
@@ -138,6 +139,7 @@ def test_which_runner_accepts_which_guard() -> None:
         for g in (hidden, egress, GuardPolicy(no_git=True)):
             assert "cannot enforce" in (runner.guard_problem(g) or "")
     assert RayRunner(RaySpec(sandbox=SandboxSpec())).guard_problem(hidden) is None  # as its inner runner
+    assert SandboxedForkServerRunner(SandboxSpec()).guard_problem(hidden) is None  # guarded: exec sandbox
 
 
 # --- plain runners: flagged -----------------------------------------------------------------------
@@ -250,16 +252,20 @@ def echo_servers() -> Iterator[tuple[int, int]]:
 
 
 @pytest.mark.skipif(_BWRAP is not None, reason=f"bubblewrap cannot run here: {_BWRAP}")
+@pytest.mark.parametrize("runner_kind", ["exec", "fork"])
 async def test_sandbox_blocks_edits_hidden_reads_and_unlisted_egress(
-    tmp_path: Path, echo_servers: tuple[int, int]
+    tmp_path: Path, echo_servers: tuple[int, int], runner_kind: str
 ) -> None:
+    """The exec sandbox, and the sandboxed fork server (a guarded task's attempts run in the former)."""
     allowed, denied = echo_servers
     name = socket.gethostname()
     connect = {"allowed": ["127.0.0.1", allowed], "denied": ["127.0.0.1", denied], "by name": [name, allowed]}
     workdir, harness = _prepare(tmp_path, "sandbox")
     guard = GuardPolicy(hidden=["**/.git"], read_only=["repo/tests"], egress=[f"127.0.0.1:{allowed}", f"{name}:{allowed}"])  # fmt: skip
     spec = AttemptSpec("r1", 0, "k", "http://127.0.0.1:9", {"connect": connect}, workdir, guard=guard)
-    probe = _probe(await SandboxRunner(SandboxSpec(cgroup="never")).run(spec, harness))
+    box = SandboxSpec(cgroup="never")
+    runner = SandboxRunner(box) if runner_kind == "exec" else SandboxedForkServerRunner(box)
+    probe = _probe(await runner.run(spec, harness))
     assert "Read-only file system" in str(probe["edit tests"]["error"]), probe
     assert "Read-only file system" in str(probe["add test"]["error"]), probe
     assert "No such file" in str(probe["read git"]["error"]), probe  # an empty tmpfs over .git

@@ -70,6 +70,7 @@ from harnessrl.controller.runners.sandbox import (
     init_args,
     view_paths,
 )
+from harnessrl.schema import GuardPolicy
 from harnessrl.services.process import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -139,11 +140,18 @@ class SandboxedForkServerRunner(RunnerBase):
         """The bwrap process of each live zygote (benchmarks add up the CPU of their trees)."""
         return [z.proc.pid for z in self._zygotes.values() if z.proc.poll() is None]
 
+    def guard_problem(self, guard: GuardPolicy | None) -> str | None:
+        """What the exec sandbox enforces: a guarded task's attempts run there (see `run`)."""
+        return self._exec.guard_problem(guard)
+
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
-        """Run one attempt to its end: forked in the sandbox where it can be, else in the exec sandbox."""
+        """Run one attempt to its end: forked in the sandbox where it can be, else in the exec sandbox
+        (also every attempt of a task with a guard: its mounts and relays are the attempt's own, and the
+        zygote's view is fixed for the run)."""
         form = fork_form(harness.command, self.python)
         gw = urlsplit(spec.gateway_url)
-        if form is None or os.geteuid() != 0 or gw.scheme != "http" or not gw.hostname:
+        guarded = spec.guard is not None and not spec.guard.empty
+        if form is None or guarded or os.geteuid() != 0 or gw.scheme != "http" or not gw.hostname:
             return await self._exec.run(spec, harness)
         output_dir, task_file = prepare_workdir(spec)
         root = attempts_root(spec.workdir, self.sandbox)
