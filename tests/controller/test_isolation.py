@@ -12,21 +12,16 @@ fail, and the test checks each one; the harness's own model call must still work
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import secrets
 import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from harnessrl.config import load_config
 from harnessrl.controller import (
     ForkServerRunner,
     HarnessSpec,
@@ -35,222 +30,58 @@ from harnessrl.controller import (
     SandboxedForkServerRunner,
     SandboxRunner,
 )
-from harnessrl.controller.factory import make_runner
-from harnessrl.controller.isolation import (
-    REMOVED_NOTE,
-    clean_output,
-    protect_run_dir,
-    unreachable,
-)
+from harnessrl.controller.isolation import REMOVED_NOTE, clean_output
 from harnessrl.controller.runner import AttemptResult, AttemptSpec
-from harnessrl.services import Service, free_port, start_gateway
-
-ROOT = os.geteuid() == 0
-# An interpreter an unprivileged uid can run: this one, unless it lives under a 0700 directory (this
-# project's machines keep it under /root), then the system's.
-PYTHON = next((p for p in (sys.executable, "/usr/bin/python3") if os.path.exists(p) and unreachable(p, os.X_OK) is None), None)  # fmt: skip
-SECRET = "reference-answer-" + secrets.token_hex(8)
-
-HOSTILE = r"""
-import glob, hashlib, hmac, json, os, sqlite3, urllib.error, urllib.request
-cfg = json.load(open(os.environ["HARNESSRL_TASK"]))
-out = os.environ["HARNESSRL_OUTPUT"]
-base = os.environ["OPENAI_BASE_URL"].removesuffix("/v1")
-me, my_key = os.environ["HARNESSRL_ROLLOUT_ID"], os.environ["OPENAI_API_KEY"]
-res, found = {"uid": os.getuid()}, {}
-
-def attempt(name, fn):
-    try:
-        res[name] = {"ok": True, "value": fn()}
-    except BaseException as e:
-        res[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-
-def http(method, path, body, key):
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method=method,
-                                 headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=30).status
-
-def read_secret():
-    db = sqlite3.connect(f"file:{cfg['store']}?mode=ro", uri=True)
-    found["secret"] = db.execute("SELECT value FROM meta WHERE key = 'key_secret'").fetchone()[0]
-    return "got the key secret"
-
-def scan_environs():
-    readable = 0
-    for path in glob.glob("/proc/[0-9]*/environ"):
-        try:
-            data = open(path, "rb").read()
-        except OSError:
-            continue
-        readable += 1
-        for var in data.split(b"\0"):
-            name, _, value = var.decode(errors="replace").partition("=")
-            if name == "HARNESSRL_ADMIN_KEY":
-                found["admin"] = value
-            if name == "OPENAI_API_KEY" and value != my_key:
-                found["other_key"] = value
-    if not found:
-        raise LookupError(f"no admin key or other key in the {readable} environments it could read")
-    return sorted(found)
-
-def gateway_environ():
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            cmdline = open(path, "rb").read()
-        except OSError:
-            continue
-        if b"harnessrl.gateway" in cmdline:
-            return open(path.replace("cmdline", "environ"), "rb").read().decode(errors="replace")
-    raise LookupError("no gateway process in sight")
-
-def other_key():
-    if "other_key" in found:
-        return found["other_key"]
-    if "secret" in found:
-        mac = hmac.new(found["secret"].encode(), cfg["victim"].encode(), hashlib.sha256).hexdigest()[:32]
-        return f"hrl-{cfg['victim']}-{mac}"
-    return open(os.path.join(cfg["victim_dir"], "task.json")).read()
-
-attempt("read store", lambda: open(cfg["store"], "rb").read(100).hex())
-attempt("read key secret", read_secret)
-attempt("list run dir", lambda: os.listdir(cfg["run_dir"]))
-attempt("read run log", lambda: open(os.path.join(cfg["run_dir"], "logs", "gateway.log")).read()[-200:])
-attempt("read references", lambda: open(cfg["secret_file"]).read())
-attempt("scan environs", scan_environs)
-attempt("read gateway environ", gateway_environ)
-attempt("read parent environ", lambda: open(f"/proc/{os.getppid()}/environ", "rb").read().decode())
-admin = found.get("admin", my_key)
-attempt("write own reward", lambda: http("PUT", f"/control/rollouts/{me}/reward", {"value": 1.0}, admin))
-attempt("cancel other rollout", lambda: http("POST", f"/control/rollouts/{cfg['victim']}/state",
-                                             {"state": "cancelled"}, admin))
-attempt("self reward", lambda: http("PUT", "/v1/harnessrl/reward", {"value": 1.0}, my_key))
-attempt("read other folder", lambda: os.listdir(cfg["victim_dir"]))
-attempt("get other key", other_key)
-forged = res["get other key"]["value"] if res["get other key"]["ok"] else f"hrl-{cfg['victim']}-{'0' * 32}"
-chat = {"model": "gpt-4o", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-attempt("call as other rollout", lambda: http("POST", "/v1/chat/completions", chat, forged))
-for path in cfg["write_targets"]:
-    attempt(f"write {path}", lambda p=path: open(p, "w").write("escaped"))
-attempt("plant symlink", lambda: os.symlink(cfg["secret_file"], os.path.join(out, "answer.json")))
-attempt("plant hard link", lambda: os.link(cfg["secret_file"], os.path.join(out, "hard.json")))
-attempt("plant fifo", lambda: os.mkfifo(os.path.join(out, "fifo.json")))
-attempt("engine port", lambda: urllib.request.urlopen(cfg["engine_url"] + "/health", timeout=5).status)
-attempt("own model call", lambda: http("POST", "/v1/chat/completions", chat, my_key))
-res["found"] = sorted(found)
-json.dump(res, open(os.path.join(out, "probe.json"), "w"), indent=1)
-"""
-
-VICTIM = r"""
-import os, time
-open(os.path.join(os.environ["HARNESSRL_OUTPUT"], "started"), "w").write("1")
-time.sleep(120)
-"""
-
-
-@dataclass
-class Run:
-    """A run directory with a gateway process over its store, and the secrets a harness must not get."""
-
-    run_dir: Path
-    gateway: Service
-    admin_key: str
-    engine_url: str
-
-    def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.gateway.url, headers={"Authorization": f"Bearer {self.admin_key}"},
-                            timeout=60)  # fmt: skip
-
-    def new_rollout(self) -> tuple[str, str]:
-        """A rollout with a started attempt: (rollout_id, key)."""
-        with self.admin() as c:
-            r = c.post("/control/rollouts", json={"client_id": secrets.token_hex(6), "task_id": "t"})
-            r.raise_for_status()
-            rid = r.json()["rollout"]["rollout_id"]
-            c.post(f"/control/rollouts/{rid}/attempts").raise_for_status()
-            return rid, r.json()["api_key"]
-
-    def rollout(self, rid: str) -> dict[str, Any]:
-        with self.admin() as c:
-            r = c.get(f"/control/rollouts/{rid}")
-            r.raise_for_status()
-            return r.json()  # type: ignore[no-any-return]
+from harnessrl.services import Service
+from tests.support.hostile import (
+    MUST_FAIL,
+    PYTHON,
+    ROOT,
+    SECRET,
+    Attack,
+    Run,
+    attack,
+    network_isolated,
+    open_run,
+    own_model_call_ok,
+    refusals,
+    runner_for,
+)
+from tests.support.hostile import write_script as _write
 
 
 @pytest.fixture(scope="module")
 def run(engine: Service) -> Iterator[Run]:
-    """A run directory laid out as a run's (store, logs, tasks with references, rollouts/) with a real
-    gateway process (its admin key in its environment, as `harnessrl train` starts it)."""
-    run_dir = Path(tempfile.mkdtemp(prefix="harnessrl-isolation-", dir="/tmp"))
-    (run_dir / "data").mkdir()
-    (run_dir / "data" / "heldout.jsonl").write_text(json.dumps({"reference": SECRET}) + "\n")
-    admin_key = "admin-" + secrets.token_hex(12)
-    gateway = start_gateway(run_dir / "store.sqlite", engine.url, free_port(), admin_key, run_dir / "logs", 8)
-    try:
-        gateway.wait_healthy(120)
-        protect_run_dir(run_dir)
-        yield Run(run_dir, gateway, admin_key, engine.url)
-    finally:
-        gateway.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    """The run the hostile harness attacks (`tests/support/hostile.py`: a real gateway process over a real
+    store in a protected run directory)."""
+    with open_run(engine.url) as r:
+        yield r
 
 
-def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o644)
-    return path
+def _runner(kind: str) -> Runner:
+    """The runner of `kind`, or a skip saying why it cannot run here."""
+    runner = runner_for(kind)
+    if isinstance(runner, str):
+        pytest.skip(runner)
+    return runner
 
 
 async def _attack(run: Run, runner: Runner, name: str) -> tuple[str, str, AttemptResult, dict[str, Any]]:
     """Run the victim, then the hostile harness beside it; (hostile id, victim id, result, probe)."""
-    assert PYTHON is not None
-    scripts = run.run_dir.parent / f"{run.run_dir.name}-scripts-{name}"
-    hostile = _write(scripts / "hostile.py", HOSTILE)
-    victim_py = _write(scripts / "victim.py", VICTIM)
-    scripts.chmod(0o755)
-    victim, victim_key = run.new_rollout()
-    rollouts = run.run_dir / "rollouts"
-    victim_spec = AttemptSpec(victim, 0, victim_key, run.gateway.url, {}, rollouts / victim / "attempt-0")
-    victim_task = asyncio.create_task(
-        runner.run(victim_spec, HarnessSpec([PYTHON, str(victim_py)], timeout_s=120))
-    )
-    try:
-        for _ in range(600):
-            if (victim_spec.workdir / "output" / "started").exists() or victim_task.done():
-                break
-            await asyncio.sleep(0.05)
-        assert (victim_spec.workdir / "output" / "started").exists(), (
-            "the other rollout's harness did not start"
-        )
-        rid, key = run.new_rollout()
-        workdir = rollouts / rid / "attempt-0"
-        targets = [run.run_dir / "escape.txt", rollouts / "escape.txt", workdir / "escape.txt",
-                   workdir / "task.json", victim_spec.workdir / "output" / "escape.txt", Path("/etc/harnessrl-escape")]  # fmt: skip
-        task = {"store": str(run.run_dir / "store.sqlite"), "run_dir": str(run.run_dir), "victim": victim,
-                "victim_dir": str(victim_spec.workdir), "secret_file": str(run.run_dir / "data" / "heldout.jsonl"),
-                "write_targets": [str(t) for t in targets], "engine_url": run.engine_url}  # fmt: skip
-        spec = AttemptSpec(rid, 0, key, run.gateway.url, task, workdir)
-        result = await runner.run(spec, HarnessSpec([PYTHON, str(hostile)], timeout_s=120))
-    finally:
-        victim_task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await victim_task
-        shutil.rmtree(scripts, ignore_errors=True)
+    a = await attack(run, runner, name)
+    result = a.result
     assert result.infra_error is None and result.exit_code == 0, result.stderr_tail
-    written = [t for t in targets[:3] + targets[4:] if t.exists()]
-    for t in written:
-        t.unlink()  # a failing run must not leave /etc/harnessrl-escape behind
-    assert not written, f"written by the harness: {written}"
-    assert json.loads((workdir / "task.json").read_text()) == task
-    return rid, victim, result, json.loads((result.output_dir / "probe.json").read_text())
+    assert not a.written, f"written by the harness: {a.written}"
+    assert a.task_after == a.task
+    # what the benchmark counts (bench/reliability/hostile.py) agrees with the checks below
+    refused = refusals(a, run, network_isolated(runner))
+    assert [k for k, ok in refused.items() if not ok] == [] and own_model_call_ok(a)
+    return a.rid, a.victim, result, a.probe
 
 
 def _check_contained(run: Run, rid: str, victim: str, result: AttemptResult, probe: dict[str, Any]) -> None:
     """Every try of the hostile harness failed; its own model call worked; nothing it planted is left."""
-    must_fail = ["read store", "read key secret", "read run log", "read references",
-                 "scan environs", "read gateway environ", "read parent environ", "write own reward",
-                 "cancel other rollout", "self reward", "read other folder", "get other key",
-                 "call as other rollout", "plant hard link"]  # fmt: skip
+    must_fail = list(MUST_FAIL)
     must_fail += [k for k in probe if k.startswith("write /")]
     assert len(must_fail) == 14 + 6
     listing = probe["list run dir"]  # the sandbox shows an empty stand-in on the way to the attempt
@@ -275,9 +106,9 @@ def _check_contained(run: Run, rid: str, victim: str, result: AttemptResult, pro
 
 @pytest.mark.skipif(PYTHON is None, reason="no Python interpreter that an unprivileged uid can run")
 async def test_the_default_runner_contains_a_hostile_harness(run: Run) -> None:
-    runner = make_runner(load_config(None, []).controller)
-    if not isinstance(runner, SandboxRunner) and not ROOT:
-        pytest.skip("no bubblewrap here and not root: nothing is enforced (docs/security.md)")
+    runner = _runner(
+        "default"
+    )  # skipped without bubblewrap unless root: nothing is enforced (docs/security.md)
     rid, victim, result, probe = await _attack(run, runner, "default")
     _check_contained(run, rid, victim, result, probe)
     if isinstance(runner, SandboxRunner):
@@ -290,11 +121,8 @@ async def test_the_default_runner_contains_a_hostile_harness(run: Run) -> None:
 async def test_the_sandboxed_fork_server_contains_a_hostile_harness(run: Run) -> None:
     """`fork_server: true` under the default `sandbox: auto`: forked inside one bwrap, beside the victim
     forked from the same zygote."""
-    assert PYTHON is not None
-    runner = make_runner(load_config(None, ["controller.fork_server=true"]).controller)
-    if not isinstance(runner, SandboxedForkServerRunner):
-        pytest.skip("no bubblewrap here")
-    runner = SandboxedForkServerRunner(runner.sandbox, python=PYTHON)  # an interpreter the uid can run
+    runner = _runner("sandbox-fork")  # the config's, with an interpreter the uid can run
+    assert isinstance(runner, SandboxedForkServerRunner)
     try:
         rid, victim, result, probe = await _attack(run, runner, "sandbox-fork")
     finally:
@@ -312,12 +140,8 @@ async def test_the_sandboxed_fork_server_contains_a_hostile_harness(run: Run) ->
 @pytest.mark.parametrize("kind", ["plain", "fork-server"])
 async def test_the_plain_runner_as_root_contains_a_hostile_harness(run: Run, kind: str) -> None:
     """`controller.sandbox: false` as root: the harness runs under a uid of its own."""
-    assert PYTHON is not None
-    cfg = load_config(None, ["controller.sandbox=false", f"controller.fork_server={kind == 'fork-server'}"])
-    runner = make_runner(cfg.controller)
+    runner = _runner(kind)  # the config's (a fork server with an interpreter the uid can run)
     assert type(runner) is (ForkServerRunner if kind == "fork-server" else LocalRunner)
-    if isinstance(runner, ForkServerRunner):
-        runner = ForkServerRunner(python=PYTHON)  # the config's, with an interpreter the uid can run
     try:
         rid, victim, result, probe = await _attack(run, runner, kind)
     finally:
@@ -416,3 +240,33 @@ def test_clean_output_removes_what_leads_elsewhere(tmp_path: Path) -> None:
     left = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     assert left == ["answer.json", "sub", "sub/same.json"]
     assert secret.read_text() == "secret"  # removing a name never touches the file it named
+
+
+def test_the_count_of_refusals_names_each_probe_that_worked(run: Run, tmp_path: Path) -> None:
+    """What the benchmark reports as allowed: a probe that worked, a key it found, a file left where it
+    wrote, a link left in `output/`, a reward that was written (`refusals`)."""
+    rid, _ = run.new_rollout()
+    victim, _ = run.new_rollout()
+    targets = [str(tmp_path / "escape.txt"), str(tmp_path / "task.json")]
+    task = {"write_targets": targets}
+    probe: dict[str, Any] = {k: {"ok": False, "error": "PermissionError"} for k in MUST_FAIL}
+    probe |= {f"write {t}": {"ok": False, "error": "OSError"} for t in targets}
+    probe["read store"] = {"ok": True, "value": "53514c69"}
+    probe |= {"list run dir": {"ok": True, "value": ["rollouts"]}, "plant symlink": {"ok": True, "value": None},
+              "plant fifo": {"ok": True, "value": None}, "engine port": {"ok": True, "value": 200}, "found": ["admin"]}  # fmt: skip
+    (tmp_path / "output").mkdir()
+    _write(tmp_path / "output" / "answer.json", "{}")  # left for the grader
+    result = AttemptResult(0, False, tmp_path / "output", "", "")
+    a = Attack(rid, victim, result, probe, task, written=[tmp_path / "escape.txt"], task_after={"changed": 1})
+    refused = refusals(a, run, isolated=False)
+    assert len(refused) == len(MUST_FAIL) + 2 + 3 and "engine port" not in refused
+    allowed = sorted(k for k, ok in refused.items() if not ok)
+    assert allowed == sorted(
+        ["read store", "scan environs", "plant symlink", *(f"write {t}" for t in targets)]
+    )
+    assert not refusals(a, run, isolated=True)["engine port"]
+    assert not own_model_call_ok(a)
+    with run.admin() as c:
+        c.put(f"/control/rollouts/{rid}/reward", json={"value": 1.0}).raise_for_status()
+    refused = refusals(a, run, isolated=False)
+    assert not refused["write own reward"] and not refused["self reward"]
