@@ -108,11 +108,13 @@ bench-controller: $(STAMP)
 
 # About 5 minutes: the gateway's fault suite on loopback (kill -9 under load, 282 bad inputs, WAL under
 # 60 s of c64 load, engine faults), the corpus, WAL and event-loop probes also run against the gateway
-# before the reliability fixes. Results in bench/results/reliability.json; figures in docs/reliability.md.
+# before the reliability fixes; then 5,000 open streams held, and the hostile harness against each runner
+# that runs here. Results in bench/results/reliability.json; figures in docs/reliability.md.
 RELIABILITY_BASELINE ?= ad64d71~1
 bench-reliability: $(STAMP)
 	$(PY) -m bench.reliability.run --baseline-ref $(RELIABILITY_BASELINE)
 	$(PY) -m bench.reliability.streams --streams 5000 --stream-seconds 30 --rollouts 20000
+	$(PY) -m bench.reliability.hostile
 
 # About 30-60 minutes on 2 cores: the demo's workload (2 steps, 8 held-out tasks) with the RSS of every
 # process sampled (trainer, engine, gateway, fork server, harnesses), then the PPO update alone on a fixed
