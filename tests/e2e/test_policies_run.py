@@ -18,9 +18,11 @@ from safetensors.torch import load_file
 
 from harnessrl.config import load_config
 from harnessrl.examples import get_example
+from harnessrl.modeling.loading import load_state_dict_file
 from harnessrl.modeling.lora import ADAPTER_WEIGHTS
 from harnessrl.runs.flow import run
 from harnessrl.store import SQLiteStore
+from harnessrl.trainer.export_model import ExportModelError, export_model
 
 # A tiny random model never answers right: this grader spreads rewards over a group by the attempt's
 # output folder (unique per rollout), so that every group has a signal to train on.
@@ -104,6 +106,24 @@ def test_one_step_trains_each_policy_into_its_adapter(first_run: FirstRun) -> No
     assert sorted(first_run.calls[0]) == [("planner", 0)] * 3 + [("solver", 0)] * 3
     for p in POLICIES:  # the engine was sent each policy's adapter by name, unchanged before, trained after
         assert (first_run.run_dir / "weights" / "policies" / p / "v1" / ADAPTER_WEIGHTS).is_file()
+
+
+def test_export_model_merges_the_policy_asked_for(
+    first_run: FirstRun, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ExportModelError, match=r"pass --policy NAME \(its policies: planner, solver\)"):
+        export_model(first_run.run_dir, tmp_path / "none")
+    with pytest.raises(ExportModelError, match="no policy 'coder'"):
+        export_model(first_run.run_dir, tmp_path / "none", policy="coder")
+    base = load_state_dict_file(tiny_model_dir)
+    merged = {
+        p: load_state_dict_file(export_model(first_run.run_dir, tmp_path / p, policy=p)) for p in POLICIES
+    }
+    for p in POLICIES:  # the adapted projections moved, the others are the base's
+        assert any(not merged[p][k].equal(base[k]) for k in base if k.endswith("q_proj.weight"))
+        assert all(merged[p][k].equal(base[k]) for k in base if k.endswith("k_proj.weight"))
+        assert (tmp_path / p / "tokenizer.json").is_file()
+    assert any(not merged["planner"][k].equal(merged["solver"][k]) for k in base)
 
 
 def test_a_resumed_run_trains_on_from_the_policies_checkpoint(
