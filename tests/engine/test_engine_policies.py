@@ -92,3 +92,23 @@ def test_adapter_loads_are_refused_clearly(
     r = httpx.post(policy_server.url + "/admin/load_weights",
                    json={"path": str(good), "version": 1, "adapter": "../bad name"}, timeout=60)  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "adapter"
+
+
+def test_models_lists_the_base_then_each_served_adapter(
+    policy_server: ServerThread, engine_tiny_dir: Path, tmp_path: Path
+) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=policy_server.url + "/v1", api_key="unused", max_retries=0)
+    base = client.models.list().data[0].id
+    for name, version, seed in (("lister-a", 4, 3), ("lister-b", 7, 4)):
+        path = random_adapter_dir(engine_tiny_dir, tmp_path / name, seed)
+        r = httpx.post(policy_server.url + "/admin/load_weights",
+                       json={"path": str(path), "version": version, "adapter": name}, timeout=60)  # fmt: skip
+        r.raise_for_status()
+    models = client.models.list().data
+    assert models[0].id == base and not hasattr(models[0], "parent")
+    cards = {m.id: m.model_dump() for m in models[1:]}
+    assert {k: (v["parent"], v["version"]) for k, v in cards.items() if k.startswith("lister")} == {
+        "lister-a": (base, 4), "lister-b": (base, 7)
+    }  # fmt: skip

@@ -85,3 +85,26 @@ def test_policy_names_are_checked() -> None:
 
     with pytest.raises(ValidationError, match="not a valid policy name"):
         GatewayConfig(admin_key="k" * 8, policies={"../x": ["../x"]})
+
+
+def test_models_lists_every_name_that_chooses_a_policy(
+    make_gateway: Callable[..., GatewayHandle], adapter_engine: ServerThread
+) -> None:
+    gw = make_gateway(upstream_url=adapter_engine.url, policies=POLICIES)
+    _, key = gw.new_rollout()
+    client = OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+    names = [m.id for m in client.models.list()]
+    assert {"planner", "gpt-4o-planner", "solver"} <= set(names)
+    assert client.models.retrieve("solver").id == "solver"
+    routed = OpenAI(base_url=f"{gw.url}/p/solver/v1", api_key=key, max_retries=0)
+    assert [m.id for m in routed.models.list()] == names
+    listing = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0).models.list()
+    shown = {m.id: m.display_name for m in listing.data}
+    assert shown["gpt-4o-planner"] == "gpt-4o-planner (served by planner)"
+    assert shown["solver"] == "solver (served by solver)"
+    r = httpx.get(f"{gw.url}/p/coder/v1/models", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 404 and "no policy 'coder'" in r.text
+    plain = make_gateway(upstream_url=adapter_engine.url)  # without policies: no policy names
+    _, key = plain.new_rollout()
+    plain_names = [m.id for m in OpenAI(base_url=f"{plain.url}/v1", api_key=key, max_retries=0).models.list()]
+    assert "planner" not in plain_names

@@ -201,10 +201,16 @@ class EngineRoutes:
         return JSONResponse({"prompt": self.engine.text.decode(req.tokens, skip_special_tokens=False)})
 
     async def models(self, request: Request) -> Response:
-        """GET /v1/models."""
+        """GET /v1/models: the base model, then every LoRA adapter served per request."""
         card: dict[str, Any] = {"id": self.name, "object": "model", "owned_by": "harnessrl"}
         card.update(root=str(self.engine.model_dir), max_model_len=self.engine.max_model_len)
-        return JSONResponse({"object": "list", "data": [card]})
+        served = self.engine.adapters.served() if self.engine.adapters is not None else {}
+        adapters = [  # vLLM's shape for a LoRA adapter: its name, on the base model as `parent`
+            {"id": name, "object": "model", "owned_by": "harnessrl", "parent": self.name, "version": version,
+             "max_model_len": self.engine.max_model_len}
+            for name, version in sorted(served.items())
+        ]  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def health(self, request: Request) -> Response:
         """GET /health."""

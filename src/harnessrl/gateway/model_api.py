@@ -62,15 +62,17 @@ class ModelAPIRoutes:
     async def models(self, request: Request) -> Response:
         g = self._gw()
         g.rollout_for(request, request.path_params.get("rollout_id"))
-        names = sorted({g.config.served_model, *g.config.model_map})
-        listing = model_list(names, wants_anthropic(request.headers), {n: g.served_model(n) for n in names})
-        return JSONResponse(listing)
+        route_policy = request.path_params.get("policy")
+        names = sorted({g.config.served_model, *g.config.model_map, *g.policy_model_names()})
+        served = {n: g.route(n, route_policy)[0] for n in names}  # with policies: the policy's adapter
+        return JSONResponse(model_list(names, wants_anthropic(request.headers), served))
 
     async def model(self, request: Request) -> Response:  # any name a client sends is served
         g = self._gw()
         g.rollout_for(request, request.path_params.get("rollout_id"))
         name = request.path_params["model_id"]
-        return JSONResponse(model_card(name, wants_anthropic(request.headers), g.served_model(name)))
+        served = g.route(name, request.path_params.get("policy"))[0]
+        return JSONResponse(model_card(name, wants_anthropic(request.headers), served))
 
     async def self_reward(self, request: Request) -> Response:
         g = self._gw()

@@ -154,6 +154,10 @@ class Gateway:
         """The model that serves a request naming `requested` (any name is served)."""
         return self.config.model_map.get(requested, self.config.served_model)
 
+    def policy_model_names(self) -> list[str]:
+        """Every model name that chooses a policy (the policies' own names and their `models`)."""
+        return list(self._policy_of_model)
+
     def policy_for(self, requested: str, route_policy: str | None = None) -> str | None:
         """The policy serving a call (None when the run has no policies): the one the route names
         (`/p/<name>/v1/...`; an unknown name is a 404), else the one whose model names include

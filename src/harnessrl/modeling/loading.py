@@ -295,7 +295,7 @@ def save_model(model: CausalLM, out_dir: str | Path, state: dict[str, torch.Tens
     source = model.state_dict() if state is None else state
     state = {k: v.detach().contiguous().cpu() for k, v in source.items()}
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)  # a state read from a tied folder holds none
     cfg = config_to_hf(model.config)
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     if "dtype" in cfg:  # transformers 5.x's name for it

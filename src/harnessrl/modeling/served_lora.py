@@ -53,6 +53,10 @@ class ServedAdapters:
         a = self.adapters.get(name)
         return None if a is None else a.version
 
+    def served(self) -> dict[str, int]:
+        """Every adapter served, with its version."""
+        return {name: a.version for name, a in list(self.adapters.items())}
+
     def put(self, name: str, spec: LoraSpec, tensors: Mapping[str, Tensor], version: int) -> None:
         """Add or replace adapter `name` (PEFT tensor names; refused when a layer or shape does not fit)."""
         device = next(self.model.parameters()).device

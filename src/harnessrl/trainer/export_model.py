@@ -6,6 +6,9 @@ the model part of one (the newest, or step N) to DIR without the training state 
 template and generation_config.json: `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `vllm serve DIR` take it as it is. A checkpoint written before checkpoints carried the tokenizer gets it
 from the run's base model (`engine.model` in the run's config.json).
+
+A run with several policies (`policies:`) checkpoints one adapter per policy (`policies/<name>/`) and
+no merged model: `--policy NAME` writes the base model with that policy's adapter merged in.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import sys
 from pathlib import Path
 
 from harnessrl.modeling.hf_folder import GENERATION_CONFIG, copy_assets
-from harnessrl.modeling.loading import resolve_model
+from harnessrl.modeling.loading import load_model, load_state_dict_file, resolve_model, save_model
+from harnessrl.modeling.lora import merge_peft_dir
 from harnessrl.trainer.checkpoint import latest_checkpoint
+from harnessrl.trainer.policies import POLICIES_SUBDIR
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +44,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
             raise ExportModelError(f"{ckpt_dir} holds no checkpoint; train the run first (harnessrl train)")
         return found
     path = ckpt_dir / f"step-{step}"
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and not (path / POLICIES_SUBDIR).is_dir():
         kept = sorted(p.name for p in ckpt_dir.glob("step-*")) if ckpt_dir.is_dir() else []
         raise ExportModelError(f"--step {step}: no checkpoint {path}; kept: {kept or 'none'}")
     return path
@@ -54,11 +59,14 @@ def _base_model_dir(run_dir: Path) -> Path | None:
         return None
 
 
-def export_model(run_dir: Path, out: Path, step: int | None = None) -> Path:
-    """Copy the model folder of a run's checkpoint to `out` (created; must not hold a model already)."""
+def export_model(run_dir: Path, out: Path, step: int | None = None, policy: str | None = None) -> Path:
+    """Copy the model folder of a run's checkpoint to `out` (created; must not hold a model already);
+    with several policies, the base model with `policy`'s adapter merged in."""
     src = find_checkpoint(run_dir, step)
     if (out / "config.json").exists():
         raise ExportModelError(f"--out {out} already holds a model; choose an empty or new folder")
+    if (src / POLICIES_SUBDIR).is_dir() or policy is not None:
+        return _export_policy(run_dir, src, out, policy)
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name not in TRAINING_ONLY and f.is_file():
@@ -74,6 +82,30 @@ def export_model(run_dir: Path, out: Path, step: int | None = None) -> Path:
     return out
 
 
+def _export_policy(run_dir: Path, src: Path, out: Path, policy: str | None) -> Path:
+    """The run's base model with the adapter of `policy` (from checkpoint `src`) merged in, at `out`."""
+    known = (
+        sorted(p.name for p in (src / POLICIES_SUBDIR).iterdir()) if (src / POLICIES_SUBDIR).is_dir() else []
+    )
+    if not known:
+        raise ExportModelError(f"--policy {policy}: {src} is a run with one policy; leave --policy out")
+    if policy not in known:
+        what = (
+            "holds one adapter per policy; pass --policy NAME"
+            if policy is None
+            else f"has no policy {policy!r}"
+        )
+        raise ExportModelError(f"{src} {what} (its policies: {', '.join(known)})")
+    base = _base_model_dir(run_dir)
+    if base is None:
+        raise ExportModelError(f"the base model of {run_dir} is unknown (no engine.model in its config.json)")
+    state = merge_peft_dir(load_state_dict_file(base), src / POLICIES_SUBDIR / policy)
+    save_model(load_model(base), out, state)
+    copy_assets(base, out)
+    log.info("event=policy_model_exported checkpoint=%s policy=%s out=%s", src, policy, out)
+    return out
+
+
 def main(argv: list[str]) -> int:
     """Entry point of `harnessrl export-model`; returns the exit code."""
     parser = argparse.ArgumentParser(
@@ -82,12 +114,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir", type=Path, help="the run directory (run_dir of its config)")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
     parser.add_argument("--out", type=Path, required=True, help="the folder to write the model to")
+    parser.add_argument("--policy", default=None,
+                        help="a run with several policies: the policy whose adapter is merged into the base")  # fmt: skip
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        out = export_model(args.run_dir.expanduser(), args.out.expanduser(), args.step)
+        out = export_model(args.run_dir.expanduser(), args.out.expanduser(), args.step, args.policy)
     except ExportModelError as e:
         print(f"harnessrl export-model: {e}", file=sys.stderr)
         return 2

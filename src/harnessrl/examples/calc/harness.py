@@ -163,15 +163,17 @@ def solve(
     latency: dict[str, Any] | None = None,
     examples: list[dict[str, Any]] | None = None,
     rnd: random.Random | None = None,
+    model: str = MODEL,
 ) -> dict[str, Any]:
-    """Run the agent loop on one question (the calculator sleeps per `latency`, if given)."""
+    """Run the agent loop on one question (the calculator sleeps per `latency`, if given), sending
+    `model` as the model name."""
     rnd = rnd or random.Random(os.environ.get("HARNESSRL_ROLLOUT_ID", ""))
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *(examples or EXAMPLES)]
     messages.append({"role": "user", "content": question})
     tool_calls = 0
     text: str | None = None
     for _ in range(MAX_TURNS):
-        resp = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=96)  # type: ignore[arg-type]
+        resp = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=96)  # type: ignore[arg-type]
         msg = resp.choices[0].message
         messages.append(msg.model_dump(exclude_none=True))
         text = msg.content

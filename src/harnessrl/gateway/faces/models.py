@@ -1,7 +1,8 @@
 """Model listing in both APIs' shapes (`GET /v1/models`, `GET /v1/models/{id}`). Pure functions.
 
 Every model name a client sends is served by the mapped model, so a listing names the served model
-and the configured aliases, and any id can be retrieved. Anthropic's shape (`type: model`,
+and the configured aliases (with several policies, every name that chooses a policy, served by that
+policy's adapter), and any id can be retrieved. Anthropic's shape (`type: model`,
 `display_name`, `created_at`, `has_more`) is used when the request looks like an Anthropic client's:
 an `anthropic-version` header, or the key in `x-api-key` rather than `Authorization: Bearer`.
 """
