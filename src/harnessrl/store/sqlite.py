@@ -224,11 +224,12 @@ class SQLiteStore(SQLStore):
         self._next_idx.pop(r.rollout_id, None)
 
     def _checkpoint_loop(self, every_s: float) -> None:
-        """Fold the WAL into the file every `every_s` (`_fold`), and TRUNCATE it whenever it passes
-        half its limit all the same (`_truncate`): a reader of another connection holding an old
-        snapshot keeps SQLite from starting the WAL over, so it can still grow while one does."""
+        """Every `WAL_POLL_S`: TRUNCATE the WAL if it passed half its limit all the same (`_truncate`;
+        a reader of another connection that holds an old snapshot keeps SQLite from starting the WAL
+        over, so it can grow while one does), else fold it in (`_fold`)."""
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute(f"PRAGMA busy_timeout={TRUNCATE_BUSY_MS}")
+        frame_bytes = int(db.execute("PRAGMA page_size").fetchone()[0]) + 24  # a WAL frame's header
         tick = min(every_s, WAL_POLL_S)
         last_fold = time.monotonic()
         try:
@@ -239,30 +240,31 @@ class SQLiteStore(SQLStore):
                     size = 0
                 if size > self.wal_limit_bytes // 2 and time.monotonic() >= self._truncate_after:
                     self._truncate(db, size)
-                elif time.monotonic() - last_fold >= every_s:
-                    self._fold(db)
+                elif self._fold(db, time.monotonic() - last_fold >= every_s, frame_bytes):
                     last_fold = time.monotonic()
         except sqlite3.Error:
             log.exception("event=checkpointer_stopped path=%s", self.path)
         finally:
             db.close()
 
-    def _fold(self, db: sqlite3.Connection) -> None:
-        """Two PASSIVE checkpoints: the first, beside the writers, copies the WAL into the file and
-        does the fsyncs; the second, holding the writers back (the store's lock), copies what a commit
-        added meanwhile (a few pages, two small fsyncs; nothing when none did), so the WAL is all
-        folded in with no commit under way, and the next commit starts it over from its beginning.
+    def _fold(self, db: sqlite3.Connection, due: bool, frame_bytes: int) -> bool:
+        """A PASSIVE checkpoint beside the writers copies the WAL into the file and does the fsyncs.
+        When `due`, or when the WAL holds a quarter of its limit, a second one holding the writers
+        back (the store's lock) copies what a commit added meanwhile (a few pages, two small fsyncs),
+        so the WAL is all folded in with no commit under way and the next commit starts it over from
+        its beginning. Returns whether it did.
 
         Without the second, a writer that commits back to back always has a commit under way when
         a checkpoint ends: the WAL never starts over and grows until a TRUNCATE, which holds the
         writers (and the gateway's event loop, which commits) for the copy of the whole WAL and its
         fsync, tens to hundreds of milliseconds every few seconds at concurrency 1 (issue 35)."""
         _, frames, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        if frames <= 0:
-            return  # the WAL is empty, or was started over since the last fold
+        if frames <= 0 or (not due and frames * frame_bytes < self.wal_limit_bytes // 4):
+            return False  # nothing to fold (the WAL is empty or started over), or not yet
         with self._lock:
             db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         self.wal_folds += 1
+        return True
 
     def _truncate(self, db: sqlite3.Connection, size: int) -> None:
         """Fold the WAL in and empty it, holding this process's writers back (the store's lock, which
