@@ -92,10 +92,13 @@ bench-engine: $(STAMP)
 		$(if $(wildcard $(VLLM_VENV)/bin/python),--vllm-python $(VLLM_VENV)/bin/python)
 
 # Long (about 15 minutes): baselines in their own venvs under .bench/, load from wrk.
+# GATEWAY_BASELINE_REV: the commit whose gateway runs beside this tree's, paired, in the same run
+# (be86533: the last before issue 35's tail-latency regression).
+GATEWAY_BASELINE_REV ?= be86533
 bench-gateway: $(STAMP)
 	bash bench/setup_baselines.sh
 	$(PY) bench/gateway_merge.py --rollouts 192
-	$(PY) bench/gateway_overhead.py --agentlightning-python .bench/venv-al/bin/python --litellm-bin .bench/venv-litellm/bin/litellm
+	$(PY) bench/gateway_overhead.py --rounds 3 --baseline-rev $(GATEWAY_BASELINE_REV) --agentlightning-python .bench/venv-al/bin/python --litellm-bin .bench/venv-litellm/bin/litellm
 	$(PY) bench/gateway.py
 
 # About 2 minutes: the dashboard's API and pages (headless Chromium) on a synthetic run of 10,000 rollouts.

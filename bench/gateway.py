@@ -14,7 +14,9 @@ def main() -> int:
     merge = json.loads((RESULTS / "gateway_merge.json").read_text())
     overhead = json.loads((RESULTS / "gateway_overhead.json").read_text())
     keys = ("added_p50_ms", "added_p99_ms", "throughput_vs_direct", "throughput_vs_agentlightning", "throughput_vs_litellm",
-            "rps_harnessrl", "rps_agentlightning", "rps_litellm", "cpu_ms_per_request_harnessrl")  # fmt: skip
+            "rps_harnessrl", "rps_agentlightning", "rps_litellm", "cpu_ms_per_request_harnessrl",
+            "added_p99_ms_rounds", "baseline_rev", "added_p50_ms_baseline", "added_p99_ms_baseline",
+            "added_p99_ms_baseline_rounds", "rps_baseline", "throughput_vs_baseline")  # fmt: skip
     raw = overhead["raw"]["harnessrl"]
     out = {
         "merge_rate_tito": merge["merge_rate_tito"],

@@ -9,6 +9,14 @@ with token IDs and logprobs). Baselines run from their own virtual environments 
     python bench/gateway_overhead.py --seconds 10 \\
         --agentlightning-python /path/to/venv-al/bin/python --litellm-bin /path/to/venv-litellm/bin/litellm
 
+`--baseline-rev REV` also runs the gateway of another commit (a git worktree of REV made for the run)
+in the same run, against the same stub, each wrk run of it right beside the same run of this tree's
+gateway; `--rounds N` repeats the direct, this tree and the baseline N times, interleaved (the order
+flips every round), and reports medians with the spread: a tail latency on a shared machine moves by
+several times between runs, so only a paired run compares two commits.
+
+    python bench/gateway_overhead.py --levels 1 64 --rounds 5 --baseline-rev be86533 --memory-calls 0
+
 Writes `bench/results/gateway_overhead.json`; `bench/gateway.py` merges it with the merge-rate run.
 """
 
@@ -22,16 +30,20 @@ import secrets
 import shutil
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 HERE = Path(__file__).parent
+ROOT = HERE.parent
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 40}
 
 
@@ -126,50 +138,128 @@ class Proc:
         self.p.wait()
 
 
+def timed_run(url: str, headers: dict[str, str], body: dict[str, Any], pid: int | None, conns: int,
+              seconds: float, work: Path) -> dict[str, float]:  # fmt: skip
+    """One wrk run, with the CPU per request of process `pid` when it is known."""
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    r = run_wrk(url, headers, body, conns, seconds, work)
+    if pid:
+        r["cpu_ms_per_request"] = 1e3 * (cpu_seconds(pid) - cpu0) / max(r["requests"], 1)
+    return r
+
+
+def show(name: str, c: int, r: dict[str, float]) -> None:
+    """One line of the live table."""
+    print(f"{name:<16} c={c:<3} p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  {r['rps']:9.1f} req/s"
+          f"  non-2xx {r['non_2xx']}", flush=True)  # fmt: skip
+
+
 def measure(name: str, url: str, headers: dict[str, str], body: dict[str, Any], pid: int | None,
             levels: list[int], seconds: float, work: Path) -> dict[str, Any]:  # fmt: skip
     """Warm up, then one wrk run per concurrency level, with CPU per request when `pid` is known."""
     run_wrk(url, headers, body, 4, 2, work)
     results: dict[str, Any] = {}
     for c in levels:
-        cpu0 = cpu_seconds(pid) if pid else 0.0
-        r = run_wrk(url, headers, body, c, seconds, work)
-        if pid:
-            r["cpu_ms_per_request"] = 1e3 * (cpu_seconds(pid) - cpu0) / max(r["requests"], 1)
-        results[str(c)] = r
-        print(f"{name:<16} c={c:<3} p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  {r['rps']:9.1f} req/s"
-              f"  non-2xx {r['non_2xx']}", flush=True)  # fmt: skip
+        results[str(c)] = r = timed_run(url, headers, body, pid, c, seconds, work)
+        show(name, c, r)
     return results
 
 
-def harnessrl(stub: str, levels: list[int], seconds: float, work: Path, memory_calls: int) -> dict[str, Any]:
-    """The gateway (passthrough, SQLite store) in front of the stub; then RSS over `memory_calls` calls."""
-    port, admin = free_port(), secrets.token_hex(16)
-    store = work / "harnessrl.sqlite"
-    proc = Proc([sys.executable, "-m", "harnessrl.gateway", "--store", str(store), "--upstream", stub, "--port", str(port)],
-                work / "harnessrl.log", env={"HARNESSRL_ADMIN_KEY": admin})  # fmt: skip
-    try:
+class Gateway:
+    """A harnessrl gateway (passthrough, SQLite store) of the source tree `src`, in front of the stub,
+    with a rollout's key."""
+
+    def __init__(self, name: str, src: Path, stub: str, work: Path) -> None:
+        port, admin = free_port(), secrets.token_hex(16)
+        self.name, self.store = name, work / f"{name}.sqlite"
+        self.proc = Proc([sys.executable, "-m", "harnessrl.gateway", "--store", str(self.store), "--upstream", stub,
+                          "--port", str(port)], work / f"{name}.log",
+                         env={"HARNESSRL_ADMIN_KEY": admin, "PYTHONPATH": str(src)})  # fmt: skip
         base = f"http://127.0.0.1:{port}"
         wait_http(f"{base}/health")
         key = httpx.post(f"{base}/control/rollouts", headers={"Authorization": f"Bearer {admin}"},
                          json={"client_id": "bench", "task_id": "t"}).json()["api_key"]  # fmt: skip
-        headers = {"Authorization": f"Bearer {key}"}
-        out: dict[str, Any] = {"levels": measure("harnessrl", f"{base}/v1/chat/completions", headers, BODY,
-                                                 proc.p.pid, levels, seconds, work)}  # fmt: skip
-        out["memory"] = memory_run(f"{base}/v1/chat/completions", headers, proc.p.pid, memory_calls, work)
-        proc.stop()
-        stored = sqlite3.connect(store).execute("SELECT COUNT(*) FROM calls").fetchone()[0]
-        out["calls_stored"], out["calls_answered"] = stored, ANSWERED[f"{base}/v1/chat/completions"]
-        print(
-            f"harnessrl: {out['calls_answered']} answers delivered, {stored} calls in the store", flush=True
+        self.url, self.headers, self.pid = (
+            f"{base}/v1/chat/completions",
+            {"Authorization": f"Bearer {key}"},
+            self.proc.p.pid,
         )
-        return out
+
+    def calls_stored(self) -> int:
+        """Calls in its store (after `stop`)."""
+        return int(sqlite3.connect(self.store).execute("SELECT COUNT(*) FROM calls").fetchone()[0])
+
+
+@contextmanager
+def worktree(rev: str, work: Path) -> Iterator[tuple[Path, str]]:
+    """A detached git worktree of `rev` for this run (its `src` and commit); removed afterwards."""
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    path = work / "baseline-tree"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(path), sha], check=True
+    )
+    try:
+        yield path / "src", sha
     finally:
-        proc.stop()
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
+
+
+def paired(systems: list[tuple[str, str, dict[str, str], int | None]], levels: list[int], seconds: float,
+           rounds: int, work: Path) -> dict[str, dict[str, list[dict[str, float]]]]:  # fmt: skip
+    """`rounds` rounds of every level; within a level, each system's wrk run right after the other's,
+    the order flipped every round. Returns each system's runs per level, in round order."""
+    for _, url, headers, _ in systems:
+        run_wrk(url, headers, BODY, 4, 2, work)  # warm-up
+    out: dict[str, dict[str, list[dict[str, float]]]] = {
+        name: {str(c): [] for c in levels} for name, *_ in systems
+    }
+    for r in range(rounds):
+        for c in levels:
+            for name, url, headers, pid in systems if r % 2 == 0 else systems[::-1]:
+                out[name][str(c)].append(run := timed_run(url, headers, BODY, pid, c, seconds, work))
+                show(name if rounds == 1 else f"{name} r{r + 1}", c, run)
+    return out
+
+
+def medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per level, the median over rounds of each figure of a run."""
+    return {c: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for c, rs in runs.items()}
+
+
+def harnessrl(stub: str, levels: list[int], seconds: float, work: Path, memory_calls: int, rounds: int = 1,
+              baseline_rev: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The direct stub, this tree's gateway and (with `baseline_rev`) another commit's, paired over
+    `rounds`; then RSS of this tree's gateway over `memory_calls` calls and its stored calls."""
+    with ExitStack() as stack:
+        gateways = [Gateway("harnessrl", ROOT / "src", stub, work)]
+        stack.callback(gateways[0].proc.stop)
+        if baseline_rev:
+            src, sha = stack.enter_context(worktree(baseline_rev, work))
+            gateways.append(Gateway("baseline", src, stub, work))
+            stack.callback(gateways[1].proc.stop)
+        systems = [("direct", f"{stub}/v1/chat/completions", {}, None)]
+        systems += [(g.name, g.url, g.headers, g.pid) for g in gateways]
+        runs = paired(systems, levels, seconds, rounds, work)
+        results: dict[str, Any] = {name: {"levels": medians(rs), "rounds": rs} for name, rs in runs.items()}
+        if baseline_rev:
+            results["baseline"].update(rev=baseline_rev, commit=sha)
+            gateways[1].proc.stop()
+        ours = gateways[0]
+        results["harnessrl"]["memory"] = memory_run(ours.url, ours.headers, ours.pid, memory_calls, work)
+        ours.proc.stop()
+        out = results["harnessrl"]
+        out["calls_stored"], out["calls_answered"] = ours.calls_stored(), ANSWERED[ours.url]
+        print(
+            f"harnessrl: {out['calls_answered']} answers delivered, {out['calls_stored']} calls in the store"
+        )
+        return results
 
 
 def memory_run(url: str, headers: dict[str, str], pid: int, calls: int, work: Path) -> dict[str, float]:
-    """RSS after a warm-up and after `calls` more calls at concurrency 16."""
+    """RSS after a warm-up and after `calls` more calls at concurrency 16 (none: no memory run)."""
+    if calls <= 0:
+        return {"rss_mb_before": rss_mb(pid), "rss_mb_after": rss_mb(pid), "calls": 0}
     run_wrk(url, headers, BODY, 16, 5, work)
     before, done, t0 = rss_mb(pid), 0, time.monotonic()
     while done < calls:
@@ -219,25 +309,68 @@ def litellm(binary: str, stub: str, levels: list[int], seconds: float, work: Pat
         proc.stop()
 
 
+def added(results: dict[str, Any], name: str, c: str, key: str) -> list[float]:
+    """Per round, `name`'s figure `key` less the direct stub's in the same round."""
+    return [
+        run[key] - d[key]
+        for run, d in zip(results[name]["rounds"][c], results["direct"]["rounds"][c], strict=True)
+    ]
+
+
+def paired_row(results: dict[str, Any], c: str) -> dict[str, Any]:
+    """This tree's gateway at concurrency `c`, and the baseline commit's beside it when it ran: added
+    latency and throughput as medians over rounds, with every round's figure."""
+    ours, rps = results["harnessrl"]["levels"][c], [r["rps"] for r in results["harnessrl"]["rounds"][c]]
+    row: dict[str, Any] = {
+        "added_p50_ms": statistics.median(added(results, "harnessrl", c, "p50_ms")),
+        "added_p99_ms": statistics.median(p99 := added(results, "harnessrl", c, "p99_ms")),
+        "rps_harnessrl": ours["rps"],
+        "cpu_ms_per_request_harnessrl": ours.get("cpu_ms_per_request"),
+        "throughput_vs_direct": ours["rps"] / results["direct"]["levels"][c]["rps"],
+        "added_p99_ms_rounds": p99, "rps_harnessrl_rounds": rps,
+    }  # fmt: skip
+    if "baseline" in results:
+        base = results["baseline"]
+        base_p99, base_rps = added(results, "baseline", c, "p99_ms"), [r["rps"] for r in base["rounds"][c]]
+        row.update({
+            "baseline_rev": base["rev"], "baseline_commit": base["commit"],
+            "added_p50_ms_baseline": statistics.median(added(results, "baseline", c, "p50_ms")),
+            "added_p99_ms_baseline": statistics.median(base_p99), "added_p99_ms_baseline_rounds": base_p99,
+            "rps_baseline": base["levels"][c]["rps"], "rps_baseline_rounds": base_rps,
+            "cpu_ms_per_request_baseline": base["levels"][c].get("cpu_ms_per_request"),
+            "throughput_vs_baseline": statistics.median(a / b for a, b in zip(rps, base_rps, strict=True)),
+        })  # fmt: skip
+    return row
+
+
 def summarise(results: dict[str, Any], levels: list[int]) -> dict[str, Any]:
     """Per concurrency: added latency and throughput ratios against each baseline."""
     out: dict[str, Any] = {}
     for c in map(str, levels):
-        direct, ours = results["direct"]["levels"][c], results["harnessrl"]["levels"][c]
-        row = {
-            "added_p50_ms": ours["p50_ms"] - direct["p50_ms"],
-            "added_p99_ms": ours["p99_ms"] - direct["p99_ms"],
-            "rps_harnessrl": ours["rps"],
-            "cpu_ms_per_request_harnessrl": ours.get("cpu_ms_per_request"),
-            "throughput_vs_direct": ours["rps"] / direct["rps"],
-        }
+        row = paired_row(results, c)
         for base in ("agentlightning", "litellm"):
             if base in results:
                 row[f"rps_{base}"] = results[base]["levels"][c]["rps"]
-                row[f"throughput_vs_{base}"] = ours["rps"] / results[base]["levels"][c]["rps"]
+                row[f"throughput_vs_{base}"] = row["rps_harnessrl"] / results[base]["levels"][c]["rps"]
                 row[f"cpu_ms_per_request_{base}"] = results[base]["levels"][c].get("cpu_ms_per_request")
         out[c] = row
     return out
+
+
+def report(summary: dict[str, Any]) -> None:
+    """Added latency and throughput of this tree beside the baseline commit's, per level."""
+    for c, row in summary.items():
+        line = f"c={c:<3} added p50 / p99 {row['added_p50_ms']:.2f} / {row['added_p99_ms']:.2f} ms"
+        line += f" (p99 rounds {_spread(row['added_p99_ms_rounds'])})  {row['rps_harnessrl']:.0f} req/s"
+        if "baseline_rev" in row:
+            line += (f"  | {row['baseline_rev']}: {row['added_p50_ms_baseline']:.2f} / {row['added_p99_ms_baseline']:.2f} ms"
+                     f" (p99 rounds {_spread(row['added_p99_ms_baseline_rounds'])})  {row['rps_baseline']:.0f} req/s,"
+                     f" throughput ratio {row['throughput_vs_baseline']:.2f}")  # fmt: skip
+        print(line, flush=True)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}" if len(values) > 1 else "one"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--litellm-bin", help="the `litellm` executable of a venv with LiteLLM's proxy dependencies"
     )
+    p.add_argument("--rounds", type=int, default=1, help="paired rounds of direct / this tree / baseline")
+    p.add_argument("--baseline-rev", help="also run this commit's gateway (a git worktree of it), paired")
     p.add_argument("--out", type=Path, default=HERE / "results" / "gateway_overhead.json")
     args = p.parse_args(argv)
     if args.agentlightning_python:
@@ -268,9 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         stub = f"http://127.0.0.1:{port}"
         try:
             wait_http(f"{stub}/health")
-            results: dict[str, Any] = {"direct": {"levels": measure(
-                "direct", f"{stub}/v1/chat/completions", {}, BODY, None, args.levels, args.seconds, work)}}  # fmt: skip
-            results["harnessrl"] = harnessrl(stub, args.levels, args.seconds, work, args.memory_calls)
+            results = harnessrl(
+                stub, args.levels, args.seconds, work, args.memory_calls, args.rounds, args.baseline_rev
+            )
             if args.agentlightning_python:
                 results["agentlightning"] = agentlightning(
                     args.agentlightning_python, stub, args.levels, args.seconds, work
@@ -283,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary["per_concurrency"], indent=2))
+    report(summary["per_concurrency"])
     print(f"wrote {args.out}")
     return 0
 

@@ -8,6 +8,7 @@ import os
 import secrets
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,27 @@ def test_wal_stays_bounded_under_steady_writes(tmp_path: Path) -> None:
     assert store.wal_truncations > 0
     store.close()
     assert not wal.exists() or wal.stat().st_size == 0
+
+
+def test_checkpoints_start_the_wal_over_under_steady_writes(tmp_path: Path) -> None:
+    """Under writes back to back the checkpointer still folds the WAL in completely, so commits start
+    it over from its beginning and it stays at about one checkpoint interval of writes, far under the
+    size at which a TRUNCATE (which holds the writers, and so the gateway's event loop, for a copy of
+    the whole WAL) would be needed. A PASSIVE checkpoint alone never catches up with such a writer:
+    the WAL grew with every call until it was truncated, every few seconds (issue 35)."""
+    store = SQLiteStore(tmp_path / "store.sqlite", checkpoint_every_s=0.05, wal_limit_mb=256.0)
+    wal = Path(f"{store.path}-wal")
+    store.create_rollout(RolloutCreate(client_id="c", task_id="t"), "r")
+    big = {"messages": [{"role": "user", "content": "x" * 14_000}]}
+    largest = 0
+    for n in range(2000):  # one call per commit, as at concurrency 1: ~70 MB of WAL frames in all
+        store.add_calls([make_call("r", n, big)])
+        largest = max(largest, wal.stat().st_size)
+        time.sleep(0.0002)  # a gateway does a little I/O between commits; a tight loop can starve the lock
+    assert store.count_calls("r") == 2000
+    assert store.wal_folds > 0
+    assert largest < 32 * 2**20, f"WAL reached {largest / 2**20:.1f} MB"
+    store.close()
 
 
 def test_sigterm_folds_the_wal_and_closes_the_store(tmp_path: Path) -> None:

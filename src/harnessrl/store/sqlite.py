@@ -135,12 +135,17 @@ class SQLiteStore(SQLStore):
         self.wal_limit_bytes = int(wal_limit_mb * 2**20)
         self._wal = Path(f"{self.path}-wal")
         self._lock = threading.RLock()
+        # Held by a checkpoint that runs beside the writers (the first of `_fold`), so the writer's
+        # TRUNCATE (`_bound_wal`) waits for it instead of finding SQLite busy and giving up for a while.
+        self._checkpointing = threading.Lock()
         self._next_idx: dict[str, int] = {}  # this process is the only writer of calls
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        self._db.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
+        # When a commit starts the WAL over (after `_fold`), SQLite cuts the file back to a quarter of
+        # the limit: a file past that holds that much WAL not yet folded in.
+        self._db.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes // 4}")
         self._db.executescript(_SCHEMA)
         _upgrade(self._db)
         # Checkpoints (copying the WAL into the database file, with an fsync) run on a thread of their
@@ -148,6 +153,7 @@ class SQLiteStore(SQLStore):
         self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._stop = threading.Event()
         self.wal_truncations = 0
+        self.wal_folds = 0  # second, catching-up checkpoints of `_fold`
         self._truncate_after = 0.0  # no TRUNCATE before this instant (readers blocked the last one)
         self._checkpointer = threading.Thread(
             target=self._checkpoint_loop, args=(checkpoint_every_s,), name="sqlite-checkpoint", daemon=True
@@ -226,19 +232,14 @@ class SQLiteStore(SQLStore):
         self._next_idx.pop(r.rollout_id, None)
 
     def _checkpoint_loop(self, every_s: float) -> None:
-        """PASSIVE checkpoints every `every_s`, and a TRUNCATE whenever the WAL passes half its limit.
-
-        Under steady writes a PASSIVE checkpoint never catches up with the writer, so SQLite never
-        rewinds the WAL and it grows without bound. The TRUNCATE holds this process's writers back
-        (the store's lock, which they wait on without sleeping in SQLite's busy handler) while it folds
-        the rest in and empties the file: a pause of the order of one fsync, once per half-limit of
-        writes. A reader of another connection that holds an old snapshot blocks it: it then gives up
-        after `TRUNCATE_BUSY_MS` and tries again `TRUNCATE_RETRY_S` later, so writers never wait on
-        such readers for long (the WAL can pass its bound only while one holds its snapshot)."""
+        """Every `WAL_POLL_S`: TRUNCATE the WAL if it passed half its limit all the same (`_truncate`;
+        a reader of another connection that holds an old snapshot keeps SQLite from starting the WAL
+        over, so it can grow while one does); else fold it in (`_fold`) every `every_s`, or sooner
+        once it passes a quarter of its limit."""
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute(f"PRAGMA busy_timeout={TRUNCATE_BUSY_MS}")
         tick = min(every_s, WAL_POLL_S)
-        last_passive = time.monotonic()
+        last_fold = time.monotonic()
         try:
             while not self._stop.wait(tick):
                 try:
@@ -246,17 +247,42 @@ class SQLiteStore(SQLStore):
                 except FileNotFoundError:
                     size = 0
                 if size > self.wal_limit_bytes // 2 and time.monotonic() >= self._truncate_after:
-                    with self._lock:
-                        busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
-                        self._truncated(busy)
-                    log.info("event=wal_truncate size_mb=%.1f busy=%d", size / 2**20, busy)
-                elif time.monotonic() - last_passive >= every_s:
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                    last_passive = time.monotonic()
+                    self._truncate(db, size)
+                elif size > self.wal_limit_bytes // 4 or time.monotonic() - last_fold >= every_s:
+                    self._fold(db)
+                    last_fold = time.monotonic()
         except sqlite3.Error:
             log.exception("event=checkpointer_stopped path=%s", self.path)
         finally:
             db.close()
+
+    def _fold(self, db: sqlite3.Connection) -> None:
+        """A PASSIVE checkpoint beside the writers copies the WAL into the file and does the fsyncs;
+        a second one, holding the writers back (the store's lock), copies what a commit added
+        meanwhile (a few pages, two small fsyncs), so the WAL is all folded in with no commit under
+        way and the next commit starts it over from its beginning.
+
+        Without the second, a writer that commits back to back always has a commit under way when
+        a checkpoint ends: the WAL never starts over and grows until a TRUNCATE, which holds the
+        writers (and the gateway's event loop, which commits) for the copy of the whole WAL and its
+        fsync, tens to hundreds of milliseconds every few seconds at concurrency 1 (issue 35)."""
+        with self._checkpointing:
+            _, frames, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        if frames <= 0:
+            return  # the WAL is empty, or was started over since the last fold
+        with self._lock:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        self.wal_folds += 1
+
+    def _truncate(self, db: sqlite3.Connection, size: int) -> None:
+        """Fold the WAL in and empty it, holding this process's writers back (the store's lock, which
+        they wait on without sleeping in SQLite's busy handler). A reader of another connection that
+        holds an old snapshot blocks it: it then gives up after `TRUNCATE_BUSY_MS` and is tried again
+        `TRUNCATE_RETRY_S` later, so writers never wait on such readers for long."""
+        with self._lock:
+            busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            self._truncated(busy)
+        log.info("event=wal_truncate size_mb=%.1f busy=%d", size / 2**20, busy)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -347,7 +373,8 @@ class SQLiteStore(SQLStore):
             return
         self._db.execute(f"PRAGMA busy_timeout={TRUNCATE_BUSY_MS}")
         try:
-            busy = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            with self._checkpointing:
+                busy = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
         finally:
             self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         self._truncated(busy)
