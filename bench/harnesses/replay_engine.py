@@ -143,6 +143,7 @@ class ReplayEngine:
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:  # fmt: skip
         self.model_dir = tokenizer_dir
         self.chat = CHATML  # SmolLM2's convention: how answers are parsed back (tool calls)
+        self.adapters = None  # no LoRA adapters: every request is answered by the script
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.text = TokenText(self.tokenizer)
         self.served_model_name = served_model_name
@@ -178,6 +179,10 @@ class ReplayEngine:
         the prompt."""
         text = render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """No adapters here: the script answers every model name."""
+        return None
 
     def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:
         """The builtin engine's length rule against `max_model_len`; returns the effective max_tokens."""

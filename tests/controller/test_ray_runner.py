@@ -324,6 +324,7 @@ async def test_cancel_kills_the_harness(runner: RayRunner, tmp_path: Path) -> No
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow  # heavy for the suite's 15 minutes: `pytest -m slow` runs it
 @needs_ray
 async def test_node_loss_is_retried_on_a_new_node(
     ray_cluster: RayCluster, gateway: tuple[str, str, SQLiteStore], tmp_path: Path

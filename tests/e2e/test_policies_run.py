@@ -126,6 +126,7 @@ def test_export_model_merges_the_policy_asked_for(
     assert any(not merged["planner"][k].equal(merged["solver"][k]) for k in base)
 
 
+@pytest.mark.slow  # heavy for the suite's 15 minutes: `pytest -m slow` runs it
 def test_a_resumed_run_trains_on_from_the_policies_checkpoint(
     first_run: FirstRun, tiny_model_dir: Path
 ) -> None:

@@ -63,6 +63,7 @@ def _no_nan(name: str) -> float:
     raise AssertionError(f"summary.json holds {name}: not strict JSON")
 
 
+@pytest.mark.slow  # heavy for the suite's 15 minutes: `pytest -m slow` runs it
 def test_python_api_ctrl_c_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
     from harnessrl.runs.scaffold import init_project
 

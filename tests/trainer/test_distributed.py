@@ -50,6 +50,7 @@ def test_rows_are_split_by_token_budget() -> None:
     assert shard_rows(batch, [5], 2) == [[5], []]
 
 
+@pytest.mark.slow  # heavy for the suite's 15 minutes: `pytest -m slow` runs it
 def test_two_ranks_give_the_single_process_update_and_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Three updates side by side (1 rank, 2 ranks), the last one leaving rank 1 without rows; then a
     resume from the checkpoint of update 1 on the same ranks gives update 2 again."""

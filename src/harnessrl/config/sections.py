@@ -143,10 +143,9 @@ class ControllerSection(_Section):
     sandbox_cgroup_memory_mb: int | None = 8192  # all of an attempt's processes together
     sandbox_cgroup_max_pids: int | None = 1024  # processes of one attempt together (cgroup pids.max)
     sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness reads (a venv)
-    # aliases of the guard (tasks.guard): hide_git adds hidden "**/.git" (every `.git` in the attempt's
-    # home/), disable_git sets no_git (`git` commands fail); docs/security.md, Guards
-    sandbox_hide_git: bool = False
-    sandbox_disable_git: bool = False
+    # aliases of the guard (tasks.guard; docs/security.md, Guards)
+    sandbox_hide_git: bool = False  # alias: hidden "**/.git" (every `.git` in the attempt's home/ hidden)
+    sandbox_disable_git: bool = False  # alias: no_git (`git` commands fail inside the sandbox)
     # Attempts as Ray tasks on a cluster (docs/ray.md): "auto", "host:port" or "ray://…"; None: local.
     # With `sandbox: true` each attempt is sandboxed on its node.
     ray_address: str | None = None
