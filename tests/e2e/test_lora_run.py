@@ -27,6 +27,7 @@ def grade(task, result):
 """
 
 
+@pytest.mark.slow  # tests/e2e/test_policies_run.py runs the LoRA loop in the suite; `pytest -m slow` runs this
 def test_lora_run_trains_and_serves_the_adapter(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,7 +32,7 @@ _DEEP = int(os.environ.get("HARNESSRL_FUZZ_EXAMPLES", "0"))
 
 @schema.parametrize()
 @settings(
-    max_examples=_DEEP or 12, derandomize=not _DEEP, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=_DEEP or 8, derandomize=not _DEEP, deadline=None, suppress_health_check=list(HealthCheck)
 )
 def test_no_route_answers_with_a_server_error(
     case: schemathesis.Case, fuzz_gateway: tuple[GatewayHandle, str]
