@@ -73,7 +73,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP) $(TOKENIZERS)
-	$(VENV)/bin/pytest -m "not slow and not vllm" -q
+	$(VENV)/bin/pytest -m "not slow and not vllm" -q --durations=25
 
 test: lint typecheck unit
 

@@ -5,6 +5,7 @@ through the controller (real harness subprocesses, a real gateway on a real SQLi
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import secrets
 import sys
@@ -25,6 +26,7 @@ from harnessrl.controller.judge import (
     Judge,
     JudgeError,
     JudgeSpec,
+    digit_expectation,
     parse_ranking,
     parse_score,
     rank_rewards,
@@ -36,7 +38,8 @@ from harnessrl.schema import RewardIn, RolloutState, Task
 from harnessrl.store import SQLiteStore
 from tests.support.gateway import ThreadServer
 
-Script = Callable[[dict[str, Any]], str | int]  # request body -> the judge's text, or an HTTP status
+# request body -> the judge's text, or an HTTP status, or (text, the choice's `logprobs`)
+Script = Callable[[dict[str, Any]], str | int | tuple[str, Any]]
 
 
 class ScriptedJudge:
@@ -53,9 +56,12 @@ class ScriptedJudge:
         reply = self.script(body)
         if isinstance(reply, int):
             return JSONResponse({"error": {"message": "scripted failure"}}, status_code=reply)
+        text, logprobs = reply if isinstance(reply, tuple) else (reply, None)
+        choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return JSONResponse({"id": "j", "object": "chat.completion", "model": body["model"],
-                             "choices": [{"index": 0, "finish_reason": "stop",
-                                          "message": {"role": "assistant", "content": reply}}]})  # fmt: skip
+                             "choices": [choice]})  # fmt: skip
 
 
 @pytest.fixture
@@ -140,6 +146,53 @@ async def test_a_judge_that_fails_or_answers_garbage_is_a_grader_error(
 async def test_an_unreachable_judge_is_a_grader_error(tmp_path: Path) -> None:
     judge = Judge(JudgeSpec(base_url="http://127.0.0.1:9/v1", model="m", rubric="r", timeout_s=5))
     with pytest.raises(GraderError, match="cannot be reached"):
+        await grade(judge, TASK, _result(tmp_path, "a", "x"))
+
+
+def _top(pairs: list[tuple[str, float]]) -> dict[str, Any]:
+    """A chat choice's `logprobs` with one answer token whose alternatives are `pairs` (token, probability)."""
+    top = [{"token": t, "logprob": math.log(p), "bytes": list(t.encode())} for t, p in pairs]
+    return {"content": [{"token": pairs[0][0], "logprob": top[0]["logprob"], "top_logprobs": top}]}
+
+
+def test_logprob_mode_rewards_the_expected_digit_and_records_the_call(
+    judge_server: Callable[[Script], tuple[ScriptedJudge, str]], tmp_path: Path
+) -> None:
+    # digits 7 (0.5), 3 (0.2), " 9" (0.1, a digit with the tokenizer's leading space); words are ignored
+    pairs = [("7", 0.5), ("3", 0.2), ("The", 0.15), (" 9", 0.1), ("10", 0.05)]
+    server, url = judge_server(lambda body: ("7", _top(pairs)))
+    judge = Judge(JudgeSpec(base_url=url, model="judge-m", rubric="Sounds like a pirate.", mode="logprob"))
+    reward = judge(TASK, _result(tmp_path, "a", "Arr, the cat be sittin'"))
+    expected = (7 * 0.5 + 3 * 0.2 + 9 * 0.1) / 0.8  # renormalised over the digits: 6.25
+    assert reward.value == pytest.approx(expected / 9)
+    record = reward.details["judge"]
+    assert record["mode"] == "logprob" and record["score"] == pytest.approx(6.25)
+    assert record["digit_mass"] == pytest.approx(0.8) and record["digits"] == pytest.approx(
+        {"3": 0.2, "7": 0.5, "9": 0.1}
+    )
+    (sent,) = server.requests
+    assert sent["max_tokens"] == 1 and sent["logprobs"] is True and sent["top_logprobs"] == 20
+    assert (
+        "Sounds like a pirate." in sent["messages"][0]["content"]
+        and "one digit" in sent["messages"][1]["content"]
+    )
+    assert (
+        "Arr, the cat be sittin'" in sent["messages"][1]["content"] and sent["messages"] == record["prompt"]
+    )
+    assert digit_expectation([{"token": "0", "logprob": 0.0}])[0] == 0.0  # a certain 0 is reward 0
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [("Well", _top([("Well", 0.6), ("The", 0.3), ("ten", 0.1)])), "7", ("7", {"content": []}), 503],
+    ids=["no-digit", "no-logprobs", "empty-logprobs", "http-503"],
+)
+async def test_logprob_mode_without_a_digit_or_logprobs_is_a_grader_error(
+    judge_server: Callable[[Script], tuple[ScriptedJudge, str]], tmp_path: Path, reply: Any
+) -> None:
+    _, url = judge_server(lambda body: reply)
+    judge = Judge(JudgeSpec(base_url=url, model="m", rubric="r", mode="logprob"))
+    with pytest.raises(GraderError, match="judge"):
         await grade(judge, TASK, _result(tmp_path, "a", "x"))
 
 

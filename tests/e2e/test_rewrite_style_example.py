@@ -1,8 +1,9 @@
-"""The `rewrite_style` example: its config resolves to a group judge with its rubric, its splits never
+"""The `rewrite_style` example: its config resolves to a logprob judge with its rubric, its splits never
 share a sentence, and one group runs end to end — the example's real harness (openai SDK, subprocesses)
-through a real gateway and engine (tiny model), judged in one call by a scripted judge on loopback HTTP
-that sees the four rewrites side by side; and a real engine as the judge (a tiny random model, which
-answers garbage) makes the group a grader error, not a silent reward."""
+through a real gateway and engine (tiny model), judged in group mode in one call by a scripted judge on
+loopback HTTP that sees the four rewrites side by side; a real engine as the judge (a tiny random model,
+which answers garbage) makes the group a grader error, not a silent reward, in group mode and in logprob
+mode (whose error shows the engine's top_logprobs were read: no digit among them)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from harnessrl.services import Service
 from tests.support.gateway import GatewayHandle, ThreadServer
 
 
-def test_config_resolves_to_a_group_judge_on_disjoint_splits() -> None:
+def test_config_resolves_to_a_logprob_judge_on_disjoint_splits() -> None:
     example = get_example("rewrite_style")
-    assert isinstance(example.grader, Judge) and example.grader.grades_groups
+    assert isinstance(example.grader, Judge) and example.grader.spec.mode == "logprob"
+    assert not example.grader.grades_groups  # one judge call per rollout
     assert (
         "keeps every fact" in example.grader.spec.rubric and example.grader.spec.answer_file == "answer.txt"
     )
@@ -75,7 +77,7 @@ async def test_one_group_is_rewritten_and_ranked_by_the_judge(
     url, seen = ranking_judge
     judge = get_example("rewrite_style").grader
     assert isinstance(judge, Judge)
-    judge = Judge(dataclasses.replace(judge.spec, base_url=url))
+    judge = Judge(dataclasses.replace(judge.spec, base_url=url, mode="group"))
     gw = make_gateway(default_max_tokens=12)
     outcomes = await _run_group(gw, judge, tmp_path)
     assert all(o.state == RolloutState.SUCCEEDED for o in outcomes), [o.error for o in outcomes]
@@ -97,8 +99,14 @@ async def test_a_real_engine_answering_garbage_is_a_grader_error(
 ) -> None:
     judge = get_example("rewrite_style").grader
     assert isinstance(judge, Judge)
-    judge = Judge(dataclasses.replace(judge.spec, base_url=f"{engine.url}/v1", model="judge", max_tokens=8))
-    outcomes = await _run_group(make_gateway(default_max_tokens=8), judge, tmp_path)
+    spec = dataclasses.replace(judge.spec, base_url=f"{engine.url}/v1", model="judge", max_tokens=8)
+    outcomes = await _run_group(make_gateway(default_max_tokens=8), Judge(dataclasses.replace(spec, mode="group")),
+                                tmp_path / "group")  # fmt: skip
     assert all(o.state == RolloutState.FAILED and o.failure == "grader" for o in outcomes)
     error = outcomes[0].error or ""  # a random model's answer: no ranking line, or nothing at all
     assert "JudgeError" in error and ("RANKING" in error or "answered nothing" in error)
+    # logprob mode reads the engine's top_logprobs (the wire shape matches); a random model over a 49k
+    # vocabulary puts no digit among its 20 most likely first tokens: a grader error naming that
+    outcomes = await _run_group(make_gateway(default_max_tokens=8), Judge(spec), tmp_path / "logprob")
+    assert all(o.state == RolloutState.FAILED and o.failure == "grader" for o in outcomes)
+    assert "no digit 0-9 among the judge's 20 most likely first tokens" in (outcomes[0].error or "")

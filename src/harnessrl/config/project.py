@@ -79,8 +79,9 @@ class JudgeSection(_Section):
     api_key_env: str | None = None  # the environment variable holding its API key (None: no key)
     rubric: str = ""  # what a good answer is, in words the judge reads
     rubric_file: str | None = None  # or: a text file with the rubric (relative to the config's folder)
-    # single: score each rollout alone (SCORE: 0..scale); group: rank a whole group in one call
-    mode: Literal["single", "group"] = "single"
+    # single: score each rollout alone (SCORE: 0..scale); group: rank a whole group in one call;
+    # logprob: each rollout alone, the expected digit 0..9 under the judge's top_logprobs (small judges)
+    mode: Literal["single", "group", "logprob"] = "single"
     answer_file: str = "answer.txt"  # the answer, in the attempt's output folder (HARNESSRL_OUTPUT)
     scale: float = Field(default=10.0, gt=0)  # single mode: the judge's top score (reward = score / scale)
     max_tokens: int = Field(default=256, ge=1)  # of the judge's answer

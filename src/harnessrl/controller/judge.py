@@ -11,6 +11,11 @@ run's own model). It reads the task, the rubric and the answer the harness wrote
   place ρ (0 = best) gets the reward (n − 1 − ρ) / (n − 1): 1 for the best, 0 for the worst, evenly
   spaced, so the group's rewards always differ (GRPO uses only their differences). A group of one is
   scored in single mode.
+- **logprob** mode: one judge call per rollout for a one-digit rating 0..9 (`max_tokens: 1`,
+  `top_logprobs: 20`); the reward is the expected digit under the judge's probabilities of the digits
+  among its 20 most likely first tokens (renormalised over those digits), divided by 9. No format to
+  follow: what a judge too small to write `SCORE:` lines (SmolLM2-135M on this CPU) can still give, a
+  graded number rather than a sampled one. No digit among them is a `JudgeError`.
 
 Every judge call is recorded in the reward's details under `judge` (mode, model, the prompt messages,
 the judge's raw answer, the parsed score or ranking), so `harnessrl inspect` shows why a rollout got its
@@ -53,7 +58,7 @@ class JudgeSpec:
     base_url: str  # OpenAI-compatible, ending in /v1
     model: str
     rubric: str
-    mode: Literal["single", "group"] = "single"
+    mode: Literal["single", "group", "logprob"] = "single"
     api_key: str = "none"
     answer_file: str = "answer.txt"  # in the attempt's output folder (HARNESSRL_OUTPUT)
     scale: float = 10.0  # single mode: the top score the judge may give
@@ -84,6 +89,31 @@ def single_prompt(spec: JudgeSpec, task: Task, answer: str) -> list[dict[str, st
               f"{spec.scale:g} (best). End your reply with one line: SCORE: <number>")  # fmt: skip
     user = f"Task:\n{_task_text(task)}\n\nAnswer:\n{answer or '(no answer)'}"
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def logprob_prompt(spec: JudgeSpec, task: Task, answer: str) -> list[dict[str, str]]:
+    """The messages of a logprob-mode judge call: a rating as one digit, asked twice (system and last)."""
+    ask = "Rate the answer from 0 (worst) to 9 (best). Reply with one digit only."
+    system = f"You are a strict judge. Rubric:\n{spec.rubric}\n\n{ask}"
+    user = f"Task:\n{_task_text(task)}\n\nAnswer:\n{answer or '(no answer)'}\n\n{ask}"
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def digit_expectation(top: list[dict[str, Any]]) -> tuple[float, float, dict[str, float]]:
+    """From the first answer token's `top_logprobs` (OpenAI chat shape): the expected digit under the
+    judge's probabilities renormalised over the digits 0..9 among them, the digits' total probability,
+    and each digit's probability. No digit among them is a `JudgeError`."""
+    probs: dict[str, float] = {}
+    for alt in top:
+        token = str(alt.get("token", "")).strip()
+        lp = alt.get("logprob")
+        if len(token) == 1 and token.isdigit() and isinstance(lp, int | float) and math.isfinite(lp):
+            probs[token] = probs.get(token, 0.0) + math.exp(lp)
+    mass = sum(probs.values())
+    if mass <= 0.0:
+        shown = [alt.get("token") for alt in top[:10]]
+        raise JudgeError(f"no digit 0-9 among the judge's {len(top)} most likely first tokens: {shown!r}")
+    return sum(int(d) * p for d, p in probs.items()) / mass, mass, probs
 
 
 def group_prompt(spec: JudgeSpec, task: Task, answers: list[str]) -> list[dict[str, str]]:
@@ -141,12 +171,19 @@ class Judge:
 
     def ask(self, messages: list[dict[str, str]]) -> str:
         """One chat call to the judge; its text. Transport errors and non-200 answers are `JudgeError`."""
+        content = self._choice(messages)["message"]["content"]
+        if not isinstance(content, str) or not content.strip():
+            raise JudgeError("the judge answered nothing")
+        return content
+
+    def _choice(self, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
         s = self.spec
         body = {
             "model": s.model,
             "messages": messages,
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
+            **extra,
         }
         try:
             r = httpx.post(f"{s.base_url.rstrip('/')}/chat/completions", json=body, timeout=s.timeout_s,
@@ -156,12 +193,12 @@ class Judge:
         if r.status_code != 200:
             raise JudgeError(f"the judge at {s.base_url} answered {r.status_code}: {r.text[:300]}")
         try:
-            content = r.json()["choices"][0]["message"]["content"]
+            choice = r.json()["choices"][0]
+            if not isinstance(choice, dict) or "content" not in choice["message"]:
+                raise KeyError("message.content")
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise JudgeError(f"the judge's response is not a chat completion: {r.text[:300]}") from e
-        if not isinstance(content, str) or not content.strip():
-            raise JudgeError("the judge answered nothing")
-        return content
+        return choice
 
     def _record(self, messages: list[dict[str, str]], answer: str, **parsed: Any) -> dict[str, Any]:
         return {
@@ -173,7 +210,9 @@ class Judge:
         }
 
     def __call__(self, task: Task, result: AttemptResult) -> RewardIn:
-        """Single mode: score one rollout's answer alone."""
+        """Single mode: score one rollout's answer alone (logprob mode: from the rating's probabilities)."""
+        if self.spec.mode == "logprob":
+            return self._logprob_score(task, result)
         messages = single_prompt(self.spec, task, read_answer(result, self.spec.answer_file))
         answer = self.ask(messages)
         try:
@@ -183,6 +222,23 @@ class Judge:
             raise
         judge = self._record(messages, answer, score=score, mode="single")
         return RewardIn(value=score / self.spec.scale, details={"judge": judge})
+
+    def _logprob_score(self, task: Task, result: AttemptResult) -> RewardIn:
+        messages = logprob_prompt(self.spec, task, read_answer(result, self.spec.answer_file))
+        choice = self._choice(messages, max_tokens=1, logprobs=True, top_logprobs=20)
+        try:
+            top = choice["logprobs"]["content"][0]["top_logprobs"]
+            if not isinstance(top, list):
+                raise TypeError(type(top).__name__)
+        except (KeyError, IndexError, TypeError) as e:
+            raise JudgeError(
+                f"the judge's answer carries no top_logprobs (logprob mode needs an endpoint that returns "
+                f"them): {str(choice)[:300]}"
+            ) from e
+        expected, mass, probs = digit_expectation(top)
+        judge = self._record(messages, str(choice["message"]["content"]), score=round(expected, 4),
+                             digit_mass=round(mass, 4), digits={d: round(p, 4) for d, p in sorted(probs.items())})  # fmt: skip
+        return RewardIn(value=expected / 9.0, details={"judge": judge})
 
     def grade_group(self, task: Task, results: list[AttemptResult]) -> list[RewardIn]:
         """Group mode: rank the group's answers in one judge call; rewards from the ranking."""
