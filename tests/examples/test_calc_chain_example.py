@@ -77,6 +77,26 @@ def test_grader_scores_each_step_on_the_total_the_harness_showed(tmp_path: Path)
     assert missing.value == 0.0 and missing.details["reason"] == "no answer.json written"
 
 
+def test_grader_gives_each_call_of_a_step_that_steps_reward(tmp_path: Path) -> None:
+    # step 1 right in 2 calls, step 2 wrong in 1 call, step 3 right (on the 8 shown) in 3 calls
+    graded = grade(TASK, _result(tmp_path, {"answers": ["15", "8", "9"], "calls_per_step": [2, 1, 3]}))
+    assert graded.value == pytest.approx(2 / 3)  # the rollout's reward is unchanged by step rewards
+    assert [(s.call, s.value) for s in graded.steps] == [
+        (0, 1.0),
+        (1, 1.0),
+        (2, 0.0),
+        (3, 1.0),
+        (4, 1.0),
+        (5, 1.0),
+    ]
+    stopped = grade(TASK, _result(tmp_path, {"answers": ["15", None], "calls_per_step": [1, 4]}))
+    assert [(s.call, s.value) for s in stopped.steps] == [(0, 1.0), (1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0)]
+    for bad in (None, "2,1,3", [2, 1], [2, "1", 3], [2, -1, 3], [2, 1, 999]):  # no count to trust: no steps
+        assert (
+            grade(TASK, _result(tmp_path, {"answers": ["15", "9", "10"], "calls_per_step": bad})).steps == []
+        )
+
+
 class _ScriptedCompletions:
     """Stands in for `client.chat.completions`: answers each request from a script, records requests."""
 
@@ -94,7 +114,7 @@ def test_chain_loop_carries_the_models_answer_and_stops_without_a_number() -> No
     completions = _ScriptedCompletions(["The answer is 15.", "It is 8.", "no idea", "unused"])
     client = SimpleNamespace(chat=SimpleNamespace(completions=completions))
     out = harness.solve_chain(client, 10, TASK.input["steps"] + ["Add 2."])  # type: ignore[arg-type]
-    assert out == {"answers": ["15", "8", None], "tool_calls": 0, "steps": 4}
+    assert out == {"answers": ["15", "8", None], "tool_calls": 0, "steps": 4, "calls_per_step": [1, 1, 1]}
     questions = [r["messages"][-1]["content"] for r in completions.requests]
     assert questions == [
         "The total is 10. Add 5. What is the new total?",
@@ -116,5 +136,9 @@ async def test_harness_runs_one_real_chain(
     assert out["steps"] == len(held[0].input["steps"]) and 1 <= len(out["answers"]) <= out["steps"]
     calls = gw.store.calls(outcome.rollout_id)
     assert len(calls) >= len(out["answers"]) and all(c.completion_ids for c in calls)
+    assert len(calls) == sum(out["calls_per_step"])  # the harness's count is the gateway's
     reward = gw.store.get_reward(outcome.rollout_id)
     assert reward is not None and reward.details["reached"] == len(out["answers"])
+    assert [s.call for s in reward.steps] == list(
+        range(len(calls))
+    )  # every recorded call has its step's reward

@@ -170,9 +170,10 @@ def solve(
     rnd = rnd or random.Random(os.environ.get("HARNESSRL_ROLLOUT_ID", ""))
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *(examples or EXAMPLES)]
     messages.append({"role": "user", "content": question})
-    tool_calls = 0
+    tool_calls = calls = 0
     text: str | None = None
     for _ in range(MAX_TURNS):
+        calls += 1
         resp = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=96)  # type: ignore[arg-type]
         msg = resp.choices[0].message
         messages.append(msg.model_dump(exclude_none=True))
@@ -185,26 +186,33 @@ def solve(
             time.sleep(tool_delay(latency, rnd))
             result = run_tool(fn.name, fn.arguments) if fn else "error: unsupported tool call"
             messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
-    return {"answer": final_number(text), "text": text, "tool_calls": tool_calls}
+    return {"answer": final_number(text), "text": text, "tool_calls": tool_calls, "calls": calls}
 
 
 def solve_chain(
     client: OpenAI, start: float, steps: list[str], latency: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Run a chain: each step one agent loop on "The total is T. <step> What is the new total?", T the
-    model's previous answer. A step without a number in its answer ends the chain (nothing to carry)."""
+    model's previous answer. A step without a number in its answer ends the chain (nothing to carry).
+    `calls_per_step`: how many model calls each step made (in order), so a grader can name a step's calls."""
     rnd = random.Random(os.environ.get("HARNESSRL_ROLLOUT_ID", ""))
-    total, answers, tool_calls = format_number(start), [], 0
+    total, answers, tool_calls, calls_per_step = format_number(start), [], 0, []
     for step in steps:
         out = solve(
             client, f"The total is {total}. {step} What is the new total?", latency, CHAIN_EXAMPLES, rnd
         )
         answers.append(out["answer"])
         tool_calls += out["tool_calls"]
+        calls_per_step.append(out["calls"])
         if out["answer"] is None:
             break
         total = out["answer"]
-    return {"answers": answers, "tool_calls": tool_calls, "steps": len(steps)}
+    return {
+        "answers": answers,
+        "tool_calls": tool_calls,
+        "steps": len(steps),
+        "calls_per_step": calls_per_step,
+    }
 
 
 def main() -> int:

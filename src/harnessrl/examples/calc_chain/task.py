@@ -4,8 +4,10 @@ A task is a start value and 1 to 10 steps ("Add 17.", "Subtract 9.", "Add 7 * 3.
 The harness shows the model "The total is T. <step> What is the new total?", T being the model's own
 previous answer (the start for the first step), and reports every answer. The grader checks each step
 against the total the harness showed, so one wrong step costs that step only:
-reward = correct steps / steps (a step the harness never reached counts as wrong). Generated with a
-fixed seed; a held-out task never also appears in train.
+reward = correct steps / steps (a step the harness never reached counts as wrong). Step rewards
+(`train.credit: step`, docs/credit.md): each model call of a reached step gets 1 if that step's answer
+was right, else 0, named by position from the harness's `calls_per_step`; the rollout's reward is the
+same either way. Generated with a fixed seed; a held-out task never also appears in train.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 from typing import Any
 
 from harnessrl.controller.runner import AttemptResult
-from harnessrl.schema import RewardIn, Task
+from harnessrl.schema import RewardIn, StepReward, Task
 
 MIN_STEPS, MAX_STEPS = 1, 10
 Op = tuple[str, int, int]  # (kind, a, b): b is 1 for "add"/"sub"
@@ -104,6 +106,24 @@ def grade(task: Task, result: AttemptResult) -> RewardIn:
     n_right = sum(correct)
     return RewardIn(
         value=n_right / len(ops),
+        steps=step_rewards(correct, out.get("calls_per_step")),
         details={"steps": len(ops), "reached": len(correct), "correct": n_right,
                  "chain_correct": n_right == len(ops), "tool_calls": out.get("tool_calls", 0)},
     )  # fmt: skip
+
+
+def step_rewards(correct: list[bool], calls_per_step: Any) -> list[StepReward]:
+    """One step reward per model call of each reached step: 1 if the step was right, else 0; none when
+    the harness did not say how many calls each step made (or said something that does not fit)."""
+    if (
+        not isinstance(calls_per_step, list)
+        or len(calls_per_step) < len(correct)
+        or not all(isinstance(n, int) and 0 <= n <= 64 for n in calls_per_step)
+    ):
+        return []
+    out: list[StepReward] = []
+    call = 0
+    for right, n in zip(correct, calls_per_step, strict=False):
+        out += [StepReward(call=call + k, value=1.0 if right else 0.0) for k in range(n)]
+        call += n
+    return out
