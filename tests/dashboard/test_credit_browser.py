@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(
 JUDGE = {"mode": "single", "model": "judge-m", "score": 7.0, "answer": "Nicely formal.\nSCORE: 7",
          "prompt": [{"role": "system", "content": "Rubric: very formal English"},
                     {"role": "user", "content": "Answer:\nKindly note the meeting is moved."}]}  # fmt: skip
+LOGPROB_JUDGE = {"mode": "logprob", "model": "judge-m", "score": 6.25, "answer": "7", "digit_mass": 0.8,
+                 "digits": {"3": 0.2, "7": 0.5, "9": 0.1}, "prompt": [{"role": "user", "content": "rate"}]}  # fmt: skip
 
 
 @pytest.fixture
@@ -37,6 +39,10 @@ def server(tmp_path: Path) -> Iterator[ThreadServer]:
         "ro-judged", RewardIn(value=0.7, details={"judge": JUDGE}, steps=[StepReward(call=0, value=0.25)])
     )
     store.add_annotation("ro-judged", AnnotationIn(call=0, value=1.0, label="polite"))
+    store.create_rollout(RolloutCreate(client_id="c2", task_id="style"), "ro-logprob")
+    store.start_attempt("ro-logprob")
+    store.set_state("ro-logprob", RolloutState.SUCCEEDED)
+    store.set_reward("ro-logprob", RewardIn(value=6.25 / 9, details={"judge": LOGPROB_JUDGE}))
     store.close()
     with ThreadServer(create_dashboard(RunData(tmp_path / "store.sqlite", tmp_path))) as srv:
         yield srv
@@ -61,5 +67,11 @@ def test_rollout_page_shows_the_judge_and_step_rewards(server: ThreadServer) -> 
         assert "judge (single, judge-m)" in judge and "score 7" in judge and "SCORE: 7" in judge
         steps = driver.find_element(By.ID, "steps").text
         assert "grader call 0 0.250" in steps and "annotation call 0 1 (data) polite" in steps
+        driver.get(f"{server.url}/#/rollout/ro-logprob")  # a logprob judge: the digits behind its score
+        WebDriverWait(driver, 30).until(
+            lambda d: any("logprob" in e.text for e in d.find_elements(By.ID, "judge"))
+        )
+        judge = driver.find_element(By.ID, "judge").text
+        assert "score 6.25" in judge and "digits hold 0.8 of the top 20: 3: 0.20, 7: 0.50, 9: 0.10" in judge
     finally:
         driver.quit()

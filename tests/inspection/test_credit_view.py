@@ -47,3 +47,21 @@ def test_judge_call_step_rewards_and_annotations_are_shown(
     assert "Rubric: sounds like a pirate" in out and "RANKING: 2 > 1" in out and "ahoy matey" in out
     assert "call 0" in out and "+0.250" in out and "tool call tc-7" in out and "used the tool" in out
     assert ("+0.500 (data)" in out) is not allow
+
+
+def test_a_logprob_judge_shows_its_expected_digit_and_the_digits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    judge = {"mode": "logprob", "model": "judge-m", "answer": "7", "prompt": [{"role": "user", "content": "rate"}],
+             "score": 6.25, "digit_mass": 0.8, "digits": {"3": 0.2, "7": 0.5, "9": 0.1}}  # fmt: skip
+    store = SQLiteStore(tmp_path / "store.sqlite")
+    store.create_rollout(RolloutCreate(client_id="c1", task_id="style"), "ro-lp")
+    store.start_attempt("ro-lp")
+    store.set_state("ro-lp", RolloutState.SUCCEEDED)
+    store.set_reward("ro-lp", RewardIn(value=6.25 / 9, details={"judge": judge}))
+    store.close()
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main([str(tmp_path), "--rollout", "ro-lp"]) == 0
+    out = capsys.readouterr().out
+    assert "judge (logprob, model judge-m): score 6.25" in out
+    assert "digits: 3: 0.200, 7: 0.500, 9: 0.100 (their mass among the top 20 first tokens: 0.8)" in out

@@ -47,6 +47,10 @@ def render_credit(console: Console, credit: dict[str, Any] | None) -> None:
             cut = text[:MAX_PROMPT_CHARS] + (f"… ({len(text)} chars)" if len(text) > MAX_PROMPT_CHARS else "")
             console.print(Text(f"{m.get('role')}: ", style="bold") + Text(cut, style="dim"))
         console.print(Text("judge answered: ", style="bold") + Text(str(judge.get("answer", ""))))
+        if isinstance(judge.get("digits"), dict):  # logprob mode: what the expected digit came from
+            shown = ", ".join(f"{d}: {p:.3f}" for d, p in judge["digits"].items())
+            console.print(Text("digits: ", style="bold") + Text(f"{shown} (their mass among the top 20 "
+                                                                  f"first tokens: {judge.get('digit_mass')})"))  # fmt: skip
     rows = [("grader", _target(s), f"{s['value']:+.3f}", "") for s in credit["step_rewards"]]
     allowed = credit["annotation_rewards_allowed"]
     for a in credit["annotations"]:

@@ -311,7 +311,8 @@ function creditView(c) {
   const box = el("div", { id: "credit" }, el("h2", {}, "credit"));
   const j = c.judge;
   if (j) {
-    const verdict = "score" in j ? `score ${j.score}` : `ranking ${JSON.stringify(j.ranking)}: candidate ${j.candidate} at place ${j.place}`;
+    let verdict = "score" in j ? `score ${j.score}` : `ranking ${JSON.stringify(j.ranking)}: candidate ${j.candidate} at place ${j.place}`;
+    if (j.digits) verdict += ` (expected digit; digits hold ${j.digit_mass} of the top 20: ${Object.entries(j.digits).map(([d, p]) => `${d}: ${p.toFixed(2)}`).join(", ")})`;
     box.appendChild(el("div", { class: "card", id: "judge" },
       el("div", { class: "head" }, el("strong", {}, `judge (${j.mode}, ${j.model})`), el("span", {}, verdict)),
       el("details", {}, el("summary", {}, `prompt (${(j.prompt || []).length} messages)`), (j.prompt || []).map(message)),
