@@ -157,8 +157,10 @@ clean:
 	rm -rf $(VENV) .bench runs .pytest_cache .mypy_cache .ruff_cache
 
 # Long (hours on 2 cores; not in CI): async vs sync on a slow-tool harness, the paper's ablation on
-# calc_chain (rollouts of 2-20 calls), and harnessrl vs TRL's GRPOTrainer on instruct. Results in bench/results/, plots in docs/img/.
+# calc_chain (rollouts of 2-20 calls), step against rollout credit on calc_chain, and harnessrl vs TRL's
+# GRPOTrainer on instruct. Results in bench/results/, plots in docs/img/.
 bench-train: $(STAMP)
 	$(PY) bench/train_async.py
 	$(PY) bench/train_trl.py --budget-s 600 --n-heldout 100 --seeds 0 1 2 3 4 5
 	$(PY) bench/train_ablation.py
+	$(PY) bench/train_credit.py

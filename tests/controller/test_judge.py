@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -180,6 +182,30 @@ def test_logprob_mode_rewards_the_expected_digit_and_records_the_call(
         "Arr, the cat be sittin'" in sent["messages"][1]["content"] and sent["messages"] == record["prompt"]
     )
     assert digit_expectation([{"token": "0", "logprob": 0.0}])[0] == 0.0  # a certain 0 is reward 0
+
+
+ALT = st.tuples(st.sampled_from([*"0123456789", " 4", "7 ", "10", "The", "x", "", "٣"]),
+                st.floats(min_value=-30, max_value=0))  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(ALT, min_size=1, max_size=20), st.randoms(use_true_random=False))
+def test_digit_expectation_is_the_mean_digit_over_the_digits_only(
+    alts: list[tuple[str, float]], rnd: Any
+) -> None:
+    top = [{"token": t, "logprob": lp} for t, lp in alts]
+    weights = {d: sum(math.exp(lp) for t, lp in alts if t.strip() == d) for d in "0123456789"}
+    mass = sum(weights.values())
+    if mass == 0.0:  # no ASCII digit (an Arabic-Indic digit is not one): a JudgeError
+        with pytest.raises(JudgeError, match="no digit"):
+            digit_expectation(top)
+        return
+    expected, got_mass, probs = digit_expectation(top)
+    assert 0.0 <= expected <= 9.0 and got_mass == pytest.approx(mass)
+    assert expected == pytest.approx(sum(int(d) * w for d, w in weights.items()) / mass)
+    assert set(probs) == {d for d, w in weights.items() if w > 0}
+    rnd.shuffle(top)  # the order of the alternatives does not matter
+    assert digit_expectation(top)[0] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(

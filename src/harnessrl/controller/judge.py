@@ -99,6 +99,9 @@ def logprob_prompt(spec: JudgeSpec, task: Task, answer: str) -> list[dict[str, s
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
+DIGITS = frozenset("0123456789")
+
+
 def digit_expectation(top: list[dict[str, Any]]) -> tuple[float, float, dict[str, float]]:
     """From the first answer token's `top_logprobs` (OpenAI chat shape): the expected digit under the
     judge's probabilities renormalised over the digits 0..9 among them, the digits' total probability,
@@ -107,7 +110,7 @@ def digit_expectation(top: list[dict[str, Any]]) -> tuple[float, float, dict[str
     for alt in top:
         token = str(alt.get("token", "")).strip()
         lp = alt.get("logprob")
-        if len(token) == 1 and token.isdigit() and isinstance(lp, int | float) and math.isfinite(lp):
+        if token in DIGITS and isinstance(lp, int | float) and math.isfinite(lp):  # ASCII only ("٣" is no 3)
             probs[token] = probs.get(token, 0.0) + math.exp(lp)
     mass = sum(probs.values())
     if mass <= 0.0:
