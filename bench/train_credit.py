@@ -27,6 +27,9 @@ from harnessrl.config import load_config
 from harnessrl.examples import get_example
 from harnessrl.runs.flow import run
 
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script: its sibling, the ablation bench
+from train_ablation import _mean_se  # mean, standard error and per-seed values
+
 SETTINGS: dict[str, list[str]] = {
     "rollout": ["train.credit=rollout"],
     "step": ["train.credit=step", "train.step_coef=1.0"],
@@ -63,13 +66,6 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "train_wall_s": summary["train_wall_seconds"],
         "wall_s": time.time() - t0,
     }
-
-
-def _mean_se(xs: list[float]) -> dict[str, Any]:
-    n = len(xs)
-    mean = sum(xs) / n if n else float("nan")
-    var = sum((x - mean) ** 2 for x in xs) / (n - 1) if n > 1 else float("nan")
-    return {"mean": mean, "se": (var / n) ** 0.5, "per_seed": xs}
 
 
 def summarize(results: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
