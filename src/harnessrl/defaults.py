@@ -12,3 +12,5 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 # the environment variable that carries the builtin engine's key (to the engine, and to the gateway that
 # calls it): every route but /health needs it when set
 ENGINE_KEY_ENV = "HARNESSRL_ENGINE_KEY"
+# Bound on the SQLite store's write-ahead log (MB): folded in every few seconds, TRUNCATEd at half.
+WAL_LIMIT_MB = 512.0

@@ -11,7 +11,13 @@ from pydantic import Field, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Credit, Estimator, LossMode, ZeroVariance
 from harnessrl.config.project import GraderSection, HarnessSection, TasksSection, _Section
-from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_MAX_BATCH, LORA_TARGET_MODULES, ROLLOUT_CACHE_SIZE
+from harnessrl.defaults import (
+    DEFAULT_MAX_TOKENS,
+    ENGINE_MAX_BATCH,
+    LORA_TARGET_MODULES,
+    ROLLOUT_CACHE_SIZE,
+    WAL_LIMIT_MB,
+)
 from harnessrl.schema import GuardPolicy
 from harnessrl.store import is_postgres_url
 
@@ -99,7 +105,7 @@ class GatewaySection(_Section):
     call_timeout_s: float | None = Field(default=None, gt=0)
     upstream_timeout_s: float | None = Field(default=None, gt=0)  # one try; None: the call timeout
     stream_open_timeout_s: float = Field(default=30.0, gt=0)  # one streamed try, until the engine's headers
-    wal_limit_mb: float = Field(default=64.0, gt=0)  # bound on the SQLite store's write-ahead log
+    wal_limit_mb: float = Field(default=WAL_LIMIT_MB, gt=0)  # bound on the SQLite store's write-ahead log
 
     def timeouts(self, harness_timeout_s: float) -> tuple[float, float]:
         """(upstream try, whole call) in seconds, by the rule above."""

@@ -15,7 +15,7 @@ import uvicorn
 from pydantic import ValidationError
 from starlette.types import ASGIApp
 
-from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_KEY_ENV, ROLLOUT_CACHE_SIZE
+from harnessrl.defaults import DEFAULT_MAX_TOKENS, ENGINE_KEY_ENV, ROLLOUT_CACHE_SIZE, WAL_LIMIT_MB
 from harnessrl.gateway import http
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.http import HEADER_TIMEOUT_S, TimedHttpProtocol
@@ -100,7 +100,9 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's body")  # fmt: skip
     p.add_argument("--rollout-cache-size", type=int, default=ROLLOUT_CACHE_SIZE,
                    help="rollouts kept in memory (least recently used out; the rest are read from the store)")  # fmt: skip
-    p.add_argument("--wal-limit-mb", type=float, default=64.0, help="bound on the store's SQLite WAL file")
+    p.add_argument(
+        "--wal-limit-mb", type=float, default=WAL_LIMIT_MB, help="bound on the store's SQLite WAL file"
+    )
     p.add_argument(
         "--model-map",
         action="append",

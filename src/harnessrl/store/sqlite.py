@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
+from harnessrl.defaults import WAL_LIMIT_MB
 from harnessrl.schema import (
     Call,
     Rollout,
@@ -104,7 +105,11 @@ def _upgrade(db: sqlite3.Connection) -> None:
             log.info("event=store_upgraded table=%s column=%s", table, column)
 
 
-WAL_LIMIT_MB = 64.0  # the WAL file stays under this (see `_checkpoint_loop`)
+# How often the WAL is folded in and started over (besides when it passes a quarter of its limit).
+# Each start-over rewrites the same region of the WAL file; doing it every second at one client's
+# rate (~35 MB/s of frames) made the gateway's p99 grow with the store (3 -> 13 ms over 70 s of load),
+# every 5 s kept it flat (issue 35; docs/reliability.md).
+CHECKPOINT_EVERY_S = 5.0
 WAL_POLL_S = 0.25  # how often the checkpointer looks at the WAL's size
 TRUNCATE_BUSY_MS = 200
 TRUNCATE_RETRY_S = 2.0  # after readers blocked a TRUNCATE, PASSIVE checkpoints only for this long
@@ -118,7 +123,7 @@ class SQLiteStore(SQLStore):
         self,
         path: str | Path,
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
-        checkpoint_every_s: float = 1.0,
+        checkpoint_every_s: float = CHECKPOINT_EVERY_S,
         wal_limit_mb: float = WAL_LIMIT_MB,
         readonly: bool = False,
     ) -> None:
