@@ -21,6 +21,7 @@ pytest_plugins = [
 ]  # engine_*, store_*/pg_*, fixture_run
 
 from harnessrl.gateway.app import GatewayConfig, create_app  # noqa: E402
+from harnessrl.gateway.http import TimedHttpProtocol  # noqa: E402
 from harnessrl.services import Service, free_port, start_engine  # noqa: E402
 from harnessrl.store import SQLiteStore  # noqa: E402
 from tests.support.gateway import GatewayHandle, ThreadServer  # noqa: E402
@@ -65,8 +66,9 @@ def make_gateway(tmp_path: Path, engine: Service) -> Iterator[Callable[..., Gate
     def make(**overrides: object) -> GatewayHandle:
         admin_key = "admin-" + secrets.token_hex(8)
         store = SQLiteStore(tmp_path / f"store-{len(servers)}.sqlite")
+        http = overrides.pop("http", TimedHttpProtocol)  # "h11": served by uvicorn's own protocol
         cfg = GatewayConfig.model_validate({"admin_key": admin_key, "upstream_url": engine.url, **overrides})
-        srv = ThreadServer(create_app(cfg, store)).__enter__()
+        srv = ThreadServer(create_app(cfg, store), http=http).__enter__()  # type: ignore[arg-type]
         servers.append(srv)
         return GatewayHandle(srv.url, admin_key, store, engine.url)
 

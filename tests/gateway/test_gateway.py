@@ -202,12 +202,14 @@ def test_pause_holds_calls_then_429_and_resume_records_the_version(
     assert len(gw.store.calls(rid)) == 1
 
 
+@pytest.mark.parametrize("http", ["gateway", "h11"])
 def test_preempting_pause_cuts_a_generation_and_resends_it_after_resume(
-    make_gateway: Callable[..., GatewayHandle],
+    make_gateway: Callable[..., GatewayHandle], http: str
 ) -> None:
     """`preempt`: the pause does not wait for a long generation; the engine aborts it, the harness's
-    call waits, and after resume it is generated again whole and recorded once."""
-    gw = make_gateway()
+    call waits, and after resume it is generated again whole and recorded once. Under the gateway's
+    own HTTP protocol the call runs in its handler's task; under another (h11) in a task of its own."""
+    gw = make_gateway(**({"http": "h11"} if http == "h11" else {}))
     rid, key = gw.new_rollout()
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1900}
     aborted_before = httpx.get(f"{gw.engine_url}/admin/stats").json()["aborted"]
@@ -377,12 +379,14 @@ def test_usage_reports_the_prompt_tokens_the_engine_had_cached(
     assert 100 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("path", "http"), [("/v1/chat/completions", "gateway"), ("/v1/completions", "gateway"),
+                                           ("/v1/chat/completions", "h11")])  # fmt: skip
 def test_a_non_streamed_call_whose_client_hangs_up_is_cut_and_recorded_cancelled(
-    make_gateway: Callable[..., GatewayHandle], path: str
+    make_gateway: Callable[..., GatewayHandle], path: str, http: str
 ) -> None:
-    """The engine stops generating for nobody: the call is cut when the client goes, not run to its end."""
-    gw = make_gateway()
+    """The engine stops generating for nobody: the call is cut when the client goes, not run to its end
+    (told by the gateway's HTTP protocol, or under another server by a task watching for the hang-up)."""
+    gw = make_gateway(**({"http": "h11"} if http == "h11" else {}))
     with gw.admin() as c:
         c.post("/control/resume", json={"weight_version": 7}).raise_for_status()
     rid, key = gw.new_rollout(sampling={"temperature": 1.0})

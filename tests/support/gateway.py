@@ -3,6 +3,7 @@ URL, keys and store (`GatewayHandle`), and one rollout of an example's real harn
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import threading
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import uvicorn
 
+from harnessrl.gateway.http import TimedHttpProtocol
 from harnessrl.services import free_port
 from harnessrl.store import SQLiteStore
 
@@ -25,10 +27,13 @@ if TYPE_CHECKING:
 class ThreadServer:
     """uvicorn serving an ASGI app in a background thread on a free loopback port."""
 
-    def __init__(self, app: object) -> None:
+    def __init__(self, app: object, http: str | type[asyncio.Protocol] = TimedHttpProtocol) -> None:
+        """`http`: the HTTP protocol, by default the gateway's own (`TimedHttpProtocol`, what
+        `python -m harnessrl.gateway` serves with); "h11" for uvicorn's pure-Python one."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)  # type: ignore[arg-type]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,  # type: ignore[arg-type]
+                                http=http)  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

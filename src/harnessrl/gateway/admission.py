@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -45,6 +45,25 @@ class Slot:
                 self._admission.release()
 
         return release
+
+
+class _Admitted:
+    """`async with admission.slot() as slot`: admit on entry, release on exit unless handed over."""
+
+    __slots__ = ("_admission", "_slot")
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._slot: Slot | None = None
+
+    async def __aenter__(self) -> Slot:
+        await self._admission._admit()
+        self._slot = Slot(self._admission)
+        return self._slot
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._slot is not None and not self._slot.handed_over:
+            self._admission.release()
 
 
 class Admission:
@@ -92,16 +111,9 @@ class Admission:
         """Admit calls again."""
         self._resumed.set()
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[Slot]:
+    def slot(self) -> _Admitted:
         """Admit one call for the block (see the module docstring)."""
-        await self._admit()
-        slot = Slot(self)
-        try:
-            yield slot
-        finally:
-            if not slot.handed_over:
-                self.release()
+        return _Admitted(self)
 
     async def _admit(self) -> None:
         if not self._resumed.is_set():
@@ -131,7 +143,59 @@ class Admission:
 
         If a preempting pause cuts it, wait for resume (not counted in flight, so the pause drains) and
         run it again. If the client hangs up first, cut it — the engine aborts the sequence when the
-        gateway's connection to it closes, so nothing is generated for nobody — and raise `ClientGone`."""
+        gateway's connection to it closes, so nothing is generated for nobody — and raise `ClientGone`.
+
+        Served by the gateway's own HTTP protocol (`DisconnectHook` in the request's scope), the call
+        runs in the handler's task and a hang-up or a pause cancels that task; under another server a
+        task per call watches for the hang-up (`_run_watched`)."""
+        hook = request.scope.get("extensions", {}).get(DISCONNECT_HOOK)
+        task = asyncio.current_task()
+        if not isinstance(hook, DisconnectHook) or task is None:
+            return await self._run_watched(make, request)
+        if hook.gone:
+            raise ClientGone
+        gone = False
+
+        def cut() -> None:
+            nonlocal gone
+            if not gone:
+                gone = True
+                task.cancel()
+
+        hook.add(cut)
+        try:
+            while True:
+                self._preemptible.add(task)
+                try:
+                    return await make()
+                except asyncio.CancelledError:
+                    ours = gone + (task in self._preempted)  # the cancels this gateway asked for
+                    if task.cancelling() > ours:
+                        raise  # cancelled from outside as well (shutdown)
+                    for _ in range(ours):
+                        task.uncancel()
+                    if gone:
+                        raise ClientGone from None
+                finally:
+                    self._preemptible.discard(task)
+                    self._preempted.discard(task)
+                self.preempted_calls += 1
+                self.release()
+                try:
+                    await self._resumed.wait()
+                except asyncio.CancelledError:
+                    if not gone or task.cancelling() > 1:
+                        raise
+                    task.uncancel()
+                    raise ClientGone from None
+                finally:
+                    self._enter()  # in flight again (the slot releases it if this call ends here)
+        finally:
+            hook.remove(cut)
+
+    async def _run_watched(self, make: Callable[[], Awaitable[T]], request: Request) -> T:
+        """`run` under a server without the disconnect hook: `make()` in a task of its own, beside a
+        task that waits for the client's `http.disconnect`."""
         gone = asyncio.ensure_future(until_disconnect(request))
         try:
             while True:
@@ -160,6 +224,37 @@ class Admission:
                 self._enter()
         finally:
             gone.cancel()
+
+
+DISCONNECT_HOOK = "harnessrl.disconnect"  # the request scope's extension holding its `DisconnectHook`
+
+
+class DisconnectHook:
+    """The callbacks to run when the connection of one request closes before its answer is complete;
+    the gateway's HTTP protocol (`http.TimedHttpProtocol`) puts one in each request's scope."""
+
+    __slots__ = ("_callbacks", "gone")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add(self, callback: Callable[[], None]) -> None:
+        """Run `callback` when the connection closes."""
+        self._callbacks.append(callback)
+
+    def remove(self, callback: Callable[[], None]) -> None:
+        """Forget `callback`."""
+        with contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
+    def fire(self) -> None:
+        """The connection closed: run the callbacks (once)."""
+        if self.gone:
+            return
+        self.gone = True
+        for callback in list(self._callbacks):
+            callback()
 
 
 async def until_disconnect(request: Request) -> None:

@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from harnessrl.gateway.admission import DISCONNECT_HOOK, DisconnectHook
 from harnessrl.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -244,8 +245,10 @@ class TimedHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        """Remember the cycle being served: with pipelined requests it is not `self.cycle`."""
+        """Remember the cycle being served (with pipelined requests it is not `self.cycle`) and give
+        its scope a `DisconnectHook` (what `Admission.run` cuts a call by when the client hangs up)."""
         self._serving = cycle
+        cycle.scope.setdefault("extensions", {})[DISCONNECT_HOOK] = DisconnectHook()  # type: ignore[typeddict-unknown-key,assignment]
         super()._start_asgi_task(cycle, app)
 
     def on_message_begin(self) -> None:
@@ -270,6 +273,10 @@ class TimedHttpProtocol(HttpToolsProtocol):
             serving.disconnected = True
             serving.message_event.set()
         super().connection_lost(exc)
+        if serving is not None and not serving.response_complete:
+            hook = serving.scope.get("extensions", {}).get(DISCONNECT_HOOK)
+            if isinstance(hook, DisconnectHook):
+                hook.fire()
 
     def _arm(self) -> None:
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)

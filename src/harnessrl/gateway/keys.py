@@ -13,6 +13,7 @@ import secrets
 
 _KEY_RE = re.compile(r"^hrl-([a-z0-9]{1,64})-([0-9a-f]{32})$")
 _ROLLOUT_ID_RE = re.compile(r"^[a-z0-9]{1,64}$")
+VERIFIED_KEYS_KEPT = 65_536  # valid keys remembered (about 10 MB at most); then forgotten at once
 
 
 def new_secret() -> str:
@@ -35,6 +36,7 @@ class KeyRing:
 
     def __init__(self, secret: str) -> None:
         self._secret = secret.encode()
+        self._verified: dict[str, str] = {}  # keys already checked (a rollout makes many calls)
 
     def _mac(self, rollout_id: str) -> str:
         return hmac.new(self._secret, rollout_id.encode(), hashlib.sha256).hexdigest()[:32]
@@ -45,8 +47,16 @@ class KeyRing:
 
     def verify(self, key: str) -> str | None:
         """The rollout id the key belongs to, or None if it is not a valid key."""
+        known = self._verified.get(key)
+        if known is not None:
+            return known
         m = _KEY_RE.match(key)
         if m is None:
             return None
         rollout_id, mac = m.group(1), m.group(2)
-        return rollout_id if hmac.compare_digest(mac, self._mac(rollout_id)) else None
+        if not hmac.compare_digest(mac, self._mac(rollout_id)):
+            return None
+        if len(self._verified) >= VERIFIED_KEYS_KEPT:
+            self._verified.clear()
+        self._verified[key] = rollout_id
+        return rollout_id

@@ -237,7 +237,8 @@ class HTTPPool:
         assert conn.transport is not None
         conn.transport.write(head + body)
         try:
-            status, data = await asyncio.wait_for(asyncio.shield(conn.response.done), timeout=wait_s)
+            async with asyncio.timeout(wait_s):
+                status, data = await conn.response.done
         except TimeoutError as e:
             conn.response.done.cancel()  # nobody waits for it any more: closing must not fail it
             conn.transport.close()
