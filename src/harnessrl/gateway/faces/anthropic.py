@@ -15,9 +15,9 @@ content_block_start/delta/stop per block, message_delta, message_stop.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import APIError, validate
@@ -58,8 +58,10 @@ class MessagesRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool | None = None
-    _tool_map: ToolMap = PrivateAttr(default_factory=ToolMap)
-    _ignored: list[str] = PrivateAttr(default_factory=list)
+    __slots__ = ("_ignored", "_tool_map")  # set by `parse_request` (see openai_chat.ChatCompletionRequest)
+    if TYPE_CHECKING:
+        _tool_map: ToolMap
+        _ignored: list[str]
 
 
 class CountTokensRequest(MessagesRequest):

@@ -7,9 +7,9 @@ object or, for `stream: true`, the `chat.completion.chunk` server-sent events Op
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import validate
@@ -62,8 +62,12 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_token_ids: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: e.g. {"enable_thinking": false}
-    _tool_map: ToolMap = PrivateAttr(default_factory=ToolMap)
-    _ignored: list[str] = PrivateAttr(default_factory=list)
+    # Set by `parse_request`: plain slots, not pydantic private attributes (those cost a setup per
+    # request and a `__getattr__` per read, on every call's path).
+    __slots__ = ("_ignored", "_tool_map")
+    if TYPE_CHECKING:
+        _tool_map: ToolMap
+        _ignored: list[str]
 
     @field_validator("stop")
     @classmethod

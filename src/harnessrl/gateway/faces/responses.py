@@ -14,9 +14,9 @@ text or no tool call), then one item per call in the shape of the tool it called
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.gateway.canonical import ChatCall, Generation
 from harnessrl.gateway.errors import APIError, validate
@@ -48,10 +48,13 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = None
     previous_response_id: str | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    _tool_map: ToolMap = PrivateAttr(default_factory=ToolMap)
-    _messages: list[dict[str, Any]] = PrivateAttr(default_factory=list)
-    _ignored: list[str] = PrivateAttr(default_factory=list)
-    _skipped: list[str] = PrivateAttr(default_factory=list)
+    # set by `parse_request` (see openai_chat.ChatCompletionRequest)
+    __slots__ = ("_ignored", "_messages", "_skipped", "_tool_map")
+    if TYPE_CHECKING:
+        _tool_map: ToolMap
+        _messages: list[dict[str, Any]]
+        _ignored: list[str]
+        _skipped: list[str]
 
     def extra(self, name: str) -> Any:
         """A field the gateway does not use (echoed in the answer where the API echoes it)."""
