@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import uvicorn
 
-from harnessrl.gateway.http import TimedHttpProtocol
 from harnessrl.services import free_port
 from harnessrl.store import SQLiteStore
 
@@ -27,9 +26,9 @@ if TYPE_CHECKING:
 class ThreadServer:
     """uvicorn serving an ASGI app in a background thread on a free loopback port."""
 
-    def __init__(self, app: object, http: str | type[asyncio.Protocol] = TimedHttpProtocol) -> None:
-        """`http`: the HTTP protocol, by default the gateway's own (`TimedHttpProtocol`, what
-        `python -m harnessrl.gateway` serves with); "h11" for uvicorn's pure-Python one."""
+    def __init__(self, app: object, http: str | type[asyncio.Protocol] = "auto") -> None:
+        """`http`: the HTTP protocol, uvicorn's choice by default; the `make_gateway` fixture serves
+        gateways with their own (`TimedHttpProtocol`, what `python -m harnessrl.gateway` serves with)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,  # type: ignore[arg-type]
