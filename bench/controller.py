@@ -14,7 +14,8 @@ the saturated figure (1000/rate_sandbox - 1000/rate_plain) is reported beside it
 the control path alone (a runner that writes the answer without starting any process).
 
     python bench/controller.py --attempts 256 --concurrency 64 --out bench/results/controller.json
-    python bench/controller.py --openai-only --attempts 256 --out bench/results/controller_openai.json
+    python bench/controller.py --openai-only --attempts 64 --concurrency 16 --rounds 5 \
+        --out bench/results/controller_openai.json
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[s
             out["sequential"][name] = await measure(f"seq-{name}", runner, gw.url, admin, work, sequential, 1)
         out["uid"] = await bench_uid(gw.url, admin, work, n, concurrency)
         out["openai"] = await bench_openai(gw.url, admin, work, n // 4, concurrency, runners)
+        out["openai"].pop("fork_rounds")  # one round here
         return out
     finally:
         fork.close()
@@ -201,33 +203,41 @@ async def bench(n: int, concurrency: int, sequential: int, work: Path) -> dict[s
 
 
 async def bench_openai(gw_url: str, admin: str, work: Path, n: int, concurrency: int,
-                       runners: dict[str, Runner] | None = None) -> dict[str, Any]:  # fmt: skip
+                       runners: dict[str, Runner] | None = None, rounds: int = 1) -> dict[str, Any]:  # fmt: skip
     """The harness importing `openai`: plain, forked, sandboxed (exec) and forked inside the sandbox
-    (both fork servers preload `openai`, as the examples' `harnessrl.preload.openai` does)."""
+    (both fork servers preload `openai`, as the examples' `harnessrl.preload.openai` does); with
+    `rounds` > 1, the two fork servers `rounds - 1` more times each, alternating (`fork_rounds`)."""
     runners = dict(runners or {"plain": LocalRunner(own_uid="never"), "sandbox": SandboxRunner(),
                                "fork": ForkServerRunner(["openai"], own_uid="never")})  # fmt: skip
     runners["sandbox-fork"] = SandboxedForkServerRunner(preload=["openai"])
     out: dict[str, Any] = {}
     try:
         for name in ("fork", "sandbox-fork"):  # warm-up: the zygotes start (not counted)
-            await measure(f"warm-openai-{name}", runners[name], gw_url, admin, work, 4, 4, OPENAI_HARNESS)
+            # in the measured run's own folder: a sandboxed zygote serves one run's `rollouts/` (a run
+            # starts it once), so a warm-up elsewhere would leave its start to be counted per attempt
+            await measure(f"openai-{name}", runners[name], gw_url, admin, work, 4, 4, OPENAI_HARNESS)
         for name in ("plain", "fork", "sandbox", "sandbox-fork"):
             out[name] = r = await measure(f"openai-{name}", runners[name], gw_url, admin, work, n, concurrency,
                                           OPENAI_HARNESS)  # fmt: skip
             log.info("openai harness runner=%s attempts_per_s=%.1f", name, r["attempts_per_s"])
+        out["fork_rounds"] = {name: [out[name]["cpu_ms_per_attempt"]] for name in ("fork", "sandbox-fork")}
+        for _ in range(rounds - 1):
+            for name in ("fork", "sandbox-fork"):
+                r = await measure(f"openai-{name}", runners[name], gw_url, admin, work, n, concurrency, OPENAI_HARNESS)  # fmt: skip
+                out["fork_rounds"][name].append(r["cpu_ms_per_attempt"])
     finally:
         for runner in runners.values():
             runner.close()
     return out
 
 
-async def openai_only(n: int, concurrency: int, work: Path) -> dict[str, Any]:
+async def openai_only(n: int, concurrency: int, work: Path, rounds: int = 1) -> dict[str, Any]:
     """Only the `openai` harness's runners (a quicker run on a shared machine)."""
     port, admin = free_port(), secrets.token_hex(16)
     gw = start_gateway(work / "store.sqlite", "http://127.0.0.1:9", port, admin, work / "logs", 16)
     try:
         gw.wait_healthy(60)
-        return await bench_openai(gw.url, admin, work, n, concurrency)
+        return await bench_openai(gw.url, admin, work, n, concurrency, rounds=rounds)
     finally:
         gw.stop()
 
@@ -260,6 +270,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "controller.json")
     p.add_argument("--openai-only", action="store_true",
                    help="only the harness importing openai (--attempts of them): plain, fork, sandbox, sandbox-fork")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --openai-only: rounds of the two fork servers, alternating (a median ratio)")  # fmt: skip
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     load_before = os.getloadavg()[0]
@@ -342,17 +354,23 @@ def report_openai_only(args: argparse.Namespace, load_before: float) -> int:
     written as JSON."""
     with tempfile.TemporaryDirectory(prefix="bench-controller-") as tmp:
         os.chmod(tmp, 0o711)
-        raw = asyncio.run(openai_only(args.attempts, args.concurrency, Path(tmp)))
+        raw = asyncio.run(openai_only(args.attempts, args.concurrency, Path(tmp), args.rounds))
+    rounds = raw.pop("fork_rounds")
     cpu = {k: round(v["cpu_ms_per_attempt"], 1) for k, v in raw.items()}
+    ratios = [s / f for f, s in zip(rounds["fork"], rounds["sandbox-fork"], strict=True)]
     summary = {
         "openai_harness_cpu_ms_per_attempt": cpu,
         "openai_harness_attempts_per_s": {k: round(v["attempts_per_s"], 2) for k, v in raw.items()},
         "openai_harness_cpu_ratio_sandbox_fork_vs_fork": round(cpu["sandbox-fork"] / cpu["fork"], 2),
+        "fork_rounds_cpu_ms_per_attempt": {k: [round(v, 1) for v in vs] for k, vs in rounds.items()},
+        "fork_rounds_ratio_sandbox_fork_vs_fork": [round(r, 2) for r in ratios],
+        "fork_rounds_ratio_median": round(statistics.median(ratios), 2),
         "attempts": args.attempts,
         "concurrency": args.concurrency,
+        "rounds": args.rounds,
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, {len(os.sched_getaffinity(0))} CPUs",
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "command": f"python bench/controller.py --openai-only --attempts {args.attempts} --concurrency {args.concurrency}",
+        "command": f"python bench/controller.py --openai-only --attempts {args.attempts} --concurrency {args.concurrency} --rounds {args.rounds}",
         "raw": raw,
     }
     print(f"{'runner':<14}{'CPU ms/attempt':>16}{'attempts/s':>12}")
@@ -360,6 +378,7 @@ def report_openai_only(args: argparse.Namespace, load_before: float) -> int:
         print(f"{name:<14}{cpu[name]:>16.1f}{summary['openai_harness_attempts_per_s'][name]:>12.2f}")
     print(
         f"sandboxed fork / fork CPU per attempt: {summary['openai_harness_cpu_ratio_sandbox_fork_vs_fork']}x"
+        f" (rounds: {summary['fork_rounds_ratio_sandbox_fork_vs_fork']}, median {summary['fork_rounds_ratio_median']}x)"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")

@@ -107,6 +107,7 @@ async def test_attempts_of_one_zygote_cannot_see_each_other(
         assert probe["rollouts"] == {"ok": True, "value": [rid]}  # only the way to its own folder
         assert "ConnectionRefused" in probe["other port"]["error"]  # a loopback of its own
         assert probe["pids"]["ok"] and len(probe["pids"]["value"]) <= 3  # init, the harness (and a child)
+        assert 1 in probe["pids"]["value"]  # the attempt's own pid namespace, its init (the zygote's child)
         # a forked process's /proc/<pid>/environ shows the zygote's start-up environment (no key at all);
         # what a harness's own exec'd children show is its own key only
         assert probe["keys"]["ok"] and set(probe["keys"]["value"]) <= {f"OPENAI_API_KEY={key}"}

@@ -85,8 +85,10 @@ def check(req: Any) -> str | None:
 class Server:
     """The zygote's loop: accept connections, read requests, fork, report exits."""
 
-    def __init__(self, path: str, checks: Callable[[Any], str | None] = check) -> None:
+    def __init__(self, path: str, checks: Callable[[Any], str | None] = check,
+                 fork: Callable[[], int] = os.fork) -> None:  # fmt: skip
         self.checks = checks  # why a request cannot run (None: it can)
+        self.fork = fork  # os.fork, or one that puts the child into namespaces of its own
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         self.listener.listen(256)
@@ -163,7 +165,13 @@ class Server:
             _close_fds(fds)
             conn.close()
             return None
-        pid = os.fork()
+        try:
+            pid = self.fork()
+        except OSError as e:  # no process left (EAGAIN), no namespace: this request fails, not the zygote
+            send(conn, {"error": f"fork failed: {e}"})
+            _close_fds(fds)
+            conn.close()
+            return None
         if pid == 0:  # the child: drop everything of the server's
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -9,21 +9,23 @@ A request carries, besides `fork_zygote`'s fields, a `sandbox` object
      "socket": PATH, "port": N, "tmp_bytes": N, "shm_bytes": N, "limits": {NAME: VALUE}}
 
 and file descriptors: the write end of a status pipe first, then the `cgroup.procs` files of the
-attempt's cgroups (opened by the runner outside). The zygote's child (C, root, in the sandbox) then:
-- enters a mount, network, IPC and UTS namespace of its own and a pid namespace for its children;
+attempt's cgroups (opened by the runner outside). The zygote forks each attempt's first process into
+a pid namespace of its own (`unshare(CLONE_NEWPID)` just before the fork, `setns` back to its own just
+after), so that child (I, root, in the sandbox) is the init (pid 1) of the attempt's pid namespace. I:
+- enters a mount, network, IPC and UTS namespace of its own;
 - mounts a fresh `/tmp` and `/dev/shm`, unmounts `unmount` (the zygote's socket folder), covers
   `root` (the run's `rollouts/` folder, bound read-write into the sandbox) with an empty tmpfs and
   binds back only `workdir`, its own attempt's folder, and read-only the harness's `files` (its
-  script, bound into the sandbox outside the view); `hide` paths (`.git`) get an empty tmpfs;
+  script, bound into the sandbox outside the view); `hide` paths (`.git`) get an empty tmpfs; mounts
+  its namespace's own `/proc`;
 - joins the attempt's cgroups (writing `0` into each `cgroup.procs`);
 - brings its own loopback up and listens on 127.0.0.1:`port`;
-- forks G, the init (pid 1) of the attempt's pid namespace, which mounts its own `/proc`, writes
-  `ready` (or `error WHY`) on the status pipe, forks the harness (H), then relays every connection
-  to that port over the gateway's Unix socket `socket` (as `sandbox_init.py` does) and reaps
-  orphans until H exits; G's end takes every process of the namespace with it;
+- forks the harness (H), writes `ready PID` (or `error WHY`) on the status pipe, then relays every
+  connection to that port over the gateway's Unix socket `socket` (as `sandbox_init.py` does) and
+  reaps orphans until H exits; I's end takes every process of the namespace with it;
 - H becomes the harness exactly as a plain fork server's child does (`fork_zygote.become`: session,
   files, cwd, environment, uid), sets the resource limits and runs it as `__main__`.
-C exits with H's code (128 + N when signal N ended it, as the exec sandbox reports it).
+I exits with H's code (128 + N when signal N ended it, as the exec sandbox reports it).
 """
 
 from __future__ import annotations
@@ -100,9 +102,10 @@ def tmpfs(target: str, mode: str, size: int) -> None:
 
 
 def enter_view(box: dict[str, Any]) -> None:
-    """In C: namespaces of its own; a fresh /tmp and /dev/shm; of the run's attempts folder only its
-    own attempt's folder; the zygote's socket folder gone; `.git` paths hidden."""
-    _call(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID), "unshare")
+    """In I: namespaces of its own; a fresh /tmp and /dev/shm; of the run's attempts folder only its
+    own attempt's folder; the zygote's socket folder gone; `.git` paths hidden; its pid namespace's
+    /proc."""
+    _call(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the zygote or siblings
     own = os.open(box["workdir"], os.O_PATH | os.O_DIRECTORY)  # before the folder is covered
     files = [(path, os.open(path, os.O_PATH)) for path in box["files"]]
@@ -128,6 +131,7 @@ def enter_view(box: dict[str, Any]) -> None:
             tmpfs(path, "0755", 1 << 16)
         else:
             mount("/dev/null", path, None, MS_BIND)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def loopback_listener(port: int) -> socket.socket:
@@ -148,8 +152,38 @@ def exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
+class PidNamespaceFork:
+    """The zygote's fork: each child is the init (pid 1) of a pid namespace of its own. The zygote
+    unshares its children's pid namespace just before the fork and goes back to its own (`setns`)
+    just after, so one process is both the attempt's init and the one that sets up its sandbox."""
+
+    def __init__(self) -> None:
+        self.own = os.open("/proc/self/ns/pid", os.O_RDONLY)  # the zygote's pid namespace
+
+    def __call__(self) -> int:
+        _call(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+        try:
+            pid = os.fork()
+        except BaseException:
+            self.back()
+            raise
+        if pid == 0:
+            os.close(self.own)  # no way back to the sandbox's pid namespace
+        else:
+            self.back()
+        return pid
+
+    def back(self) -> None:
+        """Into the zygote's own pid namespace again; a zygote that cannot is of no further use (its
+        attempts die with it; the runner starts another)."""
+        if _libc.setns(self.own, CLONE_NEWPID) != 0:
+            sys.stderr.write(f"sandbox_zygote: setns: {os.strerror(ctypes.get_errno())}\n")
+            os._exit(SETUP_FAILED)
+
+
 def enter(req: dict[str, Any]) -> None:
-    """In the zygote's child: set up the attempt's sandbox; returns only in the harness's process."""
+    """In the zygote's child I (pid 1 of its pid namespace): set up the attempt's sandbox, fork the
+    harness, relay and reap; returns only in the harness's process."""
     box, fds = req["sandbox"], req["fds"]
     if not fds:  # no status pipe: nothing to report to
         os._exit(SETUP_FAILED)
@@ -164,23 +198,6 @@ def enter(req: dict[str, Any]) -> None:
             os.write(fd, b"0")
             os.close(fd)
         listener = loopback_listener(box["port"])
-        pid = os.fork()
-    except BaseException as e:
-        os.write(status, f"error {type(e).__name__}: {e}\n".encode(errors="replace"))
-        os._exit(SETUP_FAILED)
-    if pid == 0:
-        init(req, listener, status)  # returns in the harness only
-        return
-    os.close(status)
-    listener.close()
-    os._exit(exit_code(os.waitpid(pid, 0)[1]))
-
-
-def init(req: dict[str, Any], listener: socket.socket, status: int) -> None:
-    """G, pid 1 of the attempt's pid namespace: its /proc, the harness, the gateway relay, reaping."""
-    try:
-        fork_zygote.die_with_parent()
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         harness = os.fork()
     except BaseException as e:
         os.write(status, f"error {type(e).__name__}: {e}\n".encode(errors="replace"))
@@ -192,7 +209,7 @@ def init(req: dict[str, Any], listener: socket.socket, status: int) -> None:
         return
     os.write(status, f"ready {harness}\n".encode())
     os.close(status)
-    _thread.start_new_thread(sandbox_init.serve, (listener, req["sandbox"]["socket"]))  # after the fork
+    _thread.start_new_thread(sandbox_init.serve, (listener, box["socket"]))  # after the fork
     while True:
         pid, wait_status = os.waitpid(-1, 0)
         if pid == harness:
@@ -216,7 +233,7 @@ def main(argv: list[str]) -> int:
     sys.path.pop(0)  # this file's directory: not a place to import the preload modules from
     if not fork_zygote.preload(argv[2:]):
         return 2
-    req = fork_zygote.Server(argv[1], check).serve()
+    req = fork_zygote.Server(argv[1], check, PidNamespaceFork()).serve()
     enter(req)
     fork_zygote.run_main(req)
     return 0
