@@ -105,12 +105,17 @@ def _upgrade(db: sqlite3.Connection) -> None:
             log.info("event=store_upgraded table=%s column=%s", table, column)
 
 
-# How often the WAL is folded in and started over (besides when it passes a quarter of its limit).
-# Each start-over rewrites the same region of the WAL file; doing it every second at one client's
-# rate (~35 MB/s of frames) made the gateway's p99 grow with the store (3 -> 13 ms over 70 s of load),
-# every 5 s kept it flat (issue 35; docs/reliability.md).
-CHECKPOINT_EVERY_S = 5.0
+# How often the WAL is folded in and started over (besides when it passes a quarter of its limit):
+# every look at it. Small folds keep the fold's hold on the writers short (its fsyncs cost about as
+# much as the pages they flush), and the WAL file is not cut back when it starts over
+# (`journal_size_limit` is the whole limit), so its writes reuse blocks already allocated instead of
+# allocating new ones that every journal commit of the file system must flush first. Folding every
+# 5 s with the file cut back to a quarter made the gateway's p99 at one client grow with the store
+# (3 -> 18 ms over 60 s of load at ~28 MB/s of WAL; issue 35, docs/reliability.md).
+CHECKPOINT_EVERY_S = 0.25
 WAL_POLL_S = 0.25  # how often the checkpointer looks at the WAL's size
+FOLD_PASSES = 4  # PASSIVE checkpoints beside the writers before the one that holds them back (`_fold`)
+FOLD_LOCKED_FRAMES = 64  # ... unless the last copied no more frames than this
 TRUNCATE_BUSY_MS = 200
 TRUNCATE_RETRY_S = 2.0  # after readers blocked a TRUNCATE, PASSIVE checkpoints only for this long
 BUSY_TIMEOUT_MS = 10_000  # how long a TRUNCATE checkpoint waits for readers of other processes
@@ -148,9 +153,9 @@ class SQLiteStore(SQLStore):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        # When a commit starts the WAL over (after `_fold`), SQLite cuts the file back to a quarter of
-        # the limit: a file past that holds that much WAL not yet folded in.
-        self._db.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes // 4}")
+        # When a commit starts the WAL over (after `_fold`), SQLite would cut the file back to this:
+        # the whole limit, so the WAL's blocks stay allocated (see CHECKPOINT_EVERY_S).
+        self._db.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
         self._db.executescript(_SCHEMA)
         _upgrade(self._db)
         # Checkpoints (copying the WAL into the database file, with an fsync) run on a thread of their
@@ -240,7 +245,7 @@ class SQLiteStore(SQLStore):
         """Every `WAL_POLL_S`: TRUNCATE the WAL if it passed half its limit all the same (`_truncate`;
         a reader of another connection that holds an old snapshot keeps SQLite from starting the WAL
         over, so it can grow while one does); else fold it in (`_fold`) every `every_s`, or sooner
-        once it passes a quarter of its limit."""
+        once the file passes a quarter of its limit."""
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute(f"PRAGMA busy_timeout={TRUNCATE_BUSY_MS}")
         tick = min(every_s, WAL_POLL_S)
@@ -262,19 +267,30 @@ class SQLiteStore(SQLStore):
             db.close()
 
     def _fold(self, db: sqlite3.Connection) -> None:
-        """A PASSIVE checkpoint beside the writers copies the WAL into the file and does the fsyncs;
-        a second one, holding the writers back (the store's lock), copies what a commit added
-        meanwhile (a few pages, two small fsyncs), so the WAL is all folded in with no commit under
-        way and the next commit starts it over from its beginning.
+        """PASSIVE checkpoints beside the writers copy the WAL into the file and do the fsyncs, again
+        while the last one copied more than `FOLD_LOCKED_FRAMES` frames (at most `FOLD_PASSES`);
+        then one more, holding the writers back (the store's lock), copies what commits added
+        meanwhile, so the WAL is all folded in with no commit under way and the next commit starts it
+        over from its beginning.
 
-        Without the second, a writer that commits back to back always has a commit under way when
+        Without the locked one, a writer that commits back to back always has a commit under way when
         a checkpoint ends: the WAL never starts over and grows until a TRUNCATE, which holds the
         writers (and the gateway's event loop, which commits) for the copy of the whole WAL and its
-        fsync, tens to hundreds of milliseconds every few seconds at concurrency 1 (issue 35)."""
+        fsync, tens to hundreds of milliseconds every few seconds at concurrency 1. The catching-up
+        passes keep the locked one short: its fsyncs cost about as much as the pages it copies (~17 ms
+        for a thousand on the machine of docs/benchmarks.md), and the writers wait for all of it
+        (issue 35)."""
         with self._checkpointing:
-            _, frames, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        if frames <= 0:
-            return  # the WAL is empty, or was started over since the last fold
+            _, frames, done = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            if frames <= 0:
+                return  # the WAL is empty, or was started over since the last fold
+            for _ in range(FOLD_PASSES - 1):
+                _, frames, now = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                copied, done = now - done, now
+                if copied == 0 and now == frames:
+                    return  # nothing came in since the last pass: all folded in, no writer to hold
+                if copied <= FOLD_LOCKED_FRAMES:  # (negative: the WAL started over meanwhile)
+                    break
         with self._lock:
             db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         self.wal_folds += 1
