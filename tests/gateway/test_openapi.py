@@ -33,3 +33,36 @@ def test_the_document_lists_exactly_the_routes_the_app_serves(tmp_path) -> None:
     assert [p["name"] for p in finish["parameters"]] == ["rollout_id", "attempt"]
     assert finish["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/AttemptFinish")
     assert "AttemptFinish" in doc["components"]["schemas"]
+
+
+def test_fixed_paths_skip_the_router_and_answer_as_it_would(tmp_path) -> None:
+    """`GatewayApp` serves fixed paths from its table; other methods, paths with parameters and unknown
+    paths still go through Starlette, with the same error answers."""
+    from starlette.testclient import TestClient
+
+    app = create_app(GatewayConfig(admin_key="k" * 16), SQLiteStore(tmp_path / "s.sqlite"))
+    through_starlette: list[str] = []
+    with TestClient(app) as client:
+        assert client.get("/health").json() == {"ok": True}
+        stack = app.middleware_stack
+        assert stack is not None
+
+        async def counted(scope, receive, send):  # type: ignore[no-untyped-def]
+            through_starlette.append(f"{scope['method']} {scope['path']}")
+            await stack(scope, receive, send)
+
+        app.middleware_stack = counted
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        r = client.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 401 and r.json()["error"]["type"]  # the route's own guard answered
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/messages", json={}).status_code == 401
+        assert through_starlette == []
+        r = client.get("/v1/chat/completions")
+        assert r.status_code == 405 and "method GET not allowed" in r.json()["error"]["message"]
+        assert client.post("/r/nope/v1/chat/completions", json=chat).status_code == 401
+        assert client.get("/no/such/route").status_code == 404
+        assert client.head("/health").status_code == 200
+        assert through_starlette == [
+            "GET /v1/chat/completions", "POST /r/nope/v1/chat/completions", "GET /no/such/route", "HEAD /health"
+        ]  # fmt: skip

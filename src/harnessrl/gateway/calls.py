@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,7 +58,7 @@ class ModelCalls:
             effective_sampling(chat, rollout.sampling, g.config.default_max_tokens), notes
         )
         served, policy = g.route(chat.model, request.path_params.get("policy"))
-        ids = ResponseIds(uuid.uuid4().hex, int(time.time()))
+        ids = ResponseIds(os.urandom(16).hex(), int(time.time()))  # 128 random bits, as uuid4 less its cost
         streamer = face.streamer(req, ids)
         async with g.admission.slot() as slot:
             call = g.recorder.open(rollout, attempt, served, body, sampling.temperature, face.name, policy)

@@ -5,8 +5,8 @@ went away — and counted in the gateway's metrics."""
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +48,7 @@ class CallRecorder:
         """A new call of `rollout` (served by `policy`'s adapter, with several policies); `failed` until
         an outcome is recorded."""
         return Call(
-            call_id="call" + uuid.uuid4().hex,
+            call_id="call" + os.urandom(16).hex(),
             rollout_id=rollout.rollout_id,
             attempt=attempt,
             created_at=now(),

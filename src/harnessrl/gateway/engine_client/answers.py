@@ -10,6 +10,7 @@ answer's `choices[0].message` with `logprobs.content[].logprob`; a completion's 
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,20 @@ class BadUpstreamResponse(ValueError):
 
 
 MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError)  # what reading a bad answer raises
+
+
+def token_ids(values: Any) -> list[int]:
+    """`values` as a list of token IDs. A JSON array of integers, as engines send them, is checked in C
+    (an `array` of int64 is built and dropped) and kept as it is: a third of the cost of converting each
+    ID, which is per prompt token on every call (issue 35). Anything else is converted one by one, as
+    `int()` does (an ID sent as `3.0` or `"3"`); what cannot be is a `MALFORMED` error."""
+    if type(values) is list:
+        try:
+            array("q", values)
+            return values
+        except (TypeError, OverflowError):
+            pass
+    return [int(t) for t in values]
 
 
 @contextlib.contextmanager
@@ -67,8 +82,8 @@ def read_chat(resp: dict[str, Any]) -> ChatAnswer:
         message = choice["message"]
         content = (choice.get("logprobs") or {}).get("content") or []
         record = TokenRecord(
-            prompt_ids=[int(t) for t in resp["prompt_token_ids"]],
-            completion_ids=[int(t) for t in choice["token_ids"]],
+            prompt_ids=token_ids(resp["prompt_token_ids"]),
+            completion_ids=token_ids(choice["token_ids"]),
             completion_logprobs=[float(c["logprob"]) for c in content],
             finish_reason=choice.get("finish_reason"),
             weight_version=version(resp),
@@ -89,7 +104,7 @@ def read_completion(resp: dict[str, Any], need_text: bool = False) -> Completion
         lp = choice.get("logprobs") or {}
         record = TokenRecord(
             prompt_ids=prompt_ids(resp, choice),
-            completion_ids=[int(t) for t in choice["token_ids"]],
+            completion_ids=token_ids(choice["token_ids"]),
             completion_logprobs=[float(x) for x in lp.get("token_logprobs") or []],
             finish_reason=choice.get("finish_reason"),
             weight_version=version(resp),
@@ -106,7 +121,7 @@ def prompt_ids(resp: dict[str, Any], choice: dict[str, Any]) -> list[int]:
     ids = resp.get("prompt_token_ids")
     if ids is None:
         ids = choice["prompt_token_ids"]
-    return [int(t) for t in ids]
+    return token_ids(ids)
 
 
 def version(resp: dict[str, Any]) -> int | None:
@@ -162,7 +177,7 @@ class Accumulator:
             self.cached = cached
         first = event.get("prompt_token_ids") or choice.get("prompt_token_ids")  # vLLM: in the choice
         if first is not None and self.prompt_ids is None:
-            self.prompt_ids = [int(t) for t in first]
+            self.prompt_ids = token_ids(first)
         if isinstance(event.get("weight_version"), int):
             self.version = int(event["weight_version"])
         self.ids += [int(t) for t in choice.get("token_ids") or []]
