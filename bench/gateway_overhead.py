@@ -17,7 +17,9 @@ several times between runs, so only a paired run compares two commits.
 
     python bench/gateway_overhead.py --levels 1 64 --rounds 5 --baseline-rev be86533 --memory-calls 0
 
-Writes `bench/results/gateway_overhead.json`; `bench/gateway.py` merges it with the merge-rate run.
+Writes `bench/results/gateway_overhead.json`; `bench/gateway.py` merges it with the merge-rate run. A paired
+run with `--baseline-rev REV` and neither Agent Lightning nor LiteLLM writes `bench/results/gateway_vs_REV.json`
+instead, so it does not replace the file of the full comparison (`--out` chooses).
 """
 
 from __future__ import annotations
@@ -387,8 +389,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=1, help="paired rounds of direct / this tree / baseline")
     p.add_argument("--baseline-rev", help="also run this commit's gateway (a git worktree of it), paired")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "gateway_overhead.json")
+    p.add_argument("--out", type=Path, help="default: results/gateway_overhead.json; a paired run against "
+                   "--baseline-rev with neither AL nor LiteLLM: results/gateway_vs_REV.json")  # fmt: skip
     args = p.parse_args(argv)
+    if args.out is None:
+        alone = args.baseline_rev and not (args.agentlightning_python or args.litellm_bin)
+        name = (
+            f"gateway_vs_{re.sub(r'[^A-Za-z0-9_.-]', '_', args.baseline_rev)}.json"
+            if alone
+            else "gateway_overhead.json"
+        )
+        args.out = HERE / "results" / name
     if args.agentlightning_python:
         args.agentlightning_python = str(Path(args.agentlightning_python).absolute())
     if args.litellm_bin:

@@ -75,8 +75,7 @@ class ModelCalls:
             if streamer is None:
                 gen = await self._whole(request, call, t0, lambda: self._engine(call, up, served, chat, sampling, history, t0))  # fmt: skip
                 out = face.render(gen, req, ids)
-                await g.recorder.ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
-                                    chat_record(chat, gen))  # fmt: skip
+                await g.recorder.ok(call, gen.record, out, t0, chat_record(chat, gen), up.served_by)
                 return FastJSONResponse(out)
             if g.tito is None:
                 opening = inference.passthrough_stream(up, served, chat, sampling)
@@ -117,7 +116,7 @@ class ModelCalls:
             resp, record = await self._whole(request, call, t0, lambda: self._guard(
                 call, t0, inference.raw_completion(up, served, prompt, sampling, logprobs)))  # fmt: skip
             out = completions.client_response(resp, req)
-            await g.recorder.ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
+            await g.recorder.ok(call, record, out, t0, None, up.served_by)
             return JSONResponse(out)
 
     def _seed_policy(self, sampling: Sampling, notes: dict[str, Any]) -> Sampling:
@@ -212,8 +211,7 @@ class ModelCalls:
                 raise BadUpstreamResponse("the engine's stream ended without a result")
             out = face.render(gen, req, ids)
             recorded = True
-            await recorder.ok(call.model_copy(update={"upstream": up.served_by}), gen.record, out, t0,
-                              chat_record(chat, gen))  # fmt: skip
+            await recorder.ok(call, gen.record, out, t0, chat_record(chat, gen), up.served_by)
             for frame in streamer.end(gen, out):
                 yield frame
         except (UpstreamFailed, BadUpstreamResponse) as e:
@@ -258,7 +256,7 @@ class ModelCalls:
             resp, record = acc.finish()
             out = completions.client_response(resp, req)
             recorded = True
-            await recorder.ok(call.model_copy(update={"upstream": up.served_by}), record, out, t0, None)
+            await recorder.ok(call, record, out, t0, None, up.served_by)
             usage = completions.usage_chunk(resp, req)
             for chunk in held + ([usage] if usage else []):
                 yield completions.sse(chunk)

@@ -63,12 +63,20 @@ class CallRecorder:
         )
 
     async def ok(
-        self, call: Call, record: TokenRecord, out: dict[str, Any], t0: float, chat: dict[str, Any] | None
+        self,
+        call: Call,
+        record: TokenRecord,
+        out: dict[str, Any],
+        t0: float,
+        chat: dict[str, Any] | None,
+        upstream: str | None = None,
     ) -> None:
-        """Commit an answered call (before the answer is sent) with its exact tokens."""
+        """Commit an answered call (before the answer is sent) with its exact tokens; `upstream`: the
+        engine that answered, when a failover moved it from the one `call` names."""
         version = record.weight_version if record.weight_version is not None else self._weight_version()
         done = call.model_copy(
             update={
+                "upstream": call.upstream if upstream is None else upstream,
                 "latency_s": time.perf_counter() - t0,
                 "status": CallStatus.OK,
                 "response": out,
