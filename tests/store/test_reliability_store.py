@@ -171,3 +171,41 @@ def test_checkpointer_does_not_hold_writers_on_other_readers(tmp_path: Path) -> 
     reader.execute("COMMIT")
     reader.close()
     store.close()
+
+
+def _wal_pages(wal: Path) -> list[int]:
+    """The page number of every frame in a WAL file (32-byte header, then 24-byte frame headers)."""
+    data = wal.read_bytes()
+    page_size = int.from_bytes(data[8:12], "big")
+    return [int.from_bytes(data[i : i + 4], "big") for i in range(32, len(data), 24 + page_size)]
+
+
+def test_calls_of_a_grown_store_commit_onto_few_pages(tmp_path: Path) -> None:
+    """The gateway's call ids are in time order and `calls` has no AUTOINCREMENT, so one-call commits
+    to a store of 20,000 calls rewrite the same few pages (the ends of the table and its indexes)
+    instead of one random page of the call-id index each, which the WAL fold must then copy."""
+    from harnessrl.gateway.recording import new_call_id
+
+    ids = [new_call_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000 and ids == sorted(ids) and all(len(i) == 36 for i in ids)
+    store = SQLiteStore(tmp_path / "s.sqlite", checkpoint_every_s=3600)
+    try:
+
+        def call(n: int) -> Call:
+            return make_call("r", n).model_copy(update={"call_id": new_call_id()})
+
+        for start in range(0, 20_000, 5_000):
+            store.add_calls([call(n) for n in range(start, start + 5_000)])
+        import sqlite3
+
+        with sqlite3.connect(store.path) as other:
+            assert other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0
+        for n in range(20_000, 20_500):
+            store.add_calls([call(n)])
+        pages = _wal_pages(Path(f"{store.path}-wal"))
+        assert len(pages) >= 500 * 3  # one frame per page a commit touched
+        # ~40 table leaves of these small rows and the indexes' ends; random ids touched ~290
+        assert len(set(pages)) < 150, f"500 commits touched {len(set(pages))} distinct pages"
+        assert [c.index for c in store.calls("r")[-3:]] == [20_497, 20_498, 20_499]
+    finally:
+        store.close()

@@ -59,8 +59,11 @@ CREATE TABLE IF NOT EXISTS attempts (
   error TEXT,
   PRIMARY KEY (rollout_id, attempt)
 );
+-- calls.seq is the rowid without AUTOINCREMENT (calls are never deleted, so it never goes back):
+-- AUTOINCREMENT rewrote sqlite_sequence's page in every commit, one WAL page of ~5 per call.
+-- Files made before keep their AUTOINCREMENT; both number calls the same way.
 CREATE TABLE IF NOT EXISTS calls (
-  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  seq INTEGER PRIMARY KEY,
   call_id TEXT NOT NULL UNIQUE,
   rollout_id TEXT NOT NULL,
   attempt INTEGER NOT NULL,
