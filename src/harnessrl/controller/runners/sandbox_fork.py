@@ -92,6 +92,19 @@ def attempts_root(workdir: Path, sandbox: SandboxSpec) -> Path | None:
     return root
 
 
+FRESH = ("/tmp", "/dev/shm")  # what each forked attempt gets empty and its own (sandbox_zygote.py)
+
+
+def covered_view(sandbox: SandboxSpec, files: list[str], root: Path) -> list[list[str]]:
+    """The paths of the zygote's view (`view_paths`, the harness's `files`, `rw_paths`) that an attempt's
+    fresh `/tmp` and `/dev/shm` or the tmpfs over `root` would cover, as `[path, "ro"|"rw"]`: a checkout,
+    its virtualenv or the harness under `/tmp` stay visible, as the exec sandbox shows them."""
+    covers = [*FRESH, str(root)]
+    ro = [*view_paths(sandbox), *files]
+    out = [[p, "ro"] for p in ro] + [[p, "rw"] for p in sandbox.rw_paths]
+    return [k for k in out if any(os.path.commonpath([os.path.abspath(k[0]), c]) == c for c in covers)]
+
+
 @dataclass
 class _Zygote:
     """One sandbox with its zygote: the bwrap process, its socket on this side, the gateway bridge."""
@@ -187,9 +200,8 @@ class SandboxedForkServerRunner(RunnerBase):
         pairs = [args[i + 1].partition("=") for i, a in enumerate(args) if a == "--limit"]
         limits = {name: int(value) for name, _, value in pairs}
         hide = [str(g) for g in git_paths([workdir])] if self.sandbox.hide_git else []
-        view = view_paths(self.sandbox)
-        extra = [f for f in files if not any(os.path.commonpath([f, os.path.abspath(v)]) == os.path.abspath(v) for v in view)]  # fmt: skip
-        return {"root": str(root), "workdir": str(workdir), "files": extra, "hide": hide, "unmount": [ZYGOTE_DIR],
+        keep = covered_view(self.sandbox, files, root)
+        return {"root": str(root), "workdir": str(workdir), "keep": keep, "hide": hide, "unmount": [ZYGOTE_DIR],
                 "socket": SOCKET_IN_SANDBOX, "port": port, "tmp_bytes": self.sandbox.tmp_bytes,
                 "shm_bytes": self.sandbox.shm_bytes, "limits": limits}  # fmt: skip
 

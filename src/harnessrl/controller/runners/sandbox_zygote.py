@@ -5,8 +5,9 @@ It is `fork_zygote.py`'s zygote (the same preload, socket protocol and harness s
 step between the fork and the harness: each attempt gets namespaces of its own inside the sandbox.
 A request carries, besides `fork_zygote`'s fields, a `sandbox` object
 
-    {"root": DIR, "workdir": DIR, "files": [PATH...], "hide": [PATH...], "unmount": [PATH...],
-     "socket": PATH, "port": N, "tmp_bytes": N, "shm_bytes": N, "limits": {NAME: VALUE}}
+    {"root": DIR, "workdir": DIR, "keep": [[PATH, "ro"|"rw"]...], "hide": [PATH...],
+     "unmount": [PATH...], "socket": PATH, "port": N, "tmp_bytes": N, "shm_bytes": N,
+     "limits": {NAME: VALUE}}
 
 and file descriptors: the write end of a status pipe first, then the `cgroup.procs` files of the
 attempt's cgroups (opened by the runner outside). The zygote forks each attempt's first process into
@@ -15,9 +16,10 @@ after), so that child (I, root, in the sandbox) is the init (pid 1) of the attem
 - enters a mount, network, IPC and UTS namespace of its own;
 - mounts a fresh `/tmp` and `/dev/shm`, unmounts `unmount` (the zygote's socket folder), covers
   `root` (the run's `rollouts/` folder, bound read-write into the sandbox) with an empty tmpfs and
-  binds back only `workdir`, its own attempt's folder, and read-only the harness's `files` (its
-  script, bound into the sandbox outside the view); `hide` paths (`.git`) get an empty tmpfs; mounts
-  its namespace's own `/proc`;
+  binds back only `workdir`, its own attempt's folder; the `keep` paths (the parts of the sandbox's
+  view that the fresh `/tmp`, `/dev/shm` or the tmpfs over `root` cover: a checkout, its virtualenv
+  or the harness under `/tmp`) are bound again as they were, parents first, read-only or read-write;
+  `hide` paths (`.git`) get an empty tmpfs; mounts its namespace's own `/proc`;
 - joins the attempt's cgroups (writing `0` into each `cgroup.procs`);
 - brings its own loopback up and listens on 127.0.0.1:`port`;
 - forks the harness (H), writes `ready PID` (or `error WHY`) on the status pipe, then relays every
@@ -71,7 +73,17 @@ def check(req: Any) -> str | None:
     for key in BOX_INTS:
         if not isinstance(box.get(key), int) or isinstance(box[key], bool) or box[key] <= 0:
             return f"sandbox.{key} must be a positive integer"
-    for key in ("files", "hide", "unmount"):
+    keep = box.get("keep")
+    if not isinstance(keep, list) or not all(
+        isinstance(k, list)
+        and len(k) == 2
+        and isinstance(k[0], str)
+        and os.path.isabs(k[0])
+        and k[1] in ("ro", "rw")
+        for k in keep
+    ):
+        return 'sandbox.keep must be a list of [absolute path, "ro" or "rw"]'
+    for key in ("hide", "unmount"):
         if not isinstance(box.get(key), list) or not all(isinstance(p, str) and os.path.isabs(p) for p in box[key]):  # fmt: skip
             return f"sandbox.{key} must be a list of absolute paths"
     limits = box.get("limits")
@@ -102,36 +114,45 @@ def tmpfs(target: str, mode: str, size: int) -> None:
 
 
 def enter_view(box: dict[str, Any]) -> None:
-    """In I: namespaces of its own; a fresh /tmp and /dev/shm; of the run's attempts folder only its
-    own attempt's folder; the zygote's socket folder gone; `.git` paths hidden; its pid namespace's
-    /proc."""
+    """In I: namespaces of its own; a fresh /tmp and /dev/shm with the view's paths under them bound
+    again; of the run's attempts folder only its own attempt's folder; the zygote's socket folder
+    gone; `.git` paths hidden; its pid namespace's /proc."""
     _call(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the zygote or siblings
     own = os.open(box["workdir"], os.O_PATH | os.O_DIRECTORY)  # before the folder is covered
-    files = [(path, os.open(path, os.O_PATH)) for path in box["files"]]
+    keep = [(path, mode, os.open(path, os.O_PATH)) for path, mode in box["keep"] if os.path.lexists(path)]
     for path in box["unmount"]:
         _call(_libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
     tmpfs("/tmp", "1777", box["tmp_bytes"])
     tmpfs("/dev/shm", "1777", box["shm_bytes"])
-    if os.path.isdir(box["root"]):  # (under /tmp it is gone already: the fresh /tmp holds the path)
-        tmpfs(box["root"], "0755", 1 << 20)
     os.umask(0o022)
+    for path, mode, fd in sorted(keep, key=lambda k: k[0].count("/")):  # parents first
+        rebind(fd, path, read_only=mode == "ro")
+    if os.path.isdir(box["root"]):  # (under /tmp it may be gone already: the fresh /tmp holds the path)
+        tmpfs(box["root"], "0755", 1 << 20)
     os.makedirs(box["workdir"], mode=0o755, exist_ok=True)
     mount(f"/proc/self/fd/{own}", box["workdir"], None, MS_BIND | MS_REC)
     os.close(own)
-    for path, fd in files:  # the harness's script where a fresh /tmp or the tmpfs over root hid it
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
-        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND)
-        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        os.close(fd)
     for path in box["hide"]:
         if os.path.isdir(path):
             tmpfs(path, "0755", 1 << 16)
         else:
             mount("/dev/null", path, None, MS_BIND)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def rebind(fd: int, path: str, read_only: bool) -> None:
+    """Bind what `fd` (an O_PATH descriptor opened before a tmpfs covered it) names at `path` again,
+    with what is mounted below it; `read_only` remounts it so. Closes `fd`."""
+    if os.path.isdir(f"/proc/self/fd/{fd}"):
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    elif not os.path.lexists(path):
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+    mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+    if read_only:
+        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.close(fd)
 
 
 def loopback_listener(port: int) -> socket.socket:
