@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -95,6 +95,8 @@ class GuardPolicy(Strict):
     read_only: list[str] = Field(default_factory=list, max_length=256)  # e.g. ["repo/tests", "repo/*.ini"]
     egress: list[str] = Field(default_factory=list, max_length=64)  # e.g. ["pypi.org:443"]
     no_git: bool = False  # the `git` program made unrunnable (the old `controller.sandbox_disable_git`)
+    # what a read-only violation found after the attempt costs: reward 0, out of the batch, or a flag only
+    on_violation: Literal["zero", "drop", "flag"] = "zero"
 
     @model_validator(mode="after")
     def _check(self) -> GuardPolicy:
@@ -116,7 +118,8 @@ class GuardPolicy(Strict):
         return not (self.hidden or self.read_only or self.egress or self.no_git)
 
     def merged(self, other: GuardPolicy | None) -> GuardPolicy:
-        """Both policies together: every hidden, read-only and egress entry of either (in order, once)."""
+        """Both policies together: every hidden, read-only and egress entry of either (in order, once);
+        `other`'s `on_violation` where it sets one."""
         if other is None:
             return self
         return GuardPolicy(
@@ -124,6 +127,9 @@ class GuardPolicy(Strict):
             read_only=list(dict.fromkeys([*self.read_only, *other.read_only])),
             egress=list(dict.fromkeys([*self.egress, *other.egress])),
             no_git=self.no_git or other.no_git,
+            on_violation=other.on_violation
+            if "on_violation" in other.model_fields_set
+            else self.on_violation,
         )
 
 

@@ -17,7 +17,14 @@ import pytest
 
 from harnessrl.adapter import build_batch
 from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
-from harnessrl.controller.guard import GuardUnenforceable, changed, snapshot
+from harnessrl.controller.guard import (
+    GuardUnenforceable,
+    ReadOnlyWatch,
+    _inside,
+    changed,
+    matched,
+    snapshot,
+)
 from harnessrl.controller.runner import AttemptResult, AttemptSpec
 from harnessrl.controller.runners.egress import hosts_text, plan
 from harnessrl.controller.runners.forkserver import ForkServerRunner
@@ -112,6 +119,47 @@ def test_snapshot_sees_edits_additions_removals_and_links(tmp_path: Path) -> Non
     assert changed(before, before) == {}
 
 
+def test_inside_compares_path_components_not_string_prefixes(tmp_path: Path) -> None:
+    home, twin = tmp_path / "home", tmp_path / "home2"
+    for d in (home / "repo", twin):
+        d.mkdir(parents=True)
+    (twin / "secret").write_text("s")
+    assert _inside(home / "repo" / "x", home) and _inside(home / "x", home)
+    assert not _inside(twin / "secret", home)  # `/x/home2` is not inside `/x/home`
+    (home / "out").symlink_to(twin)  # a link from home/ into its twin: not followed out
+    assert not _inside(home / "out" / "secret", home) and matched(home, ["out/*"]) == []
+
+
+def test_watch_restores_what_an_attempt_changed_and_writes_through_no_link(tmp_path: Path) -> None:
+    home, outside = tmp_path / "w" / "home", tmp_path / "outside"
+    (home / "repo" / "tests" / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (home / "repo/tests/a.py").write_text("a")
+    (home / "repo/tests/sub/b.py").write_text("b")
+    (home / "repo/tests/run.sh").write_text("#!/bin/sh\n")
+    (home / "repo/tests/run.sh").chmod(0o755)
+    watch = ReadOnlyWatch(GuardPolicy(read_only=["repo/tests"]), tmp_path / "w")
+    (home / "repo/tests/a.py").write_text("A")
+    (home / "repo/tests/run.sh").unlink()
+    (home / "repo/tests/sub/b.py").unlink()
+    (home / "repo/tests/sub").rmdir()
+    (home / "repo/tests/sub").symlink_to(outside)  # a folder swapped for a link out of home/
+    (home / "repo/tests/new").mkdir()
+    (home / "repo/tests/new/c.py").write_text("c")
+    found = watch.findings()
+    assert found is not None and "not_restored" not in found
+    assert found["read_only_changed"]["added"] == ["repo/tests/new", "repo/tests/new/c.py"]
+    assert snapshot(home, ["repo/tests"]) == watch.before  # every file, mode and folder as it was
+    assert (home / "repo/tests/run.sh").stat().st_mode & 0o777 == 0o755
+    assert list(outside.iterdir()) == [] and not (home / "repo/tests/sub").is_symlink()
+    # a parent above the read-only path turned into a link: nothing is written through it, and it is said
+    watch = ReadOnlyWatch(GuardPolicy(read_only=["repo/tests"]), tmp_path / "w")
+    (home / "repo").rename(tmp_path / "moved")
+    (home / "repo").symlink_to(outside)
+    found = watch.findings()
+    assert found is not None and "repo/tests/a.py" in found["not_restored"] and list(outside.iterdir()) == []
+
+
 def test_egress_plan_maps_names_to_loopback_and_refuses_what_cannot_be_relayed(tmp_path: Path) -> None:
     fw = plan(
         ["pypi.org:443", "127.0.0.1:5432", "files.pythonhosted.org:443", "pypi.org:80"], gateway_port=8000
@@ -151,7 +199,13 @@ async def test_local_runner_flags_edited_read_only_files(tmp_path: Path) -> None
     result = await LocalRunner().run(spec, harness)
     probe = _probe(result)
     assert probe["edit tests"]["ok"] and probe["edit source"]["ok"]  # nothing blocks it here...
-    assert result.guard_findings == FLAGGED  # ...but it is seen
+    assert result.guard_findings == FLAGGED  # ...but it is seen, and undone before any grader reads home/
+    home = workdir / "home"
+    assert (home / TEST_FILE).read_text() == WORKSPACE[TEST_FILE]
+    assert not (home / "repo/tests/conftest.py").exists()
+    assert (
+        home / "repo/mod.py"
+    ).read_text() == "def f():\n    return 2\n"  # not read-only: the harness's work
     clean = await LocalRunner().run(AttemptSpec("r2", 0, "k", "http://127.0.0.1:9", {}, _prepare(tmp_path, "clean")[0],
                                                 guard=GuardPolicy(read_only=["repo/other"])), harness)  # fmt: skip
     assert _probe(clean)["edit tests"]["ok"] and clean.guard_findings is None
@@ -168,6 +222,7 @@ async def test_fork_server_runner_flags_edited_read_only_files(tmp_path: Path) -
     finally:
         runner.close()
     assert _probe(result)["edit tests"]["ok"] and result.guard_findings == FLAGGED
+    assert (workdir / "home" / TEST_FILE).read_text() == WORKSPACE[TEST_FILE]
 
 
 def test_ray_task_body_flags_edited_read_only_files(tmp_path: Path) -> None:
@@ -185,9 +240,9 @@ def test_ray_task_body_flags_edited_read_only_files(tmp_path: Path) -> None:
 
 
 def _grade(task: Task, result: AttemptResult) -> RewardIn:
-    """A grader that trusts the (edited) test file: the reward rises, its own check does not."""
+    """A grader that trusts the test file: an edited one would raise the reward; it says what it read."""
     edited = "assert True" in (result.output_dir.parent / "home" / TEST_FILE).read_text()
-    return RewardIn(value=1.0 if edited else 0.0, details={"passed": 0})
+    return RewardIn(value=1.0 if edited else 0.5, details={"read_edited_test": edited})
 
 
 @pytest.fixture
@@ -200,13 +255,19 @@ def gateway(tmp_path: Path) -> Iterator[tuple[ControlClient, str, SQLiteStore]]:
     store.close()
 
 
-async def test_controller_puts_the_finding_under_hacking_and_refuses_an_unenforceable_guard(
-    tmp_path: Path, gateway: tuple[ControlClient, str, SQLiteStore]
+@pytest.mark.parametrize("on_violation", [None, "drop", "flag"])
+async def test_a_tampering_harness_on_the_plain_runner_is_zeroed_dropped_or_flagged(
+    tmp_path: Path, gateway: tuple[ControlClient, str, SQLiteStore], on_violation: str | None
 ) -> None:
     client, url, store = gateway
     script = tmp_path / "hostile.py"
     script.write_text(HOSTILE)
-    task = Task(task_id="t1", input={}, workspace=WORKSPACE, guard=READ_ONLY)
+    policy = (
+        READ_ONLY
+        if on_violation is None
+        else GuardPolicy(read_only=["repo/tests"], on_violation=on_violation)
+    )
+    task = Task(task_id="t1", input={}, workspace=WORKSPACE, guard=policy)
     harness = HarnessSpec([sys.executable, str(script)], timeout_s=60)
     try:
         hidden = Controller(
@@ -215,13 +276,23 @@ async def test_controller_puts_the_finding_under_hacking_and_refuses_an_unenforc
         with pytest.raises(GuardUnenforceable, match=r"task 't1' declares a guard: .*hidden"):
             await hidden.run([RolloutRequest(task, "c0")])
         assert store.query("SELECT COUNT(*) FROM rollouts") == [(0,)]  # nothing started
-        ctl = Controller(client, url, harness, _grade, tmp_path / "run")
+        run_guard = None if on_violation is None else GuardPolicy(on_violation="zero")  # the task's wins
+        ctl = Controller(client, url, harness, _grade, tmp_path / "run", guard=run_guard)
         (outcome,) = await ctl.run([RolloutRequest(task, "c1", group_id="g")])
         detail = await client.rollout(outcome.rollout_id)
     finally:
         await client.aclose()
-    assert outcome.state == RolloutState.SUCCEEDED and outcome.reward == 1.0
     assert detail.reward is not None and detail.reward.details["hacking"] == {"guard": FLAGGED}
+    assert detail.reward.details["read_edited_test"] is False  # the grader read the original test file
+    assert detail.reward.details["guard"] == {"on_violation": on_violation or "zero", "graded": 0.5}
+    if on_violation == "drop":  # graded, recorded, but out of the batch
+        assert outcome.state == RolloutState.FAILED and outcome.failure == "guard" and outcome.reward is None
+        assert build_batch([detail]).rewards == {}
+        return
+    assert outcome.state == RolloutState.SUCCEEDED
+    assert outcome.reward == (
+        0.5 if on_violation == "flag" else 0.0
+    )  # the task's own policy wins over the run's
     assert build_batch([detail]).flagged_hacking == [outcome.rollout_id]
 
 

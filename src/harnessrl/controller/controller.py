@@ -18,7 +18,7 @@ from typing import Any
 
 from harnessrl.controller.grader import Grader, GraderError, grade
 from harnessrl.controller.group_grading import HELD_SLOT, GroupGate, grades_groups
-from harnessrl.controller.guard import GuardUnenforceable, write_workspace
+from harnessrl.controller.guard import GuardUnenforceable, violation_reward, write_workspace
 from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
@@ -34,7 +34,6 @@ from harnessrl.schema import (
     AttemptFinish,
     AttemptStatus,
     GuardPolicy,
-    RewardIn,
     RolloutCreate,
     RolloutCreated,
     RolloutState,
@@ -82,7 +81,8 @@ class RolloutOutcome:
     reward: float | None
     error: str | None = None
     # why a FAILED rollout failed: "infra" (no attempt could run), "grader" (the grader raised or
-    # returned no usable reward: the harness's result was not scored), None otherwise
+    # returned no usable reward: the harness's result was not scored), "guard" (a guard violation with
+    # `on_violation: drop`: graded, but left out of the batch), None otherwise
     failure: str | None = None
     # the graded attempt ran past the harness's time limit (scored as the grader saw it: often 0); a
     # model engine too slow to answer in time shows up here, not as a failure
@@ -323,8 +323,17 @@ class Controller:
             return RolloutOutcome(
                 rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error, "grader"
             )
-        if result.guard_findings:
-            reward = _flag_guard(reward, result.guard_findings)
+        if result.guard_findings:  # a violation: zeroed, dropped or flagged (controller/guard.py)
+            policy = self.guard_of(req.task)
+            on_violation = policy.on_violation if policy is not None else "zero"
+            reward = violation_reward(reward, result.guard_findings, on_violation)
+            if on_violation == "drop":
+                await self.client.set_reward(rid, reward)
+                await self.client.set_state(rid, RolloutState.FAILED)
+                why = "dropped: the harness changed read-only files (guard.on_violation: drop)"
+                return RolloutOutcome(
+                    rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, why, "guard"
+                )
         await self.client.set_reward(rid, reward)
         await self.client.set_state(rid, RolloutState.SUCCEEDED)
         return _scored(req, rid, reward.value, result)
@@ -341,18 +350,6 @@ def _scored(req: RolloutRequest, rid: str, value: float, result: AttemptResult) 
     return RolloutOutcome(
         rid, req.task.task_id, req.group_id, RolloutState.SUCCEEDED, value, timed_out=result.timed_out
     )
-
-
-def _flag_guard(reward: RewardIn, findings: dict[str, Any]) -> RewardIn:
-    """The reward with what the runner's guard check found under `details["hacking"]["guard"]` (next to
-    whatever the grader flagged itself), so it is counted per step like a grader's flag."""
-    details = dict(reward.details)
-    own = details.get("hacking")
-    details["hacking"] = {
-        **(own if isinstance(own, dict) else {"grader": own} if own else {}),
-        "guard": findings,
-    }
-    return reward.model_copy(update={"details": details})
 
 
 def _write_grader_error(workdir: Path, error: str) -> None:
