@@ -17,6 +17,7 @@ EPILOG = """commands:
   export    rows or traces for other tools: harnessrl export runs/demo --format parquet --out rows.parquet
   validate  check an exported file against its schema: harnessrl validate rows.parquet
   export-model  a checkpoint as an HF model folder: harnessrl export-model runs/demo [--step N] --out DIR
+  sft       fine-tune on recorded calls (a teacher's run, traces): harnessrl sft --config C --from RUN_DIR|TRACE
   eval      held-out tasks through the harness on any model folder or checkpoint: harnessrl eval --config C --model DIR
   import    a trace file into a new run directory: harnessrl import trace.jsonl --run-dir runs/copy
   dashboard browse a run in the browser: harnessrl dashboard --run runs/demo
@@ -34,6 +35,7 @@ PASSTHROUGH = {
     "validate": ("harnessrl.export.cli", "validate_main"),
     "export-model": ("harnessrl.trainer.export_model", "main"),
     "eval": ("harnessrl.runs.evaluate", "main"),
+    "sft": ("harnessrl.trainer.sft", "main"),
     "import": ("harnessrl.export.cli", "import_main"),
     "dashboard": ("harnessrl.dashboard.cli", "main"),
     "doctor": ("harnessrl.runs.doctor", "main"),

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Credit, Estimator, LossMode, ZeroVariance
 from harnessrl.config.project import GraderSection, HarnessSection, TasksSection, _Section
+from harnessrl.config.teaching import SftSection, TeacherSection
 from harnessrl.defaults import (
     DEFAULT_MAX_TOKENS,
     ENGINE_MAX_BATCH,
@@ -247,6 +248,9 @@ class TrainSection(_Section):
     # LoRA: train adapters only (base frozen, optimizer state for the adapters alone; the engine gets
     # the adapter, a few MB, after each update); None: full fine-tuning
     lora: LoraSection | None = None
+    # on-policy distillation (docs/distillation.md): a teacher scores every token the student sampled
+    teacher: TeacherSection | None = None
+    distill_coef: float = Field(default=1.0, ge=0)  # weight of the per-token reverse KL (with `teacher`)
     # collocation: put the engine to sleep during each update (1: KV cache freed, weights moved off the
     # GPU; 2: weights discarded too, the new ones are loaded after wake-up); None keeps it awake
     engine_sleep_level: Literal[1, 2] | None = None
@@ -287,6 +291,8 @@ class TrainSection(_Section):
                 f"train.device {self.device!r} with train.world_size > 1: set cpu, or cuda (each rank then "
                 "takes cuda:<LOCAL_RANK>, one GPU per rank)"
             )
+        if self.teacher is not None and (self.schedule == "async" or self.world_size > 1):
+            raise ValueError("train.teacher runs with the sync schedule in one process so far")
         if self.world_size > 1 and self.lora is not None:
             raise ValueError("train.lora trains in one process so far; set train.world_size: 1")
         for tracker, module in (("wandb", "wandb"), ("mlflow", "mlflow")):
@@ -340,6 +346,7 @@ class RunConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     data: DataSection = Field(default_factory=DataSection)
+    sft: SftSection = Field(default_factory=SftSection)  # `harnessrl sft` (docs/distillation.md)
     # several policies in one run: policy name -> {models: [more model names that choose it]}; each
     # trains a LoRA adapter of its own (needs train.lora); a harness chooses one by the model name it
     # sends or the route /p/<name>/v1; a call naming no policy goes to the first listed (docs/lora.md)

@@ -1,0 +1,50 @@
+"""The config of learning from a teacher (docs/distillation.md): `sft` (fine-tuning on recorded calls,
+`harnessrl sft`) and `train.teacher` (on-policy distillation: a teacher scores the student's tokens)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from harnessrl.config.project import _Section
+
+
+class SftSection(_Section):
+    """Supervised fine-tuning on recorded calls (`harnessrl sft --config C --from RUN_DIR|TRACE`)."""
+
+    # rollouts whose reward is below this are left out (None: every rollout, graded or not)
+    min_reward: float | None = None
+    epochs: int = Field(default=1, ge=1)  # passes over the rows
+    batch_rows: int = Field(default=8, ge=1)  # rows per optimizer step
+    lr: float | None = Field(default=None, gt=0)  # AdamW learning rate (None: train.lr)
+    # the student's template over the recorded messages (text-level): auto (where the recorded tokens are
+    # not what the student's template and tokenizer give), always, or never (the recorded tokens as they are)
+    retemplate: Literal["auto", "always", "never"] = "auto"
+    include_eval: bool = False  # also train on evaluation rollouts (held-out tasks: off, they leak)
+
+
+class TeacherSection(_Section):
+    """On-policy distillation: a teacher's logprobs of the tokens the student sampled (`train.teacher`)."""
+
+    # a model folder (or known name) loaded beside the trainer, or `url` of a server answering
+    # /v1/completions with vLLM's `prompt_logprobs` for token-ID prompts (then `model` is the served name)
+    model: str = ""
+    url: str | None = None
+    api_key: str | None = None  # the server's key (url only)
+    rl: bool = (
+        False  # also train on the rollout's RL advantage (distillation + RL); False: distillation alone
+    )
+    batch_rows: int = Field(default=8, ge=1)  # rows per teacher request (url) or forward (model)
+    timeout_s: float = Field(default=300.0, gt=0)  # one teacher request (url)
+    tokenizer: str | None = None  # url only: a folder with the served model's tokenizer.json, for the check
+
+    @model_validator(mode="after")
+    def _names_a_teacher(self) -> TeacherSection:
+        if not self.model and not self.url:
+            raise ValueError(
+                "train.teacher needs model (a model folder) or url (a server with prompt logprobs)"
+            )
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"train.teacher.url: {self.url!r} is not an http(s):// URL")
+        return self

@@ -1,0 +1,195 @@
+"""Supervised fine-tuning on recorded calls: `harnessrl sft --config C --from RUN_DIR|TRACE`.
+
+Per row of the SFT data (`trainer.sft_data`: one row per merged sequence, loss mask 1 on the answers'
+tokens only) and trainable token t with loss weight w_t (`train.loss_mode`, over the optimizer step's
+rows, as in RL):
+
+    ℓ_t = −log π_θ(x_t | x_<t)          (temperature 1)
+    L   = Σ_t w_t · ℓ_t
+
+Rows are shuffled per epoch (seed `train.seed`) and taken `sft.batch_rows` at a time, one AdamW step each
+(gradient clipped to `train.max_grad_norm`); each step's rows are cut into micro-batches by
+`train.micro_batch_tokens`, rows sharing a prefix together (`trainer.ppo.micro_batches`). The model is
+then saved as RL saves it (`<run_dir>/checkpoints/step-N`, an HF folder): `harnessrl eval --model` and
+`harnessrl export-model` read it, and RL continues from it with `engine.model=<that folder>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from harnessrl.adapter import LossMode, Row, apply_length_limit, loss_weights
+from harnessrl.config import RunConfig
+from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
+from harnessrl.trainer.ppo import first_trainable, micro_batches, release_memory
+
+log = logging.getLogger(__name__)
+
+
+def _pack(rows: list[Row], weights: list[list[float]], device: torch.device) -> tuple[Tensor, Tensor, int]:
+    """Right-padded tokens [B, L], the shifted loss weights [B, L-1] and the shared prefix length."""
+    length = max(len(r.tokens) for r in rows)
+    tokens = torch.zeros(len(rows), length, dtype=torch.long)
+    w = torch.zeros(len(rows), length)
+    for j, (r, rw) in enumerate(zip(rows, weights, strict=True)):
+        tokens[j, : len(r.tokens)] = torch.tensor(r.tokens)
+        w[j, : len(r.tokens)] = torch.tensor(rw) * torch.tensor(r.loss_mask, dtype=torch.float32)
+    prefix = shareable_prefix([r.tokens for r in rows], [first_trainable(r.loss_mask) for r in rows])
+    return tokens.to(device), w[:, 1:].to(device), prefix
+
+
+def target_logprobs(model: CausalLM, rows: list[Row], weights: list[list[float]]) -> tuple[Tensor, Tensor]:
+    """log π(x_t | x_<t) at temperature 1 of every token with loss mask 1 of `rows`, and their weights."""
+    tokens, w, prefix = _pack(rows, weights, next(model.parameters()).device)
+    select = w > 0
+    temps = torch.ones(len(rows), device=tokens.device)
+    sel = selected_logprobs(model, tokens, select, temps, prefix)
+    return sel.logprobs, w[sel.row, sel.pos]
+
+
+def _groups(rows: list[Row], budget: int) -> list[list[int]]:
+    return micro_batches([r.tokens for r in rows], [first_trainable(r.loss_mask) for r in rows], budget)
+
+
+def sft_step(
+    model: CausalLM, optimizer: torch.optim.Optimizer, rows: list[Row], mode: LossMode, budget: int,
+    max_grad_norm: float,
+) -> dict[str, float]:  # fmt: skip
+    """One optimizer step of L = Σ w_t ℓ_t over `rows`; returns loss, gradient norm, tokens and the mean
+    target logprob before the step."""
+    weights = loss_weights(rows, mode)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total, lp_sum, n = 0.0, 0.0, 0
+    for idx in _groups(rows, budget):
+        lp, w = target_logprobs(model, [rows[i] for i in idx], [weights[i] for i in idx])
+        loss = -(lp * w).sum()
+        loss.backward()
+        total += float(loss.detach())
+        lp_sum += float(lp.detach().sum())
+        n += lp.numel()
+    trained = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, max_grad_norm))
+    if torch.isfinite(torch.tensor(grad_norm)):
+        optimizer.step()
+    model.eval()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": total, "grad_norm": grad_norm, "trainable_tokens": float(n),
+            "target_logprob": lp_sum / max(n, 1)}  # fmt: skip
+
+
+@torch.no_grad()
+def mean_target_logprob(model: CausalLM, rows: list[Row], budget: int) -> float:
+    """Mean log π of the trainable tokens of `rows` (every token counted once)."""
+    total, n = 0.0, 0
+    for idx in _groups(rows, budget):
+        sub = [rows[i] for i in idx]
+        lp, _ = target_logprobs(model, sub, [[1.0] * len(r.tokens) for r in sub])
+        total += float(lp.sum())
+        n += lp.numel()
+    return total / max(n, 1)
+
+
+def step_batches(n_rows: int, batch_rows: int, epochs: int, seed: int) -> list[list[int]]:
+    """The row indices of every optimizer step: each epoch a fresh shuffle cut into `batch_rows`."""
+    out: list[list[int]] = []
+    for epoch in range(epochs):
+        order = list(range(n_rows))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out += [order[i : i + batch_rows] for i in range(0, n_rows, batch_rows)]
+    return out
+
+
+def run_sft(cfg: RunConfig, source: Path, fresh: bool = False) -> dict[str, Any]:
+    """Fine-tune `engine.model` on the rows of `source` (module docstring); writes the checkpoint,
+    metrics.jsonl and sft.json to `run_dir` and returns the summary."""
+    from harnessrl.gateway.engine_client.inference import TitoTokenizer
+    from harnessrl.modeling.loading import load_model, resolve_model
+    from harnessrl.runs.rundir import Mode, prepare
+    from harnessrl.trainer.checkpoint import save_checkpoint
+    from harnessrl.trainer.metrics import MetricsLogger
+    from harnessrl.trainer.sft_data import SftDataError, load_details, sft_rows
+
+    t0 = time.time()
+    run_dir = Path(cfg.run_dir).resolve()
+    if run_dir == source.resolve():
+        raise SftDataError(
+            f"run_dir {run_dir} is the source of the traces; choose another (run_dir=runs/NAME)"
+        )
+    details = load_details(source)
+    model_dir = resolve_model(cfg.engine.model)
+    tok = TitoTokenizer.from_dir(str(model_dir), tool_parser=cfg.engine.tool_parser,
+                                 template_kwargs=cfg.engine.chat_template_kwargs)  # fmt: skip
+    s, t = cfg.sft, cfg.train
+    rows, report = sft_rows(details, tok, s.min_reward, s.retemplate, s.include_eval)
+    rows, _ = apply_length_limit(rows, t.max_row_tokens)
+    rows = [r for r in rows if r.n_trainable]
+    if not rows:
+        raise SftDataError(f"no rows to train on from {source}: {report.as_dict()} (lower sft.min_reward?)")
+    prepare(run_dir, cfg, Mode.FRESH if fresh else Mode.NEW)
+    torch.manual_seed(t.seed)
+    model = load_model(model_dir, device=t.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr or t.lr, weight_decay=t.weight_decay)
+    metrics = MetricsLogger(run_dir)
+    before = mean_target_logprob(model, rows, t.micro_batch_tokens)
+    steps = step_batches(len(rows), s.batch_rows, s.epochs, t.seed)
+    try:
+        for n, idx in enumerate(steps, start=1):
+            m = sft_step(model, optimizer, [rows[i] for i in idx], t.loss_mode, t.micro_batch_tokens,
+                         t.max_grad_norm)  # fmt: skip
+            metrics.log(n, m)
+            log.info(
+                "event=sft_step step=%d loss=%.4f target_logprob=%.4f", n, m["loss"], m["target_logprob"]
+            )
+    finally:
+        metrics.close()
+    release_memory(model, optimizer)
+    after = mean_target_logprob(model, rows, t.micro_batch_tokens)
+    ckpt = save_checkpoint(run_dir / "checkpoints", len(steps), model, optimizer,
+                           {"sft": True, "source": str(source)})  # fmt: skip
+    summary = {"source": str(source), "report": report.as_dict(), "rows": len(rows), "steps": len(steps),
+               "target_logprob_before": before, "target_logprob_after": after, "checkpoint": str(ckpt),
+               "wall_seconds": time.time() - t0}  # fmt: skip
+    (run_dir / "sft.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    """`harnessrl sft --config C --from RUN_DIR|TRACE [--fresh] [overrides]`."""
+    from harnessrl.config import ConfigError, load_config
+    from harnessrl.runs.rundir import RunDirError
+    from harnessrl.trainer.sft_data import SftDataError
+
+    p = argparse.ArgumentParser(
+        prog="harnessrl sft", description="fine-tune the config's model on recorded calls"
+    )
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--from", dest="source", required=True, type=Path,
+                   help="a run directory or a trace file (harnessrl export --format trace)")  # fmt: skip
+    p.add_argument("--fresh", action="store_true", help="delete an earlier run in run_dir first")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.min_reward=1 run_dir=runs/sft")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        s = run_sft(cfg, args.source, fresh=args.fresh)
+    except (ConfigError, SftDataError, RunDirError) as e:
+        print(f"harnessrl sft: {e}", file=sys.stderr)
+        return 2
+    r = s["report"]
+    print(f"{r['kept']} of {r['rollouts']} rollouts kept ({r['retemplated']} re-rendered with the student's "
+          f"template, text-level); {s['rows']} rows, {r['trainable_tokens']} trainable tokens")  # fmt: skip
+    print(f"{s['steps']} steps: mean target logprob {s['target_logprob_before']:.4f} -> "
+          f"{s['target_logprob_after']:.4f}")  # fmt: skip
+    print(f"checkpoint: {s['checkpoint']}  (RL from it: engine.model={s['checkpoint']})")
+    return 0
