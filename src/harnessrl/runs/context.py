@@ -114,6 +114,10 @@ def build_trainer(
         ref_model=reference_model(model, model_dir, tc.device, lora) if tc.kl_coef > 0 else None,
         heldout=heldout, notify=notify, lora=lora,
     )  # fmt: skip
+    if tc.teacher is not None:  # on-policy distillation (its tokenizer was checked before the run)
+        from harnessrl.trainer.teacher import make_teacher
+
+        ctx.teacher = make_teacher(tc.teacher, model_dir, tc.device)
     if tc.world_size > 1:  # ranks 1..k-1 hold replicas; rank 0 (this process) publishes and checkpoints
         from harnessrl.trainer.distributed import DataParallel
 

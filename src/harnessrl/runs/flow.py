@@ -41,6 +41,7 @@ from harnessrl.schema import Task
 from harnessrl.services.stack import ServiceStack, external_admin_key, start_services
 from harnessrl.trainer.async_loop import run_async
 from harnessrl.trainer.loop import EvalResult, Progress, TrainContext, evaluate, run_sync
+from harnessrl.trainer.teacher import refuse_other_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ def run(
     mode = mode or (Mode.FRESH if fresh else Mode.RESUME if resume else Mode.NEW)
     say = notify or (lambda message: None)
     check_model(cfg)
+    refuse_other_tokenizer(cfg)  # a teacher must score the student's own token IDs
     project = resolve_project(cfg)  # a config error surfaces before the run directory is touched
     admin_key = external_admin_key(cfg) or secrets.token_hex(16)
     for notice in prepare(run_dir, cfg, mode):
@@ -166,6 +168,8 @@ async def _train_and_evaluate(
             before, after, steps, train_wall = await _evaluate_train_evaluate(ctx, inputs, on_step)
         finally:
             ctx.metrics.close()
+            if ctx.teacher is not None:
+                await ctx.teacher.aclose()
             if ctx.data_parallel is not None:
                 ctx.data_parallel.close()
     finally:

@@ -46,6 +46,7 @@ from harnessrl.trainer.policies import (
     save_policies_checkpoint,
 )
 from harnessrl.trainer.ppo import PPOConfig, ppo_update
+from harnessrl.trainer.teacher import Teacher, distill_batch
 from harnessrl.trainer.trackers import sample_table
 from harnessrl.trainer.weights import EngineAdmin, publish_weights
 
@@ -98,6 +99,7 @@ class TrainContext:
     lora: LoraAdapter | None = None  # `train.lora`: the adapter trained (the model's weights stay frozen)
     # `policies:`: one adapter, optimizer and schedule per policy (trainer.policies); `lora` is None then
     policies: dict[str, PolicyState] = field(default_factory=dict)
+    teacher: Teacher | None = None  # `train.teacher`: scores the student's tokens (on-policy distillation)
 
     @property
     def ppo(self) -> PPOConfig:
@@ -269,11 +271,17 @@ async def train_step(ctx: TrainContext, train_tasks: list[Task], step: int) -> d
     outcomes = await run_rollouts(ctx, step_requests(ctx, train_tasks, step), f"step {step + 1} rollouts")
     details = await fetch_details(ctx.client, outcomes)
     batch = make_batch(ctx, details, version=step)
-    ctx.metrics.log_samples(step + 1, sample_table(step + 1, details, batch, ctx.cfg.train.sample_rollouts))
+    t = ctx.cfg.train
+    distill: dict[str, Any] = {}
+    if ctx.teacher is not None and t.teacher is not None:  # per-token reverse KL as the advantage
+        distill = await distill_batch(ctx.teacher, batch, t.distill_coef, t.teacher.rl,
+                                      ctx.run_dir / "teacher_logprobs.jsonl", step + 1)  # fmt: skip
+    ctx.metrics.log_samples(step + 1, sample_table(step + 1, details, batch, t.sample_rollouts))
     t1 = time.perf_counter()
     update = await apply_update(ctx, batch, step + 1)
     return {
         **batch_metrics(batch, outcomes),
+        **distill,
         **update,
         "time_rollout_s": t1 - t0,
         "time_step_s": time.perf_counter() - t0,
