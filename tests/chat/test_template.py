@@ -16,7 +16,7 @@ import pytest
 
 from harnessrl.chat import ChatFormat, ChatFormatError
 from harnessrl.chat.convention import fold_tools
-from harnessrl.chat.template import load_template
+from harnessrl.chat.template import JinjaTemplate, load_template
 from tests.support.conversations import (
     FAMILIES,
     FOLDED,
@@ -136,3 +136,22 @@ def test_special_tokens_come_from_the_folder() -> None:
     assert gemma is not None and gemma.render([{"role": "user", "content": "x"}]).startswith(
         "<bos><start_of_turn>user"
     )
+
+
+def test_generation_blocks_compile_and_render_as_transformers() -> None:
+    """Templates that mark the assistant's text with transformers' `{% generation %}` block (for assistant
+    masks) compile, and the block renders its body as transformers renders it."""
+    source = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{%- if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}"
+        "{%- else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    msgs = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "x"},
+    ]
+    ours = JinjaTemplate(source).render(msgs, None, True)
+    assert ours == reference("qwen2_5", msgs, chat_template=source)
+    assert "<|im_start|>assistant5<|im_end|>" in ours  # the block kept its body

@@ -12,8 +12,15 @@ from hypothesis import strategies as st
 
 from harnessrl.chat import ChatFormat
 from harnessrl.chat.completion import CompletionRules, CompletionStream
-from harnessrl.chat.reasoning import THINK, split_reasoning
-from harnessrl.chat.toolcalls import HermesParser, Llama3JsonParser, tool_parser
+from harnessrl.chat.reasoning import GEMMA4_THINK, THINK, split_reasoning
+from harnessrl.chat.toolcalls import (
+    Gemma4ToolParser,
+    HermesParser,
+    Llama3JsonParser,
+    PythonicToolParser,
+    XmlToolParser,
+    tool_parser,
+)
 from tests.support.conversations import FAMILIES, TOOL_CONVERSATION, TOOLS, tokenizer_dir
 
 
@@ -133,12 +140,20 @@ TEXTS = [
     '  {"name": "add", "parameters": {"a": 1}}<|eot_id|>',
     "Hello {x} <|python_tag|> world<|eot_id|>",
     "<think>never closed\n\n",
+    "I add.\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>",
+    "hm </think>\n\nok\n\n<tool_call>\n<function=f>\n</function>\n</tool_call><|im_end|>",
+    '<|channel>thought\nhm <channel|>ok <|tool_call>call:f{a:<|"|>x,}<|"|>}<tool_call|><turn|>',
+    '[add(a=1, b="x"), ns.f()]<|eot_id|>',
+    "[not a call<|eot_id|>",
 ]
 RULES = [
     chat_format("qwen3").rules,
     CompletionRules(HermesParser(), ("<|im_end|>",)),
     CompletionRules(Llama3JsonParser(), ("<|eot_id|>", "<|eom_id|>")),
     CompletionRules(HermesParser(), ("<|im_end|>",), THINK, True),
+    CompletionRules(XmlToolParser(), ("<|im_end|>",), THINK, True),
+    CompletionRules(Gemma4ToolParser(), ("<turn|>",), GEMMA4_THINK),
+    CompletionRules(PythonicToolParser(), ("<|eot_id|>",)),
 ]
 
 
@@ -158,3 +173,25 @@ def test_streaming_releases_prefixes_of_the_final_parse(
     parsed, rest = stream.finish()
     assert content + rest == parsed.content
     assert reasoning + stream.reasoning_rest(parsed) == (parsed.reasoning_content or "")
+
+
+def test_pythonic_calls() -> None:
+    """Llama 3.2's pythonic calls, in the `pythonic` format and through `llama3_json`, whole and streamed."""
+    text = '[get_weather(city="Zürich", days=2), add(a=1, b=-2.5, flags=[True, None], opts={"k": "v"})]'
+    expected = [("get_weather", {"city": "Zürich", "days": 2}),
+                ("add", {"a": 1, "b": -2.5, "flags": [True, None], "opts": {"k": "v"}})]  # fmt: skip
+    for parser in (PythonicToolParser(), Llama3JsonParser()):
+        parsed = parser.parse(text)
+        assert parsed.content == ""
+        assert [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls
+        ] == expected
+    rules = CompletionRules(PythonicToolParser(), ("<|eot_id|>",))
+    stream = CompletionStream(rules)
+    assert "".join(stream.feed(ch) for ch in text + "<|eot_id|>") == ""  # nothing of the call leaks as text
+    assert len(stream.finish()[0].tool_calls) == 2
+    wrapped = PythonicToolParser().parse("<|python_start|>[f(x=1)]<|python_end|>")
+    assert wrapped.tool_calls[0]["function"]["arguments"] == '{"x": 1}'
+    for not_calls in ("[1, 2]", "[f(1)]", "[f(x=open('a'))]", "The list [f(x=1)] is code.", "[f(**k)]"):
+        assert PythonicToolParser().parse(not_calls).content == not_calls
+    assert chat_format("llama3_2").parse(text + "<|eot_id|>").tool_calls[1]["function"]["name"] == "add"

@@ -9,10 +9,12 @@ of reasoning) is a prefix of the final content (and reasoning), so the rest can 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from harnessrl.chat.chatml import ParsedCompletion
+from harnessrl.chat.markers import partial_tail
 from harnessrl.chat.reasoning import ThinkTags, reasoning_progress, split_reasoning
-from harnessrl.chat.toolcalls import HermesParser, ToolParser, partial_tail
+from harnessrl.chat.toolcalls import HermesParser, ToolParser
 
 
 @dataclass(frozen=True)
@@ -31,13 +33,21 @@ class CompletionRules:
                 return text[: -len(stop)]
         return text
 
-    def parse(self, text: str) -> ParsedCompletion:
-        """Split a whole completion; malformed tool calls stay in the content."""
+    @property
+    def call_open(self) -> str | None:
+        """The tool-call opener that ends an open thinking block: only where the prompt opened the block
+        (Qwen3.5 may call a tool before `</think>`)."""
+        opener = getattr(self.tools, "open", None)
+        return opener if self.think_started and isinstance(opener, str) else None
+
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
+        """Split a whole completion; malformed tool calls stay in the content (`tools`: the request's
+        tools, whose schemas type the arguments of formats that write them as text)."""
         text = self.strip_stop(text)
         reasoning = None
         if self.think is not None:
-            reasoning, text = split_reasoning(text, self.think, self.think_started)
-        parsed = self.tools.parse(text)
+            reasoning, text = split_reasoning(text, self.think, self.think_started, self.call_open)
+        parsed = self.tools.parse(text, tools)
         parsed.reasoning_content = reasoning
         return parsed
 
@@ -54,8 +64,9 @@ class CompletionStream:
     parser decides) nothing more streams, and `finish` parses the whole text.
     """
 
-    def __init__(self, rules: CompletionRules) -> None:
+    def __init__(self, rules: CompletionRules, tools: list[dict[str, Any]] | None = None) -> None:
         self.rules = rules
+        self.tools = tools
         self.text = ""
         self.content_sent = ""
         self.reasoning_sent = ""
@@ -67,7 +78,9 @@ class CompletionStream:
         visible = self.rules.visible(self.text)
         reasoning, content = "", visible
         if self.rules.think is not None:
-            reasoning, maybe = reasoning_progress(visible, self.rules.think, self.rules.think_started)
+            reasoning, maybe = reasoning_progress(
+                visible, self.rules.think, self.rules.think_started, self.rules.call_open
+            )
             content = "" if maybe is None else maybe
         r_delta = reasoning[len(self.reasoning_sent) :]
         self.reasoning_sent = max(self.reasoning_sent, reasoning, key=len)
@@ -85,7 +98,7 @@ class CompletionStream:
     def finish(self, final_text: str | None = None) -> tuple[ParsedCompletion, str]:
         """The parsed completion and the content not streamed yet (`final_text` replaces the
         accumulated text when the engine trimmed it, e.g. at a stop string)."""
-        parsed = self.rules.parse(self.text if final_text is None else final_text)
+        parsed = self.rules.parse(self.text if final_text is None else final_text, self.tools)
         if not parsed.content.startswith(self.content_sent):
             raise ValueError("streamed content is not a prefix of the final content")
         if self.reasoning_sent and not (parsed.reasoning_content or "").startswith(self.reasoning_sent):

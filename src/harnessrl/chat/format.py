@@ -6,11 +6,14 @@ tokenizer_config.json) and chooses, unless told (`engine.tool_parser`):
 - how prompts are rendered: the template itself, with `tools`, when it supports tools (Qwen2.5, Qwen3,
   Llama 3.1+); the template after `convention.fold_tools` when it has none (Gemma 3, Llama 3.0);
   today's `chatml` convention for a ChatML template without tools (SmolLM2: same text, same tokens);
-- how tool calls are parsed back: `hermes` when the template writes `<tool_call>`, `llama3_json` when it
-  asks for `{"name": ..., "parameters": ...}`, `hermes` (the convention) when it has no tools;
-- thinking: a template that knows `<think>` gets its completions split into reasoning and content;
+- how tool calls are parsed back: `qwen3_coder` when the template writes `<function=` (Qwen3.5,
+  Qwen3-Coder), `gemma4` when it writes `<|tool_call>` (Gemma 4), `hermes` when it writes `<tool_call>`,
+  `pythonic` when it asks for `[func_name(param=value)]`, `llama3_json` when it asks for
+  `{"name": ..., "parameters": ...}`, `hermes` (the convention) when it has no tools;
+- thinking: a template that knows `<think>` (or Gemma 4's `<|channel>`) gets its completions split into
+  reasoning and content;
 - end of turn: the family's markers that the template uses (`<|im_end|>`, `<|eot_id|>`/`<|eom_id|>`,
-  `<end_of_turn>`), the tokenizer's eos and generation_config.json's `eos_token_id`, as token ids.
+  `<end_of_turn>`, `<turn|>`), the tokenizer's eos and generation_config.json's `eos_token_id`, as ids.
 """
 
 from __future__ import annotations
@@ -31,23 +34,41 @@ from harnessrl.chat.chatml import (
 )
 from harnessrl.chat.completion import CompletionRules, CompletionStream
 from harnessrl.chat.convention import fold_tools
-from harnessrl.chat.reasoning import THINK
+from harnessrl.chat.reasoning import GEMMA4_THINK, THINK, ThinkTags
 from harnessrl.chat.template import JinjaTemplate, load_template, read_tokenizer_config
 from harnessrl.chat.toolcalls import PYTHON_TAG, tool_parser
 
 log = logging.getLogger(__name__)
 
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<turn|>")
+PYTHONIC_HINT = "[func_name1(params_name1=params_value1"  # how pythonic templates ask for calls
 RENDERERS = ("template", "folded", "chatml")
 
 
 def detect_tool_parser(source: str | None) -> str:
     """The tool-call format a chat template teaches its model (`hermes` for templates without tools)."""
-    if source is None or "<tool_call>" in source:
+    if source is None:
         return "hermes"
+    if "<function=" in source and "<parameter=" in source:
+        return "qwen3_coder"
+    if "<|tool_call>" in source:
+        return "gemma4"
+    if "<tool_call>" in source:
+        return "hermes"
+    if PYTHONIC_HINT in source:
+        return "pythonic"
     if "tools" in source and ('"parameters"' in source or PYTHON_TAG in source or "ipython" in source):
         return "llama3_json"
     return "hermes"
+
+
+def detect_think(source: str | None) -> ThinkTags | None:
+    """The thinking markers a template knows (Gemma 4's channel, `<think>`), or None."""
+    if source is None:
+        return None
+    if GEMMA4_THINK.open in source and GEMMA4_THINK.close in source:
+        return GEMMA4_THINK
+    return THINK if THINK.open in source else None
 
 
 def detect_renderer(template: JinjaTemplate | None) -> str:
@@ -162,7 +183,7 @@ class ChatFormat:
         name = detect_tool_parser(template.source if template else None)
         vocab = _added_token_ids(folder)
         stops = stop_markers(template, vocab)
-        think = THINK if template is not None and THINK.open in template.source else None
+        think = detect_think(template.source if template else None)
         fmt = cls(
             renderer=detect_renderer(template),
             template=template,
@@ -197,20 +218,22 @@ class ChatFormat:
             msgs, tools or None, add_generation_prompt, **{**self.template_kwargs, **kwargs}
         )
 
-    def parse(self, text: str) -> ParsedCompletion:
-        """Split a completion's text into reasoning, content and tool calls."""
-        return self.rules.parse(text)
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
+        """Split a completion's text into reasoning, content and tool calls (`tools`: the request's
+        tools; formats that write arguments as text type them by their schemas)."""
+        return self.rules.parse(text, tools)
 
-    def streaming_parser(self) -> CompletionStream:
+    def streaming_parser(self, tools: list[dict[str, Any]] | None = None) -> CompletionStream:
         """A parser for one completion being generated (`feed`, `feed_parts`, `finish`)."""
-        return CompletionStream(self.rules)
+        return CompletionStream(self.rules, tools)
 
     def _prompt_opens_thinking(self) -> bool:
         try:
             prompt = self.render([{"role": "user", "content": "x"}], None, True)
         except ChatFormatError:
             return False
-        return prompt.rstrip().endswith(THINK.open)
+        think = self.rules.think
+        return think is not None and prompt.rstrip().endswith(think.open)
 
 
 def _chatml_for(template: JinjaTemplate | None) -> ChatTemplate:

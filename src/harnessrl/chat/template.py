@@ -1,7 +1,8 @@
 """A model folder's own chat template, rendered with jinja2 the way transformers renders it.
 
 transformers' `apply_chat_template(..., tokenize=False)` compiles the template in an immutable sandboxed
-jinja environment with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `tojson`
+jinja environment with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension and its
+`{% generation %}` block (rendered as its body), a `tojson`
 filter that does not escape HTML (`json.dumps` with `ensure_ascii=False`), and the globals
 `raise_exception`, `strftime_now`, `dict` and `namespace`; it renders with `messages`, `tools`,
 `documents`, `add_generation_prompt`, the tokenizer's named special tokens (`bos_token`, `eos_token`,
@@ -22,6 +23,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -56,6 +58,20 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+class GenerationBlocks(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' AssistantTracker): templates mark the
+    assistant's text with it for `return_assistant_tokens_mask`; for prompt text the block renders its
+    body unchanged, as in transformers."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja reads it from the class)
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        """The block's body, kept as it is."""
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 class _TemplateDict:
@@ -94,7 +110,7 @@ class _Namespace(jinja2.utils.Namespace):
 def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template in the sandboxed environment transformers uses."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationBlocks]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -6,6 +6,11 @@
 - `llama3_json` (Llama 3.1/3.2/3.3): the whole message is the call, `{"name": ..., "parameters": {...}}`,
   optionally after `<|python_tag|>` (the special token is usually skipped when decoding), several calls
   separated by `;`; a message that does not start with a call is content.
+- `qwen3_coder` (Qwen3.5, Qwen3-Coder): `<tool_call><function=NAME><parameter=P>v</parameter></function></tool_call>`
+  (`xmlcalls`); arguments converted by the request's tool schemas.
+- `gemma4` (Gemma 4): `<|tool_call>call:NAME{key:value}<tool_call|>` (`gemma4`).
+- `pythonic` (Llama 3.2 prompted so): the whole message is `[f(x=1), g(y="a")]` (`pythonic`); `llama3_json`
+  accepts that shape too.
 - `none`: never a tool call.
 
 Each parser also says, for text generated so far, how much of it can already be streamed as content
@@ -20,17 +25,26 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from harnessrl.chat.chatml import ParsedCompletion, call_from_json
+from harnessrl.chat.gemma4 import Gemma4ToolParser
+from harnessrl.chat.markers import opener_hold, partial_tail
+from harnessrl.chat.pythonic import PythonicToolParser, parse_pythonic
+from harnessrl.chat.xmlcalls import XmlToolParser
+
+__all__ = [
+    "PYTHON_TAG",
+    "TOOL_PARSERS",
+    "Gemma4ToolParser",
+    "HermesParser",
+    "Llama3JsonParser",
+    "NoToolParser",
+    "PythonicToolParser",
+    "ToolParser",
+    "XmlToolParser",
+    "partial_tail",
+    "tool_parser",
+]
 
 PYTHON_TAG = "<|python_tag|>"
-
-
-def partial_tail(text: str, marker: str, full: bool = False) -> int:
-    """Length of the longest tail of `text` that is a prefix of `marker` (the whole marker too if `full`)."""
-    longest = len(marker) if full else len(marker) - 1
-    for k in range(min(longest, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 class ToolParser(Protocol):
@@ -41,8 +55,9 @@ class ToolParser(Protocol):
         """The name `engine.tool_parser` chooses it by."""
         ...
 
-    def parse(self, text: str) -> ParsedCompletion:
-        """Split text (end-of-turn marker already removed) into content and tool calls."""
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
+        """Split text (end-of-turn marker already removed) into content and tool calls (`tools`: the
+        request's tools, for formats whose arguments are typed by their schemas)."""
         ...
 
     def hold(self, text: str) -> tuple[int, bool]:
@@ -59,7 +74,7 @@ class HermesParser:
     open: str = "<tool_call>"
     close: str = "</tool_call>"
 
-    def parse(self, text: str) -> ParsedCompletion:
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
         """Content with the well-formed blocks cut out, and their calls in order."""
         parts: list[str] = []
         calls: list[dict[str, Any]] = []
@@ -80,10 +95,7 @@ class HermesParser:
 
     def hold(self, text: str) -> tuple[int, bool]:
         """Content up to the first opener (then blocked), or all but a tail that may become one."""
-        at = text.find(self.open)
-        if at >= 0:
-            return at, True
-        return len(text) - partial_tail(text, self.open), False
+        return opener_hold(text, self.open)
 
 
 @dataclass(frozen=True)
@@ -92,8 +104,12 @@ class Llama3JsonParser:
 
     name: str = "llama3_json"
 
-    def parse(self, text: str) -> ParsedCompletion:
-        """All calls when the message is made of calls; otherwise the whole text as content."""
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
+        """All calls when the message is made of calls (JSON, or a pythonic call list); otherwise the
+        whole text as content."""
+        pythonic = parse_pythonic(text)
+        if pythonic:
+            return ParsedCompletion(content="", tool_calls=pythonic)
         body = text.strip()
         if body.startswith(PYTHON_TAG):
             body = body[len(PYTHON_TAG) :].strip()
@@ -110,7 +126,7 @@ class Llama3JsonParser:
     def hold(self, text: str) -> tuple[int, bool]:
         """Nothing while the message may still be a call; everything once it cannot be one."""
         body = text.lstrip()
-        if body.startswith(("{", PYTHON_TAG)):
+        if body.startswith(("{", "[", PYTHON_TAG)):
             return 0, True
         if not body or PYTHON_TAG.startswith(body):
             return 0, False
@@ -139,7 +155,7 @@ class NoToolParser:
 
     name: str = "none"
 
-    def parse(self, text: str) -> ParsedCompletion:
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
         """The text as content."""
         return ParsedCompletion(content=text)
 
@@ -149,7 +165,15 @@ class NoToolParser:
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {
-    p.name: p for p in (HermesParser(), Llama3JsonParser(), NoToolParser())
+    p.name: p
+    for p in (
+        HermesParser(),
+        Llama3JsonParser(),
+        XmlToolParser(),
+        Gemma4ToolParser(),
+        PythonicToolParser(),
+        NoToolParser(),
+    )
 }
 
 

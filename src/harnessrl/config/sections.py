@@ -43,9 +43,12 @@ class EngineSection(_Section):
     # builtin engine on CPU: oneDNN-packed linear weights, F.linear, or auto (see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
     # tool-call format the engine and the gateway parse completions with: "auto" (detected from the
-    # model's own chat template: hermes for <tool_call>, llama3_json for Llama 3.1+; the hermes
-    # convention for templates without tools), "hermes", "llama3_json" or "none" (docs/models.md)
-    tool_parser: Literal["auto", "hermes", "llama3_json", "none"] = "auto"
+    # model's own chat template: hermes for <tool_call>, llama3_json for Llama 3.1+, qwen3_coder for
+    # Qwen3.5's <function=...>, gemma4 for Gemma 4's <|tool_call>, pythonic for [f(x=1)]; the hermes
+    # convention for templates without tools), or one of those names, or "none" (docs/models.md)
+    tool_parser: Literal["auto", "hermes", "llama3_json", "qwen3_coder", "gemma4", "pythonic", "none"] = (
+        "auto"
+    )
     # extra variables for the model's chat template on every call, e.g. {"enable_thinking": false} for
     # Qwen3; a request's `chat_template_kwargs` overrides them (docs/models.md)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -43,7 +43,7 @@ class EngineConfig:
     # the trainer), "auto" (onednn when a startup probe finds its logprobs within 1e-4 of F.linear's)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
     # tool-call format of chat completions: "auto" (detected from the model's chat template), "hermes",
-    # "llama3_json" or "none" (harnessrl.chat.toolcalls)
+    # "llama3_json", "qwen3_coder", "gemma4", "pythonic" or "none" (harnessrl.chat.toolcalls)
     tool_parser: str = "auto"
     # variables for the chat template on every call (a request's `chat_template_kwargs` overrides them)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

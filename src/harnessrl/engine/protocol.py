@@ -174,7 +174,7 @@ def chat_response(
 ) -> dict[str, Any]:
     """The `chat.completion` body: parsed content, reasoning and tool calls in the model's own format,
     exact ids, logprobs, weight_version."""
-    parsed = chat.parse(result.text)
+    parsed = chat.parse(result.text, req.tools)
     finish: str = result.finish_reason
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning_content is not None:

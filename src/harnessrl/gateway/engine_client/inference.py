@@ -128,7 +128,7 @@ async def tito(
     resp = await upstream.post("/v1/completions", body)
     a = read_completion(resp, need_text=True)
     check_prompt(a.record, prompt.prompt_ids)
-    parsed = tokenizer.chat.parse(a.text)
+    parsed = tokenizer.chat.parse(a.text, call.tools)
     choice = resp["choices"][0]
     return Generation(parsed.content, parsed.tool_calls, finish_reason(parsed.tool_calls, a.record), a.record,
                       a.token_texts, stop_string(choice), cached_tokens(resp), parsed.reasoning_content)  # fmt: skip
@@ -284,13 +284,17 @@ async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sam
                             **_sampling_fields(sampling)}  # fmt: skip
     events = await upstream.open_stream("/v1/completions", body)
     acc = Accumulator()
-    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc, tokenizer.chat))
+    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc, tokenizer.chat, call.tools))
 
 
 async def _tito_events(
-    events: AsyncIterator[dict[str, Any]], sent: list[int], acc: Accumulator, chat: ChatFormat = CHATML
+    events: AsyncIterator[dict[str, Any]],
+    sent: list[int],
+    acc: Accumulator,
+    chat: ChatFormat = CHATML,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Items:
-    parser, text = chat.streaming_parser(), ""
+    parser, text = chat.streaming_parser(tools), ""
     while True:
         try:
             with reading("the engine sent a malformed stream event"):  # an adapter's translation (SGLang)
