@@ -8,14 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_model
+from harnessrl.modeling.lora import reference_model
 from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from harnessrl.trainer.distributed import DataParallel
 from harnessrl.trainer.fsdp import local_state_bytes, to_index_form, to_name_form
 from harnessrl.trainer.ppo import PPOConfig, lr_lambda, ppo_update
+from harnessrl.trainer.precision import make_optimizer, master_weights
 from tests.trainer.test_ppo import random_batch
 
 # Largest absolute weight difference allowed between the 2-rank sharded and the 1-rank update after 3
@@ -115,3 +118,34 @@ def test_two_sharded_ranks_give_the_single_process_update(tiny_model_dir: Path, 
     one = max(sum(p.values()) for p in peaks1)
     assert max(sum(p.values()) for p in peaks) <= 0.6 * one
     assert peaks1[-1]["grads"] == peaks1[-1]["params"] and peaks1[-1]["optimizer"] > 2 * peaks1[-1]["params"]
+
+
+def test_bf16_sharded_ranks_with_a_sharded_bf16_reference(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """train.dtype bfloat16 on 2 FSDP ranks: fp32 shards computing in bf16, the KL reference loaded in
+    bf16 and sharded too (k3 exactly 0 before the first step); the step lands near the 1-process bf16 one
+    (bf16 MasterAdamW: same master arithmetic, gradients reduced in fp32 instead of bf16)."""
+    cfg = PPOConfig(micro_batch_tokens=96, kl_coef=0.05)
+    batch = random_batch(12, seed=23)
+    one = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    opt1 = make_optimizer(one.parameters(), torch.bfloat16, lr=1e-3, weight_decay=0.01)
+    m1 = ppo_update(
+        one, opt1, batch, cfg, ref_model=reference_model(one, tiny_model_dir, "cpu", None, torch.bfloat16)
+    )
+    model = load_model(tiny_model_dir)  # fp32: the shards are the master weights
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref = reference_model(model, tiny_model_dir, "cpu", None, torch.bfloat16)
+    dp = DataParallel(model, opt2, tiny_model_dir, 2, threads=1, log_dir=tmp_path, parallel="fsdp",
+                      dtype="bfloat16", kl_coef=cfg.kl_coef, ref_model=ref)  # fmt: skip
+    try:
+        m2 = dp.update(batch, cfg, ref_model=ref)
+        full = dp.full_model().state_dict()
+    finally:
+        dp.close()
+    assert isinstance(ref.model.embed_tokens.weight, DTensor)  # the reference is sharded too
+    assert m1["kl"] == 0.0 and m2["kl"] == 0.0
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=0.02, abs=1e-3)
+    gap = max(
+        float((master_weights(opt1, p) - full[n].float()).abs().max()) for n, p in one.named_parameters()
+    )
+    print(f"fsdp 2-rank bf16 vs 1-rank bf16: max weight diff {gap:.2e}")
+    assert gap < 5e-3  # lr 1e-3: a step moves weights ~1e-3; bf16 gradients agree to a few ulps

@@ -239,6 +239,9 @@ class TrainSection(_Section):
     train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
     time_budget_s: float | None = None  # stop after the step during which this much training time ran out
     device: str = "cpu"  # where the policy (and reference) model trains: "cpu" or "cuda[:N]"
+    # precision of the policy and the KL reference: float32, or bfloat16 (bf16 compute, exact fp32
+    # master weights and fp32 AdamW moments; trainer/precision.py, docs/scale.md)
+    dtype: Literal["float32", "bfloat16"] = "float32"
     # data-parallel trainer ranks: k > 1 starts k - 1 worker processes (or joins those torchrun started)
     # that each take a share of every update's rows; the update equals the 1-rank one (docs/scale.md)
     world_size: int = Field(default=1, ge=1)

@@ -271,9 +271,16 @@ def attach_lora(model: nn.Module, section: Any, seed: int, base_model: str | Pat
     return adapter
 
 
-def reference_model(model: nn.Module, model_dir: str | Path, device: str, adapter: LoraAdapter | None) -> Any:
-    """The frozen initial policy for the KL term: under LoRA the base itself (`base_view`, no copy of
-    the weights), else a second copy loaded from `model_dir`."""
+def reference_model(
+    model: nn.Module,
+    model_dir: str | Path,
+    device: str,
+    adapter: LoraAdapter | None,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """The frozen initial policy for the KL term, in the policy's compute `dtype` (`train.dtype`): under
+    LoRA the base itself (`base_view`, no copy of the weights), else a second copy loaded from
+    `model_dir`."""
     if adapter is not None:
         return base_view(model, adapter)
-    return load_model(model_dir, device=device).requires_grad_(False)
+    return load_model(model_dir, dtype=dtype, device=device).requires_grad_(False)

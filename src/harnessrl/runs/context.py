@@ -28,6 +28,7 @@ from harnessrl.trainer.loop import Progress, TrainContext
 from harnessrl.trainer.metrics import MetricsLogger
 from harnessrl.trainer.policies import PolicyState
 from harnessrl.trainer.ppo import lr_lambda
+from harnessrl.trainer.precision import make_optimizer, torch_dtype
 from harnessrl.trainer.trackers import make_trackers
 from harnessrl.trainer.weights import EngineAdmin, engine_admin
 
@@ -96,7 +97,9 @@ def build_trainer(
     """The trainer's side of the run: the model (and a frozen reference for KL), AdamW with its LR
     schedule, metrics and trackers, and with `train.world_size` > 1 the other data-parallel ranks."""
     tc = cfg.train
-    model = load_model(model_dir, device=tc.device)
+    dtype = torch_dtype(tc.dtype)  # FSDP keeps fp32 shards (the master weights) and computes in `dtype`
+    fsdp = tc.world_size > 1 and tc.parallel == "fsdp"
+    model = load_model(model_dir, dtype=torch.float32 if fsdp else dtype, device=tc.device)
     matmul = use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
     log.info("event=trainer_matmul path=%r", matmul)
     schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
@@ -104,14 +107,14 @@ def build_trainer(
         return _policies_trainer(cfg, run_dir, model, model_dir, parts, heldout, progress, notify, schedule)
     lora = attach_lora(model, tc.lora, tc.seed, model_dir) if tc.lora is not None else None
     trained = model.parameters() if lora is None else lora.parameters()  # LoRA: no state for the base
-    optimizer = torch.optim.AdamW(trained, lr=tc.lr, weight_decay=tc.weight_decay)
+    optimizer = make_optimizer(trained, next(model.parameters()).dtype, tc.lr, tc.weight_decay)
     metrics = MetricsLogger(run_dir, make_trackers(
         tc.log_to, run_dir, parts.run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project,
         tc.wandb_mode, tc.mlflow_tracking_uri))  # fmt: skip
     ctx = TrainContext(
         cfg, parts.run_id, run_dir, parts.client, parts.controller, parts.engine, model, optimizer, metrics,
         progress, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-        ref_model=reference_model(model, model_dir, tc.device, lora) if tc.kl_coef > 0 else None,
+        ref_model=reference_model(model, model_dir, tc.device, lora, dtype) if tc.kl_coef > 0 else None,
         heldout=heldout, notify=notify, lora=lora,
     )  # fmt: skip
     if tc.teacher is not None:  # on-policy distillation (its tokenizer was checked before the run)
@@ -123,7 +126,8 @@ def build_trainer(
 
         ctx.data_parallel = DataParallel(model, optimizer, model_dir, tc.world_size, threads=tc.threads,
                                          matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs",
-                                         parallel=tc.parallel)  # fmt: skip
+                                         parallel=tc.parallel, dtype=tc.dtype,
+                                         ref_model=ctx.ref_model)  # fmt: skip
     return ctx
 
 

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.causal_lm import CausalLM
-from harnessrl.trainer.ppo import _STAT_KEYS, PPOConfig, micro_batch_loss
+from harnessrl.trainer.ppo import _MAX_KEYS, _STAT_KEYS, PPOConfig, micro_batch_loss
 
 
 def _sum_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -42,7 +42,7 @@ class RankLoss(nn.Module):
         checkpoint_layers: bool | None,
     ) -> tuple[Tensor, dict[str, float], Tensor | None]:
         if not idx:
-            return self.idle(), dict.fromkeys(_STAT_KEYS, 0.0), None
+            return self.idle(), dict.fromkeys((*_STAT_KEYS, *_MAX_KEYS), 0.0), None
         return micro_batch_loss(self.policy, batch, idx, cfg, prox, ref_model, checkpoint_layers)
 
     def idle(self) -> Tensor:

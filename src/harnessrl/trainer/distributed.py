@@ -61,7 +61,15 @@ from harnessrl.trainer.checkpoint import (
     training_state_path,
 )
 from harnessrl.trainer.ddp import divergence, sync_state, wrap
-from harnessrl.trainer.fsdp import ShardedLoss, gather_full, load_full, micro_batch_slots, model_view, shard
+from harnessrl.trainer.fsdp import (
+    ShardedLoss,
+    gather_full,
+    load_full,
+    micro_batch_slots,
+    model_view,
+    shard,
+    shard_reference,
+)
 from harnessrl.trainer.ppo import (
     NO_STEP_METRICS,
     PPOConfig,
@@ -69,6 +77,7 @@ from harnessrl.trainer.ppo import (
     rows_to_run,
     update_epochs,
 )
+from harnessrl.trainer.precision import MasterAdamW, torch_dtype
 
 log = logging.getLogger("harnessrl.trainer.distributed")  # also when run as __main__ (a worker rank)
 
@@ -122,7 +131,7 @@ def rank_update(
     metrics = update_epochs(
         policy, optimizer, groups, cfg,
         lambda idx, prox: root(batch, idx, cfg, prox, ref_model, checkpoint_layers),
-        progress=progress, no_sync=no_sync, sum_over_ranks=_sum_over_ranks,
+        progress=progress, no_sync=no_sync, sum_over_ranks=_sum_over_ranks, max_over_ranks=_max_over_ranks,
     )  # fmt: skip
     return {**metrics, "lr": lr, "skipped_zero_adv_rows": skipped, "ranks": float(world),
             "rank_rows_max": float(max(len(s) for s in shards))}  # fmt: skip
@@ -134,6 +143,18 @@ def _sum_over_ranks(values: list[float]) -> list[float]:
     summed = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(summed)
     return [float(v) for v in summed.tolist()]
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's maximum over all ranks."""
+    top = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return [float(v) for v in top.tolist()]
+
+
+def _optimizer_class(name: str) -> Any:
+    """The optimizer a rank builds, by the name rank 0 sent (`MasterAdamW`: bf16 with master weights)."""
+    return MasterAdamW if name == MasterAdamW.__name__ else getattr(torch.optim, name)
 
 
 class DataParallel:
@@ -155,12 +176,14 @@ class DataParallel:
         log_dir: Path | None = None,
         port: int | None = None,
         parallel: Literal["ddp", "fsdp"] = "ddp",
+        dtype: str = "float32",
+        ref_model: CausalLM | None = None,
     ) -> None:
         if world_size < 2:
             raise ValueError("DataParallel needs world_size >= 2 (1 is the plain single-process update)")
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process")
-        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, MasterAdamW):
             raise ValueError(f"data-parallel ranks build AdamW, Adam or SGD, not {type(optimizer).__name__}")
         self.model, self.optimizer, self.world_size, self.parallel = model, optimizer, world_size, parallel
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
@@ -170,7 +193,7 @@ class DataParallel:
         device = next(model.parameters()).device
         spec = {"world_size": world_size, "model_dir": str(model_dir), "threads": self.threads, "matmul": matmul,
                 "optimizer": type(optimizer).__name__, "defaults": defaults, "kl_coef": kl_coef,
-                "parallel": parallel, "device": device.type}  # fmt: skip
+                "parallel": parallel, "device": device.type, "dtype": dtype}  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
         try:
@@ -184,7 +207,11 @@ class DataParallel:
                 init = spec["init"] = f"tcp://127.0.0.1:{port or free_port()}"
                 self._spawn(spec, log_dir)
                 launch.join(init, 0, world_size, JOIN_TIMEOUT_S)
-            self.root: Root = wrap(model) if parallel == "ddp" else shard(model, optimizer)
+            self.root: Root = (
+                wrap(model) if parallel == "ddp" else shard(model, optimizer, torch_dtype(dtype))
+            )
+            if parallel == "fsdp" and ref_model is not None:  # as every worker shards its own
+                shard_reference(ref_model)
         except BaseException:
             self._kill()
             raise
@@ -312,22 +339,23 @@ def worker(rank: int, spec: dict[str, Any]) -> None:
 
     torch.set_num_threads(int(spec["threads"]))
     device = launch.rank_device(spec.get("device", "cpu"), rank)
-    model = load_model(spec["model_dir"], device=str(device))
+    dtype = torch_dtype(spec.get("dtype", "float32"))
+    fsdp = spec.get("parallel", "ddp") == "fsdp"  # fsdp: fp32 shards (the master weights), compute in dtype
+    model = load_model(spec["model_dir"], dtype=torch.float32 if fsdp else dtype, device=str(device))
     if str(spec["matmul"]).startswith("onednn"):
         use_onednn_for_training(model, "onednn", device)
-    cls = getattr(torch.optim, spec["optimizer"])
+    cls = _optimizer_class(spec["optimizer"])
     accepted = inspect.signature(cls).parameters
     defaults = {
         k: tuple(v) if isinstance(v, list) else v for k, v in spec["defaults"].items() if k in accepted
     }
-    fsdp = spec.get("parallel", "ddp") == "fsdp"
-    root: Root = shard(model) if fsdp else wrap(model)
+    root: Root = shard(model, dtype=dtype) if fsdp else wrap(model)
     optimizer = cls(model.parameters(), **defaults)  # after sharding: over this rank's shards
-    ref = (
-        load_model(spec["model_dir"], device=str(device)).requires_grad_(False)
-        if spec["kl_coef"] > 0
-        else None
-    )
+    ref = None
+    if spec["kl_coef"] > 0:  # in the compute dtype, sharded as the policy is
+        ref = load_model(spec["model_dir"], dtype=dtype, device=str(device)).requires_grad_(False)
+        if fsdp:
+            shard_reference(ref)
     log.info("event=rank_ready rank=%d parallel=%s device=%s", rank, spec.get("parallel", "ddp"), device)
     while True:
         box: list[Any] = [None]

@@ -24,9 +24,11 @@ other ranks keep nothing) and, for checkpoints, the full optimizer state in the 
 (keyed by parameter index, as `torch.optim.AdamW.state_dict()`), so a checkpoint written by k sharded
 ranks is an ordinary checkpoint: 1 rank resumes it, and `load_full` reshards one onto any k.
 
-Devices. CPU ranks use gloo and fp32 throughout. With CUDA each rank uses `cuda:<LOCAL_RANK>` and NCCL,
-with bf16 parameters for compute and fp32 gradient reduction and optimizer state (FSDP2's
-`MixedPrecisionPolicy`) where the GPU supports bf16 (then the update is no longer bit-close to fp32).
+Devices and precision. CPU ranks use gloo, CUDA ranks `cuda:<LOCAL_RANK>` and NCCL. The precision is
+`train.dtype` on every device (never chosen by the device): the sharded parameters are fp32 (the master
+weights; AdamW's moments are fp32 too), and with bfloat16 FSDP2's `MixedPrecisionPolicy` all-gathers
+them as bf16 for the forward and backward and reduce-scatters the gradients in fp32. The KL reference
+is loaded in the compute dtype and sharded the same way (`shard_reference`): no rank holds a whole copy.
 """
 
 from __future__ import annotations
@@ -73,28 +75,37 @@ def idle_loss(policy: CausalLM) -> Tensor:
     return sel.logprobs.sum() * 0.0
 
 
-def mixed_precision(device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 reduction on a GPU that has bf16; fp32 everywhere else (CPU: exact)."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        # inputs are not cast: the root's include the proximal logprobs (fp32), the layers' are bf16 already
-        return MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
-        )
-    return MixedPrecisionPolicy()
+def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """The compute precision `dtype` (`train.dtype`) over fp32 shards: bf16 parameters in the forward and
+    backward with fp32 gradient reduction, or fp32 throughout (exact: the 1-process update's)."""
+    if dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    # inputs are not cast: the root's include the proximal logprobs (fp32), the layers' are bf16 already
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def shard(policy: CausalLM, optimizer: torch.optim.Optimizer | None = None) -> ShardedLoss:
-    """Shard `policy` in place over all ranks of the process group (each layer a unit, the rest the
-    root) and return the root. An `optimizer` built on the unsharded parameters (and not stepped yet) is
-    pointed at the sharded ones."""
-    device = next(policy.parameters()).device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = mixed_precision(device)
+def _shard_layers(model: CausalLM, mp: MixedPrecisionPolicy) -> list[FSDPModule]:
+    """Every decoder layer of `model` an FSDP unit, called through its `sharded_step`."""
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     units: list[FSDPModule] = []
-    for layer in policy.model.blocks:
+    for layer in model.model.blocks:
         setattr(layer, SHARDED_STEP, functools.partial(layer_forward, layer))
         units.append(fully_shard(layer, mesh=mesh, mp_policy=mp))
         register_fsdp_forward_method(layer, SHARDED_STEP)
+    return units
+
+
+def shard(
+    policy: CausalLM, optimizer: torch.optim.Optimizer | None = None, dtype: torch.dtype = torch.float32
+) -> ShardedLoss:
+    """Shard `policy` (fp32) in place over all ranks of the process group (each layer a unit, the rest the
+    root), computing in `dtype`, and return the root. An `optimizer` built on the unsharded parameters
+    (and not stepped yet) is pointed at the sharded ones."""
+    if next(policy.parameters()).dtype != torch.float32:
+        raise ValueError("FSDP shards fp32 parameters (the master weights); load the policy in float32")
+    mesh = init_device_mesh(next(policy.parameters()).device.type, (dist.get_world_size(),))
+    mp = mixed_precision(dtype)
+    units = _shard_layers(policy, mp)
     root = fully_shard(ShardedLoss(policy), mesh=mesh, mp_policy=mp)
     for unit in (*units, root):
         unit.set_gradient_divide_factor(1.0)  # SUM over ranks, not the mean
@@ -102,6 +113,17 @@ def shard(policy: CausalLM, optimizer: torch.optim.Optimizer | None = None) -> S
     if optimizer is not None:
         _adopt(optimizer, policy)
     return root  # type: ignore[return-value]
+
+
+def shard_reference(ref: CausalLM) -> CausalLM:
+    """Shard the frozen KL reference (loaded in the compute dtype) as the policy is sharded: each layer a
+    unit gathered when it runs, the rest a root unit that `trainer.ppo` gathers around the reference's
+    forward (`FSDPModule.unshard`). Every rank calls it, after `shard`."""
+    mp = MixedPrecisionPolicy()  # already in the compute dtype
+    _shard_layers(ref, mp)
+    mesh = init_device_mesh(next(ref.parameters()).device.type, (dist.get_world_size(),))
+    fully_shard(ref, mesh=mesh, mp_policy=mp)
+    return ref
 
 
 def _adopt(optimizer: torch.optim.Optimizer, policy: nn.Module) -> None:

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.causal_lm import CausalLM
@@ -165,17 +166,17 @@ def micro_batch_loss(
     behaviour = p.old_lp[sel.row, sel.pos]
     adv = p.adv[sel.row] if p.adv.dim() == 1 else p.adv[sel.row, sel.pos]
     w = p.weights[sel.row, sel.pos]
+    start = sel.logprobs.detach() if prox is None else prox  # the trainer's policy before this update
     if cfg.tis_cap is None:
         base, iw = behaviour, torch.ones_like(behaviour)
     else:
-        base = sel.logprobs.detach() if prox is None else prox
-        iw = tis_weight(base, behaviour, cfg.tis_cap)
+        base, iw = start, tis_weight(start, behaviour, cfg.tis_cap)
     loss_t = iw * ppo_token_loss(sel.logprobs, base, adv, cfg.clip_low, cfg.clip_high)
     kl_sum = 0.0
     if cfg.kl_coef > 0:
         if ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
-        with torch.no_grad():
+        with torch.no_grad(), gathered(ref_model):
             ref = selected_logprobs(ref_model, p.tokens, p.select, p.temps, p.prefix).logprobs
         kl = k3_kl(ref, sel.logprobs)
         loss_t = loss_t + cfg.kl_coef * kl
@@ -183,8 +184,12 @@ def micro_batch_loss(
     loss = (loss_t * w).sum()
     with torch.no_grad():
         ratio = torch.exp(sel.logprobs - base)
+        behaviour_ratio = torch.exp(start - behaviour)  # exp(π − μ): engine/trainer gap, before any cap
         assert sel.entropy is not None
         stats = {
+            "logprob_diff_max": float((start - behaviour).abs().max()),
+            "tis_ratio_sum": float(behaviour_ratio.sum()),
+            "tis_ratio_max": float(behaviour_ratio.max()),
             "tokens": float(ratio.numel()),
             "clipped": float(((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)).sum()),
             "logprob_diff_abs": float((sel.logprobs - behaviour).abs().sum()),
@@ -194,6 +199,20 @@ def micro_batch_loss(
             "tis_truncated": float((iw >= cfg.tis_cap).sum()) if cfg.tis_cap is not None else 0.0,
         }
     return loss, stats, sel.logprobs.detach()
+
+
+@contextmanager
+def gathered(model: torch.nn.Module) -> Iterator[None]:
+    """A sharded reference's root unit gathered for its forward (`trainer.fsdp.shard_reference`; its layers
+    gather themselves); nothing for an ordinary model."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
 
 
 def ppo_update(
@@ -268,6 +287,7 @@ def update_epochs(
     progress: Callable[[int, int], None] | None = None,
     no_sync: Callable[[], AbstractContextManager[object]] | None = None,
     sum_over_ranks: Callable[[list[float]], list[float]] | None = None,
+    max_over_ranks: Callable[[list[float]], list[float]] | None = None,
 ) -> dict[str, float]:
     """The epoch loop of an update, shared by the single-process (`ppo_update`) and the data-parallel
     update (`trainer.distributed`): per epoch, the micro-batches' losses are backpropagated one by one
@@ -277,13 +297,13 @@ def update_epochs(
 
     Data parallel: `no_sync` is entered around every micro-batch of an epoch but the last (DDP then
     reduces the gradients once, at the last backward), and `sum_over_ranks` sums the epoch's loss and
-    statistics over the ranks before they are reported."""
+    statistics over the ranks before they are reported (`max_over_ranks` the statistics that are maxima)."""
     model.train()
     metrics: dict[str, float] = {}
     prox: list[Tensor | None] = [None] * len(groups)
     for epoch in range(cfg.epochs):
         optimizer.zero_grad(set_to_none=True)
-        total_loss, agg = 0.0, dict.fromkeys(_STAT_KEYS, 0.0)
+        total_loss, agg = 0.0, dict.fromkeys((*_STAT_KEYS, *_MAX_KEYS), 0.0)
         for g, idx in enumerate(groups):
             last = g == len(groups) - 1
             with nullcontext() if last or no_sync is None else no_sync():
@@ -296,11 +316,15 @@ def update_epochs(
             if epoch == 0:
                 prox[g] = new_lp
             total_loss += float(loss.detach())
-            for k in agg:
+            for k in _STAT_KEYS:
                 agg[k] += stats[k]
+            for k in _MAX_KEYS:
+                agg[k] = max(agg[k], stats[k])
         if sum_over_ranks is not None:
             summed = sum_over_ranks([total_loss, *(agg[k] for k in _STAT_KEYS)])
-            total_loss, agg = summed[0], dict(zip(_STAT_KEYS, summed[1:], strict=True))
+            total_loss, agg = summed[0], {**agg, **dict(zip(_STAT_KEYS, summed[1:], strict=True))}
+        if max_over_ranks is not None:
+            agg.update(zip(_MAX_KEYS, max_over_ranks([agg[k] for k in _MAX_KEYS]), strict=True))
         # the parameters being trained: the model's, or a LoRA adapter's (the model's are then frozen)
         trained = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm))
@@ -324,6 +348,11 @@ def _epoch_metrics(total_loss: float, grad_norm: float, agg: dict[str, float]) -
         "entropy": agg["entropy_sum"] / n,
         "kl": agg["kl_sum"] / n,
         "tis_truncated_frac": agg["tis_truncated"] / n,
+        # engine vs trainer before the update (a precision mismatch shows here): max |π − μ| and the
+        # behaviour ratio exp(π − μ) that TIS caps, mean and max
+        "mismatch_max": agg["logprob_diff_max"],
+        "tis_ratio_mean": agg["tis_ratio_sum"] / n,
+        "tis_ratio_max": agg["tis_ratio_max"],
     }
 
 
@@ -335,7 +364,17 @@ def release_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     release_freed_memory()
 
 
-_STAT_KEYS = ("tokens", "clipped", "logprob_diff_abs", "ratio_sum", "entropy_sum", "kl_sum", "tis_truncated")
+_STAT_KEYS = (
+    "tokens",
+    "clipped",
+    "logprob_diff_abs",
+    "ratio_sum",
+    "entropy_sum",
+    "kl_sum",
+    "tis_truncated",
+    "tis_ratio_sum",
+)
+_MAX_KEYS = ("logprob_diff_max", "tis_ratio_max")  # statistics taken as the maximum over micro-batches
 
 
 def lr_lambda(

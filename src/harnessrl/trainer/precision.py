@@ -1,0 +1,124 @@
+"""Training precision (`train.dtype`): float32, or bfloat16 with exact fp32 master weights.
+
+bfloat16 (one process, DDP). The model's parameters are bf16: the forward, the backward and the
+gradients run in bf16, and the KL reference is loaded in bf16 too (same precision as the policy, so
+k3 is exactly 0 at step 0). The optimizer (`MasterAdamW`) keeps for every bf16 parameter the 16 bits
+that fp32 has beyond bf16, so the master weight is an exact fp32 number held as
+
+    master_bits = (bf16_bits << 16) + low        (int32 bit patterns; low ∈ [-2^15, 2^15) an int16)
+
+where the bf16 half is the master rounded to nearest (ties away from zero). Each step rebuilds one
+parameter's fp32 master at a time, runs torch's own AdamW arithmetic on it with the gradient in fp32
+and fp32 moments, and splits it again. So the update is bit-identical to fp32 AdamW on the master
+weights given the same gradients, while the resident state is 2 (bf16 weight) + 2 (low half) + 2 (bf16
+gradient) + 8 (fp32 moments) = 14 bytes a parameter instead of fp32's 16, and activations are halved.
+Gradients of several micro-batches add up in bf16 (the one place precision is given up).
+Parameters that are not bf16 (a LoRA adapter's fp32 A and B over a bf16 base) step as plain AdamW.
+
+FSDP (`train.parallel: fsdp`) keeps its sharded parameters fp32 (they are the master weights) and
+computes in bf16 through FSDP2's `MixedPrecisionPolicy` (`trainer.fsdp.mixed_precision`): the choice
+follows `train.dtype` on every device, never the device alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adamw import adamw
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LOW_KEY = "master_low"  # the int16 low half of a bf16 parameter's fp32 master weight (optimizer state)
+FP32_STATE = ("exp_avg", "exp_avg_sq")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `train.dtype` name."""
+    if name not in DTYPES:
+        raise ValueError(f"train.dtype must be one of {sorted(DTYPES)}, not {name!r}")
+    return DTYPES[name]
+
+
+def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
+    """An fp32 tensor -> (its bf16 rounding to nearest, the int16 low half) with `join_master` exact."""
+    bits = master.contiguous().view(torch.int32).to(torch.int64)
+    high = (bits + 0x8000) >> 16  # floor shift: rounds the magnitude to nearest, ties away from zero
+    low = (bits - (high << 16)).to(torch.int16)  # in [-2^15, 2^15)
+    return high.to(torch.int32).to(torch.int16).view(torch.bfloat16), low
+
+
+def join_master(high: Tensor, low: Tensor) -> Tensor:
+    """The exact fp32 master weight of a bf16 tensor and its int16 low half (`split_master`)."""
+    bits = (high.contiguous().view(torch.int16).to(torch.int32) << 16) + low.to(torch.int32)
+    return bits.view(torch.float32)
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """AdamW over bf16 parameters with exact fp32 master weights and fp32 moments (module docstring);
+    fp32 parameters step as `torch.optim.AdamW` does. Only the plain options (no amsgrad, foreach,
+    fused, capturable or maximize)."""
+
+    def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
+        for flag in ("amsgrad", "foreach", "fused", "capturable", "maximize", "differentiable"):
+            if kwargs.get(flag):
+                raise ValueError(f"MasterAdamW does not support {flag}=True")
+        super().__init__(params, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One AdamW step; each bf16 parameter is updated through its rebuilt fp32 master."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                    if p.dtype == torch.bfloat16:
+                        state[LOW_KEY] = torch.zeros_like(p, dtype=torch.int16)
+                bf16 = p.dtype == torch.bfloat16
+                master = join_master(p, state[LOW_KEY]) if bf16 else p
+                adamw([master], [p.grad.float()], [state["exp_avg"]], [state["exp_avg_sq"]], [],
+                      [state["step"]], foreach=False, amsgrad=False, beta1=beta1, beta2=beta2,
+                      lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                      maximize=False)  # fmt: skip
+                if bf16:
+                    high, state[LOW_KEY] = split_master(master)
+                    p.copy_(high)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As `Optimizer.load_state_dict`, but the moments stay fp32 and the low halves int16 (the base
+        class casts every state tensor of a parameter to the parameter's dtype)."""
+        kept = {i: {k: v for k, v in s.items() if k in (*FP32_STATE, LOW_KEY)}
+                for i, s in state_dict["state"].items()}  # fmt: skip
+        super().load_state_dict(state_dict)
+        ids = [p for g in self.param_groups for p in g["params"]]
+        for i, tensors in kept.items():
+            p = ids[int(i)]
+            for k, v in tensors.items():
+                self.state[p][k] = v.to(p.device)
+
+
+def master_weights(optimizer: torch.optim.Optimizer, param: Tensor) -> Tensor:
+    """The fp32 master of `param` (a bf16 parameter under `MasterAdamW` after its first step: exact;
+    otherwise the parameter in fp32)."""
+    low = optimizer.state.get(param, {}).get(LOW_KEY)
+    return join_master(param, low) if low is not None else param.detach().float()
+
+
+def make_optimizer(
+    params: Iterable[Any], dtype: torch.dtype, lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """The trainer's AdamW: `MasterAdamW` when the model trains in bf16, else `torch.optim.AdamW`."""
+    cls = MasterAdamW if dtype == torch.bfloat16 else torch.optim.AdamW
+    return cls(params, lr=lr, weight_decay=weight_decay)
