@@ -128,3 +128,26 @@ def test_reference_under_lora_is_the_base_without_a_copy(engine_tiny_dir: Path) 
     assert (policy - base).abs().max() > 1e-3
     assert (reference - base).abs().max() < 1e-5  # the oneDNN path rounds differently from F.linear
     assert adapter.enabled and not any(p.requires_grad for p in ref.parameters())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("rank_pattern", {"q_proj": 2}), ("alpha_pattern", {"v_proj": 4}), ("layers_to_transform", [0]),
+     ("modules_to_save", ["lm_head"]), ("fan_in_fan_out", True), ("lora_bias", True), ("bias", "all"),
+     ("use_rslora", True)],
+)  # fmt: skip
+def test_read_peft_refuses_what_it_does_not_apply(
+    engine_tiny_dir: Path, tmp_path: Path, field: str, value: object
+) -> None:
+    """A config PEFT itself writes (peft.LoraConfig.save_pretrained) with one field set that a merge with
+    one global r and alpha would ignore is refused, naming that field; the plain one is read."""
+    peft = pytest.importorskip("peft")
+    spec = LoraSpec(r=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    _, adapter = _adapted(engine_tiny_dir, spec)
+    out = save_peft(adapter, tmp_path / "adapter", str(engine_tiny_dir))
+    plain = {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
+    peft.LoraConfig(**plain).save_pretrained(str(out))
+    assert read_peft(out)[0].r == 4
+    peft.LoraConfig(**plain, **{field: value}).save_pretrained(str(out))
+    with pytest.raises(ValueError, match=f"sets {field}="):
+        read_peft(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,49 @@ def test_smollm2_dir_is_converted_once(smollm2_model_dir: Path, monkeypatch: pyt
     d = smollm2_dir()
     assert resolve_model("smollm2") == d == resolve_model("SmolLM2-135M-Instruct")
     assert (d / "tokenizer.json").is_file() and (d / "config.json").is_file()
+
+
+def _sharded_copy(src: Path, out: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """`src`'s weights as 2 shards + model.safetensors.index.json (as transformers writes a big model),
+    with `extra` tensors added to the second shard."""
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copyfile(f, out / f.name)
+    state = load_state_dict_file(src)
+    names = sorted(state)
+    parts = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for i, part in enumerate(parts):
+        file = f"model-{i + 1:05d}-of-00002.safetensors"
+        tensors = {n: state[n] for n in part} | (extra if i else {})
+        save_file(tensors, str(out / file))
+        weight_map.update(dict.fromkeys(tensors, file))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def test_sharded_folder_loads_by_its_index_into_the_target_dtype(
+    tmp_path: Path, engine_tiny_dir: Path
+) -> None:
+    """A folder of shards is read through its index, tensor by tensor, straight into the dtype asked;
+    a RoPE inv_freq buffer some exporters write is skipped by name; a stray shard the index does not name
+    is not read, a tensor the model lacks is refused."""
+    inv = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    sharded = _sharded_copy(engine_tiny_dir, tmp_path / "sharded", inv)
+    save_file(
+        {"junk.weight": torch.ones(2)}, str(sharded / "model-99999-of-99999.safetensors")
+    )  # not indexed
+    want = load_model(engine_tiny_dir)
+    got = load_model(sharded, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in got.parameters())
+    for (name, a), b in zip(want.state_dict().items(), got.state_dict().values(), strict=True):
+        assert torch.equal(a.to(torch.bfloat16), b), name
+    assert got.lm_head.weight is got.model.embed_tokens.weight
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in load_state_dict_file(sharded)
+    bad = _sharded_copy(engine_tiny_dir, tmp_path / "bad", {"model.layers.0.mlp.extra.weight": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"unexpected=\['model\.layers\.0\.mlp\.extra\.weight'\]"):
+        load_model(bad)
+    (bad / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002"):
+        load_model(bad)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from harnessrl.modeling.causal_lm import CausalLM
@@ -36,6 +36,7 @@ from harnessrl.modeling.families import config_from_hf, config_to_hf
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.rope import RopeScaling, RopeType
 from harnessrl.modeling.transformer import ModelConfig
+from harnessrl.modeling.weight_files import WEIGHTS_FILE, WeightReader, is_ignored
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-WEIGHTS_FILE = "model.safetensors"
 # "smollm2-16k", "smollm2-32k-linear": SmolLM2 with its RoPE scaled to N * 1024 tokens
 GEMMA3_270M_NAME = "gemma-3-270m"
 GEMMA3_270M_ALIASES = {"gemma3-270m", "gemma-3-270m", "google/gemma-3-270m"}
@@ -231,25 +231,17 @@ def read_model_config(path: str | Path) -> ModelConfig:
     return cfg
 
 
-def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Load a state dict from a .safetensors file or a directory holding model.safetensors (or shards)."""
-    p = Path(path)
-    if p.is_file():
-        return load_file(str(p))
-    if (p / WEIGHTS_FILE).is_file():
-        return load_file(str(p / WEIGHTS_FILE))
-    shards = sorted(p.glob("model-*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"no {WEIGHTS_FILE} (or model-*.safetensors shards) in {p}")
-    out: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        out.update(load_file(str(shard)))
-    return out
+def load_state_dict_file(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The whole state dict of a .safetensors file or a model folder (model.safetensors, or the shards
+    its model.safetensors.index.json names), in `dtype` if given, ignored buffers left out. Loading a
+    model reads tensor by tensor instead (`load_weights_lazily`)."""
+    with WeightReader(path) as reader:
+        return dict(reader.tensors(dtype))
 
 
 def check_state_dict(model: CausalLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Validate a HF-named state dict against `model` (names and shapes); fill a tied lm_head."""
-    state = dict(state)
+    state = {k: v for k, v in state.items() if not is_ignored(k)}
     if model.config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     expected = model.state_dict()
@@ -271,18 +263,39 @@ def load_weights_into(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
             param.copy_(state[name])
 
 
+def load_weights_lazily(model: CausalLM, path: str | Path) -> None:
+    """Fill `model`'s parameters from a model folder (or file) tensor by tensor, each read straight into
+    the parameter's dtype and device (names and shapes checked first, as `check_state_dict` does)."""
+    params = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    with WeightReader(path) as reader:
+        have = set(reader.names())
+        if model.config.tie_word_embeddings:
+            have.discard("lm_head.weight")  # some exporters write the tied head too: the embedding serves
+        missing, unexpected = sorted(set(params) - have), sorted(have - set(params))
+        if missing or unexpected:
+            raise ValueError(f"state dict mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+        for name, param in params.items():
+            if reader.shape(name) != tuple(param.shape):
+                raise ValueError(f"{name}: shape {reader.shape(name)} != model's {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(reader.get(name, param.dtype))
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
-    """Build the model of a model directory (or name) in eval mode, whichever supported family it is."""
+    """Build the model of a model directory (or name) in eval mode, whichever supported family it is:
+    built on the meta device in `dtype`, then filled tensor by tensor (peak: the model + one tensor)."""
     d = resolve_model(path)
     t0 = time.monotonic()
     with torch.device("meta"):
-        model = CausalLM(read_model_config(d))
+        model = CausalLM(read_model_config(d)).to(dtype)
     model = model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights_into(model, load_state_dict_file(d))
-    model = model.to(dtype).eval()
-    release_freed_memory()  # the state dict read from disk (and an fp32 copy cast away) is garbage now
+    load_weights_lazily(model, d)
+    model = model.eval()
+    release_freed_memory()  # the tensors read one by one are garbage now
     log.info("event=model_loaded path=%s dtype=%s seconds=%.2f", d, dtype, time.monotonic() - t0)
     return model
 

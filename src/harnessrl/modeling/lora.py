@@ -233,12 +233,34 @@ def is_peft_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+# adapter_config.json fields this code does not apply, with the value that means "not used"
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {},
+    "layers_to_transform": None, "layers_pattern": None, "modules_to_save": None, "fan_in_fan_out": False,
+    "lora_bias": False, "bias": "none",
+}  # fmt: skip
+
+
+def check_peft_config(cfg: Mapping[str, Any], where: str) -> None:
+    """Refuse an adapter config that sets a field `read_peft` would otherwise ignore (merging it with one
+    global r and alpha would give other weights than PEFT's), naming the field."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported; only LORA adapters")
+    for key, unused in UNSUPPORTED_FIELDS.items():
+        value = cfg.get(key, unused)
+        if value != unused and not (unused in ({}, None) and not value):
+            raise ValueError(
+                f"{where}: adapter_config.json sets {key}={value!r}, which harnessrl does not apply; "
+                f"only plain LoRA with one r and lora_alpha for every target ({key}: {unused!r})"
+            )
+
+
 def read_peft(path: str | Path) -> tuple[LoraSpec, dict[str, Tensor]]:
-    """The spec and tensors of a PEFT LoRA folder (plain scaling only: no rsLoRA, DoRA or bias)."""
+    """The spec and tensors of a PEFT LoRA folder (plain LoRA only: fields it would not apply are
+    refused by name, `check_peft_config`)."""
     p = Path(path)
     cfg = json.loads((p / ADAPTER_CONFIG).read_text())
-    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_rslora") or cfg.get("use_dora"):
-        raise ValueError(f"{p}: only plain LoRA adapters are supported (peft_type LORA, no rsLoRA/DoRA)")
+    check_peft_config(cfg, str(p))
     targets = cfg.get("target_modules") or []
     spec = LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)),
                     tuple([targets] if isinstance(targets, str) else targets))  # fmt: skip

@@ -101,6 +101,9 @@ def shard(
     """Shard `policy` (fp32) in place over all ranks of the process group (each layer a unit, the rest the
     root), computing in `dtype`, and return the root. An `optimizer` built on the unsharded parameters
     (and not stepped yet) is pointed at the sharded ones."""
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):  # added to FSDP2 after torch 2.6
+        raise RuntimeError(f"train.parallel: fsdp needs a newer torch than {torch.__version__} (FSDP2's "
+                           "set_force_sum_reduction_for_comms); upgrade torch, or use train.parallel: ddp")  # fmt: skip
     if next(policy.parameters()).dtype != torch.float32:
         raise ValueError("FSDP shards fp32 parameters (the master weights); load the policy in float32")
     mesh = init_device_mesh(next(policy.parameters()).device.type, (dist.get_world_size(),))
