@@ -74,9 +74,16 @@ def _trainer_logprobs(model: torch.nn.Module, prompt: list[int], completion: lis
 
 
 def test_engine_serves_the_published_adapter_with_the_trainers_logprobs(
-    lora_server: ServerThread, engine_tiny_dir: Path, tmp_path: Path
+    lora_server: ServerThread, engine_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for version, seed in ((1, 11), (2, 12)):  # a second adapter replaces the first (not added to it)
+    """Each sync moves the adapter only, and the engine swaps it into the weights it holds: the base
+    folder is never read again (reading any weights file from disk fails here)."""
+
+    def no_disk_read(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"the engine read weights from disk during a LoRA sync: {args}")
+
+    monkeypatch.setattr("harnessrl.engine.core.load_state_dict_file", no_disk_read)
+    for version, seed in ((1, 11), (2, 12), (3, 13)):  # each adapter replaces the one before (not added)
         model, adapter = _trained(engine_tiny_dir, seed)
         asyncio.run(_publish(lora_server.url, model, tmp_path / "weights", version, adapter))
         pushed = sorted(p.name for p in (tmp_path / "weights" / f"v{version}").iterdir())

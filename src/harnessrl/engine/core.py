@@ -25,7 +25,7 @@ from harnessrl.modeling.loading import (
     load_tokenizer,
     resolve_model,
 )
-from harnessrl.modeling.lora import is_peft_dir, merge_peft_dir, read_peft
+from harnessrl.modeling.lora import LoraSpec, is_peft_dir, merge_peft_dir, read_peft, remerge
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import choose_matmul
 from harnessrl.modeling.served_lora import ServedAdapters
@@ -67,6 +67,9 @@ class Engine:
         finally:
             torch.set_num_threads(previous)
         self.adapters = ServedAdapters(self.model) if config.lora_adapters else None
+        # the LoRA adapter merged into the weights served (None: they are a full load's, e.g. the base);
+        # a LoRA sync swaps it for the new one in memory (`_read_weights`)
+        self.merged_adapter: tuple[LoraSpec, dict[str, torch.Tensor]] | None = None
         self.tokenizer = load_tokenizer(self.model_dir)
         self.text = TokenText(self.tokenizer)
         self.served_model_name = config.served_model_name or config.model
@@ -220,16 +223,27 @@ class Engine:
         return model
 
     def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """(scheduler thread, nothing running) The state dict to swap in: a model folder's weights, or
+        for a LoRA adapter folder (a few MB) the weights held now with the adapter merged before replaced
+        by this one (`remerge`: the base is not read again). Only when a level-2 sleep discarded the
+        weights is the base read from disk once, with the adapter merged into it."""
         p = Path(path)
         if not p.exists():
             raise EngineError(f"weights path {path} does not exist", "path")
+        dtype = self.model.lm_head.weight.dtype
         try:
-            if is_peft_dir(p):  # a LoRA adapter (a few MB): merged into the base this engine started from
-                state = merge_peft_dir(load_state_dict_file(self.model_dir), p)
+            if is_peft_dir(p):
+                adapter = read_peft(p)
+                if not self.scheduler.state.needs_weights:
+                    held = self.packed.state_dict() if self.packed is not None else self.model.state_dict()
+                    state = remerge({k: v.detach() for k, v in held.items()}, adapter, self.merged_adapter)
+                else:
+                    state = merge_peft_dir(load_state_dict_file(self.model_dir, dtype), p)
+                self.merged_adapter = adapter
             else:
-                state = load_state_dict_file(p)
-            dtype = self.model.lm_head.weight.dtype
-            return check_state_dict(self.model, {k: v.to(dtype) for k, v in state.items()})
+                state = load_state_dict_file(p, dtype)
+                self.merged_adapter = None
+            return check_state_dict(self.model, state)
         except (FileNotFoundError, ValueError) as exc:
             raise EngineError(f"cannot load weights from {path}: {exc}", "path") from exc
 
