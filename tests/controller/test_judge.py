@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import secrets
 import sys
 from collections.abc import Callable, Iterator
@@ -16,69 +15,24 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from harnessrl.controller import Controller, HarnessSpec, RolloutRequest
 from harnessrl.controller.grader import GraderError, grade
 from harnessrl.controller.group_grading import GroupGate
-from harnessrl.controller.judge import (
-    Judge,
-    JudgeError,
-    JudgeSpec,
-    digit_expectation,
-    parse_ranking,
-    parse_score,
-    rank_rewards,
-)
+from harnessrl.controller.judge import Judge, JudgeError, JudgeSpec, digit_expectation, parse_score
+from harnessrl.controller.judge_ranking import parse_ranking, rank_rewards
 from harnessrl.controller.runner import AttemptResult
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RewardIn, RolloutState, Task
 from harnessrl.store import SQLiteStore
 from tests.support.gateway import ThreadServer
-
-# request body -> the judge's text, or an HTTP status, or (text, the choice's `logprobs`)
-Script = Callable[[dict[str, Any]], str | int | tuple[str, Any]]
-
-
-class ScriptedJudge:
-    """An OpenAI-compatible chat endpoint whose answers a test scripts; it keeps every request."""
-
-    def __init__(self, script: Script) -> None:
-        self.script = script
-        self.requests: list[dict[str, Any]] = []
-        self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"])])
-
-    async def chat(self, request: Request) -> Response:
-        body = await request.json()
-        self.requests.append(body)
-        reply = self.script(body)
-        if isinstance(reply, int):
-            return JSONResponse({"error": {"message": "scripted failure"}}, status_code=reply)
-        text, logprobs = reply if isinstance(reply, tuple) else (reply, None)
-        choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
-        if logprobs is not None:
-            choice["logprobs"] = logprobs
-        return JSONResponse({"id": "j", "object": "chat.completion", "model": body["model"],
-                             "choices": [choice]})  # fmt: skip
+from tests.support.scripted_judge import Script, ScriptedJudge, StartJudge, candidates, scripted_judges
 
 
 @pytest.fixture
-def judge_server() -> Iterator[Callable[[Script], tuple[ScriptedJudge, str]]]:
-    servers: list[ThreadServer] = []
-
-    def start(script: Script) -> tuple[ScriptedJudge, str]:
-        judge = ScriptedJudge(script)
-        srv = ThreadServer(judge.app).__enter__()
-        servers.append(srv)
-        return judge, f"{srv.url}/v1"
-
-    yield start
-    for s in servers:
-        s.__exit__()
+def judge_server() -> Iterator[StartJudge]:
+    yield from scripted_judges()
 
 
 def _result(tmp_path: Path, name: str, answer: str | None) -> AttemptResult:
@@ -98,10 +52,12 @@ def test_parsers_take_the_last_line_and_refuse_garbage() -> None:
     for bad in ["great answer!", "SCORE: 11", "SCORE: -1", ""]:
         with pytest.raises(JudgeError):
             parse_score(bad, 10)
-    assert parse_ranking("RANKING: 2 > 3 > 1", 3) == [1, 2, 0]
-    assert parse_ranking("ranking: 1, 2", 2) == [0, 1]
-    for bad in ["RANKING: 1 > 1 > 2", "RANKING: 1 > 2", "RANKING: 1 > 2 > 4", "they are all good"]:
-        with pytest.raises(JudgeError):
+    assert parse_ranking("RANKING: 2 > 3 > 1", 3) == [[1], [2], [0]]
+    assert parse_ranking("ranking: 1, 2", 2) == [[0], [1]]
+    assert parse_ranking("RANKING: 3 = 1 > 2", 3) == [[2, 0], [1]]  # a tie
+    for bad in ["RANKING: 1 > 1 > 2", "RANKING: 1 > 2", "RANKING: 1 > 2 > 4", "RANKING: 1 = 2 = 1 > 3",
+                "they are all good"]:  # fmt: skip
+        with pytest.raises(ValueError):
             parse_ranking(bad, 3)
     assert rank_rewards([1, 2, 0]) == [0.0, 1.0, 0.5]  # candidate 2 best, 3 second, 1 last
     assert rank_rewards([3, 0, 2, 1]) == pytest.approx([2 / 3, 0.0, 1 / 3, 1.0])
@@ -224,10 +180,8 @@ async def test_logprob_mode_without_a_digit_or_logprobs_is_a_grader_error(
 
 def rank_by_text(body: dict[str, Any]) -> str:
     """A judge that ranks the candidates by their text, alphabetically (best first)."""
-    user = body["messages"][1]["content"]
-    found = re.findall(r"\[(\d+)\]\n(.*)", user)
-    order = sorted(found, key=lambda m: m[1])
-    return "Compared.\nRANKING: " + " > ".join(i for i, _ in order)
+    order = sorted(candidates(body), key=lambda m: m[1])
+    return "Compared.\nRANKING: " + " > ".join(str(i) for i, _ in order)
 
 
 def test_group_mode_ranks_the_answers_side_by_side(
@@ -240,8 +194,12 @@ def test_group_mode_ranks_the_answers_side_by_side(
     assert [r.value for r in rewards] == [0.5, 1.0, 0.0]
     assert len(server.requests) == 1  # one judge call for the whole group
     first = rewards[0].details["judge"]
-    assert first["ranking"] == [2, 1, 3] and first["candidate"] == 1 and first["place"] == 2
-    assert "[1]\nbravo" in first["prompt"][1]["content"] and "[3]\ncharlie" in first["prompt"][1]["content"]
+    (judged,) = first["judgments"]
+    assert first["candidate"] == 1 and judged["ranking"] == "2 > 1 > 3"  # in candidates, the shuffle undone
+    shown = [text for _, text in candidates(server.requests[0])]
+    assert shown == [
+        ["bravo", "alpha", "charlie"][c - 1] for c in judged["shown"]
+    ]  # the order it was shown in
 
 
 async def test_group_gate_grades_when_the_rest_of_the_group_has_left(tmp_path: Path) -> None:
@@ -301,9 +259,9 @@ async def test_controller_grades_a_group_larger_than_its_concurrency(
     by_id = sorted(good_out, key=lambda o: o.rollout_id)  # the scripted judge prefers the smaller id
     assert [o.reward for o in by_id] == [1.0, 0.5, 0.0]
     stored = store.get_reward(by_id[0].rollout_id)
-    assert stored is not None and stored.details["judge"]["ranking"] and stored.details["judge"]["place"] == 1
+    assert stored is not None and stored.details["judge"]["judgments"][0]["ranking"]
     assert all(o.state == RolloutState.FAILED and o.failure == "grader" for o in bad_out)
     assert "RANKING" in (bad_out[0].error or "")
-    judged = [len(re.findall(r"^\[\d+\]$", r["messages"][1]["content"], re.M)) for r in server.requests]
+    judged = [len(candidates(r)) for r in server.requests]
     assert sorted(judged) == [2, 2, 3]  # one call for the good group, two (one retry) for the bad one
     store.close()

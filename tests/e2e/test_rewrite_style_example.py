@@ -8,7 +8,6 @@ mode (whose error shows the engine's top_logprobs were read: no digit among them
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from harnessrl.gateway.client import ControlClient
 from harnessrl.schema import RolloutState
 from harnessrl.services import Service
 from tests.support.gateway import GatewayHandle, ThreadServer
+from tests.support.scripted_judge import candidates
 
 
 def test_config_resolves_to_a_logprob_judge_on_disjoint_splits() -> None:
@@ -48,9 +48,8 @@ def ranking_judge() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     async def chat(request: Request) -> Response:
         body = await request.json()
         seen.append(body)
-        found = re.findall(r"\[(\d+)\]\n(.*?)(?=\n\n\[\d+\]\n|\Z)", body["messages"][1]["content"], re.S)
-        order = sorted(found, key=lambda m: (len(m[1]), m[0]))
-        text = "RANKING: " + " > ".join(i for i, _ in order)
+        order = sorted(candidates(body), key=lambda m: (len(m[1]), m[0]))
+        text = "RANKING: " + " > ".join(str(i) for i, _ in order)
         return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
 
     with ThreadServer(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])) as srv:
@@ -106,7 +105,7 @@ async def test_a_real_engine_answering_garbage_is_a_grader_error(
     error = outcomes[0].error or ""  # a random model's answer: no ranking line, or nothing at all
     assert "JudgeError" in error and ("RANKING" in error or "answered nothing" in error)
     # logprob mode reads the engine's top_logprobs (the wire shape matches); a random model over a 49k
-    # vocabulary puts no digit among its 20 most likely first tokens: a grader error naming that
+    # vocabulary puts no digit among its 20 most likely answer tokens: a grader error naming that
     outcomes = await _run_group(make_gateway(default_max_tokens=8), Judge(spec), tmp_path / "logprob")
     assert all(o.state == RolloutState.FAILED and o.failure == "grader" for o in outcomes)
-    assert "no digit 0-9 among the judge's 20 most likely first tokens" in (outcomes[0].error or "")
+    assert "no digit 0-9 among the judge's 20 most likely answer tokens" in (outcomes[0].error or "")

@@ -4,7 +4,7 @@ answer), and the base every config section shares: unknown keys are errors."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -55,7 +55,9 @@ class TasksSection(_Section):
     generator: str | None = None
     # What every task's harness may touch, merged with a task's own `guard` (docs/security.md, Guards):
     # {hidden: [glob under the attempt's home/ or host path], read_only: [glob], egress: [host:port],
-    # no_git: bool}; the sandbox enforces all of it, the plain runners check read_only and refuse the rest
+    # no_git: bool, on_violation: zero | drop | flag}; the sandbox enforces all of it, the plain runners
+    # check read_only (a change is undone before grading and costs the reward: on_violation, default
+    # zero) and refuse the rest
     guard: GuardPolicy | None = None
 
     @model_validator(mode="after")
@@ -86,6 +88,9 @@ class JudgeSection(_Section):
     scale: float = Field(default=10.0, gt=0)  # single mode: the judge's top score (reward = score / scale)
     max_tokens: int = Field(default=256, ge=1)  # of the judge's answer
     temperature: float = Field(default=0.0, ge=0)  # of the judge's sampling
+    debias: Literal["none", "swap"] = "none"  # group mode: a second judgment in reverse order, averaged
+    # the judge's chat template variables, sent as `chat_template_kwargs` (e.g. {enable_thinking: false})
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _has_rubric(self) -> JudgeSection:
