@@ -113,7 +113,8 @@ def digit_expectation(top: list[dict[str, Any]]) -> tuple[float, float, dict[str
     if mass <= 0.0:
         shown = [alt.get("token") for alt in top[:10]]
         raise JudgeError(f"no digit 0-9 among the judge's {len(top)} most likely answer tokens: {shown!r}")
-    return sum(int(d) * p for d, p in probs.items()) / mass, mass, probs
+    expected = sum(int(d) * p for d, p in probs.items()) / mass
+    return min(9.0, max(0.0, expected)), mass, probs  # (rounding can land a hair outside 0..9)
 
 
 def thinks(tokens: list[dict[str, Any]]) -> bool:
