@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest_plugins = [
+    "tests.support.skips",  # a skip not in its MAY_SKIP list fails the run (hardware/cluster/service only)
     "tests.support.engine_fixtures",
     "tests.support.store_fixtures",
     "tests.support.run_fixtures",

@@ -1,5 +1,11 @@
 """Defaults shared by a run's config (`harnessrl.config`) and the services' own command lines (the
-engine's `EngineConfig`, the gateway's `GatewayConfig`), defined once here. Imports nothing."""
+engine's `EngineConfig`, the gateway's `GatewayConfig`), defined once here. Imports the standard
+library only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
 
 # sequences the builtin engine decodes together (its KV cache is reserved as they need it)
 ENGINE_MAX_BATCH = 32
@@ -14,3 +20,13 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 ENGINE_KEY_ENV = "HARNESSRL_ENGINE_KEY"
 # Bound on the SQLite store's write-ahead log (MB): folded in every few seconds, TRUNCATEd at half.
 WAL_LIMIT_MB = 512.0
+
+
+def cache_dir() -> Path:
+    """Where converted models and tokenizers are cached: $HARNESSRL_CACHE, else $XDG_CACHE_HOME/harnessrl,
+    else ~/.cache/harnessrl (docs/operations.md)."""
+    env = os.environ.get("HARNESSRL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")  # the XDG spec: only an absolute path counts
+    return (Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache") / "harnessrl"

@@ -127,8 +127,9 @@ async def test_the_sandboxed_fork_server_contains_a_hostile_harness(run: Run) ->
         rid, victim, result, probe = await _attack(run, runner, "sandbox-fork")
     finally:
         runner.close()
-    assert runner.starts == 2  # forked, no fallback to the exec sandbox: a zygote per harness script
-    # (victim.py, hostile.py); attempts of one zygote against each other: test_sandbox_fork.py
+    assert runner.starts == 1  # forked, no fallback to the exec sandbox: one zygote for victim.py and
+    # hostile.py (one folder, so one view: sandbox_view.attempt_view); attempts of one zygote against
+    # each other: test_sandbox_fork.py
     assert probe["uid"] >= 2_000_000
     _check_contained(run, rid, victim, result, probe)
     assert not probe["engine port"]["ok"]  # only the gateway is reachable from the sandbox

@@ -27,6 +27,11 @@ def test_default_cache_dir_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("HARNESSRL_CACHE", str(tmp_path))
     assert default_cache_dir() == tmp_path
     monkeypatch.delenv("HARNESSRL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "harnessrl"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # not absolute: ignored, as the XDG spec says
+    assert default_cache_dir() == Path.home() / ".cache" / "harnessrl"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == Path.home() / ".cache" / "harnessrl"
 
 

@@ -4,7 +4,6 @@ launcher (docs/kubernetes.md)."""
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from harnessrl.controller.runner import HarnessSpec, Runner
@@ -16,19 +15,14 @@ if TYPE_CHECKING:
 
 
 def make_runner(section: ControllerSection, harness: HarnessSpec | None = None) -> Runner:
-    """The runner `section` describes; `ConfigError` when it asks for a sandbox that cannot run here,
-    or (given the `harness`) when the local sandbox would not show a path the harness needs to start."""
+    """The runner `section` describes; `ConfigError` when it asks for a sandbox that cannot run here.
+    (The sandbox shows what `harness.command` needs by itself: `runners/sandbox_view.py`.)"""
     from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxUnavailable, use_sandbox
-    from harnessrl.controller.runners.sandbox_view import unseen_by_sandbox
 
     try:
         sandbox = sandbox_spec(section) if use_sandbox(section.sandbox) else None
     except SandboxUnavailable as e:
         raise ConfigError(str(e)) from e
-    if sandbox is not None and harness is not None and section.ray_address is None:
-        path_env = harness.env.get("PATH", os.environ.get("PATH"))
-        if (why := unseen_by_sandbox(harness.command, path_env, sandbox)) is not None:
-            raise ConfigError(f"harness.command {harness.command[0]!r}: {why}")
     if section.fork_server and sandbox is None and section.ray_address is None:
         from harnessrl.controller.runners.forkserver import ForkServerRunner
 

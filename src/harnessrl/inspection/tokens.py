@@ -8,7 +8,6 @@ the ids are shown as `<id>`.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -21,8 +20,9 @@ SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-13
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("HARNESSRL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "harnessrl"
+    from harnessrl.defaults import cache_dir
+
+    return cache_dir()
 
 
 def tokenizer_file(model: str | None, run_dir: Path | None = None) -> Path | None:

@@ -51,9 +51,10 @@ LONG_NAME = re.compile(r"smollm2-(\d+)k(?:-(linear|yarn))?")
 
 
 def default_cache_dir() -> Path:
-    """Where converted models live: $HARNESSRL_CACHE, else ~/.cache/harnessrl."""
-    env = os.environ.get("HARNESSRL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "harnessrl"
+    """Where converted models live: $HARNESSRL_CACHE, else $XDG_CACHE_HOME/harnessrl, else ~/.cache/harnessrl."""
+    from harnessrl.defaults import cache_dir
+
+    return cache_dir()
 
 
 def smollm2_gguf_path() -> Path:

