@@ -15,6 +15,7 @@ from harnessrl.adapter import (
     build_batch,
     turn_terms,
 )
+from harnessrl.adapter.step_credit import Pairing, call_keys, step_credit
 from harnessrl.schema import (
     Annotation,
     Attempt,
@@ -205,3 +206,52 @@ def test_turn_terms_sum_to_zero_at_every_step(per_rollout: list[dict[int, float]
             mean = sum(steps[r][k] for r in have) / len(have)
             for r in have:
                 assert terms[r].get(k, 0.0) == pytest.approx(steps[r][k] - mean, abs=1e-9)
+
+
+# --- pairing calls by what they are -----------------------------------------------------------------
+
+
+def _agent(rid: str, asks: list[str], steps: list[StepReward], **reward_details: Any) -> RolloutDetail:
+    """A rollout whose k-th call answers the user message asks[k] (a sub-task of a variable-length run)."""
+    calls = []
+    prompt: list[int] = [1, 2]
+    for k, ask in enumerate(asks):
+        completion = [100 * (ord(rid[-1]) % 50) + k]
+        call = _call(rid, k, list(prompt), completion, f"tc-{rid}-{k}")
+        messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": ask}]
+        calls.append(call.model_copy(update={"chat": {**(call.chat or {}), "messages": messages}}))
+        prompt += [*completion, 7]
+    base = detail(rid, 0.0)
+    reward = Reward(rollout_id=rid, value=0.0, steps=steps, details=reward_details, updated_at=0.0)
+    return base.model_copy(update={"calls": calls, "reward": reward})
+
+
+def test_calls_pair_by_their_prompt_not_their_index() -> None:
+    """a does sub-task X once, then Y; b needs X twice, then Y. By position b's retry of X would be
+    compared with a's Y; by prompt Y meets Y and b's second X, which a has no counterpart of, gets no term."""
+    a = _agent("a", ["X", "Y"], [StepReward(call=0, value=1.0), StepReward(call=1, value=1.0)])
+    b = _agent("b", ["X", "X", "Y"], [StepReward(call=k, value=0.0) for k in range(3)])
+    groups = {"a": "g", "b": "g"}
+    credit = step_credit([a, b], groups)
+    terms = {rid: {c: s.term for c, s in spans.items()} for rid, spans in credit.spans.items()}
+    assert terms == {"a": {"a-c0": 0.5, "a-c1": 0.5}, "b": {"b-c0": -0.5, "b-c2": -0.5}}
+    assert credit.report.unpaired == 1 and credit.report.paired_by_step == 0
+    old = step_credit([a, b], groups, pairing=Pairing.POSITION)  # the index pairing, for ablation
+    assert {c: s.term for c, s in old.spans["b"].items()} == {"b-c0": -0.5, "b-c1": -0.5}  # X-retry vs a's Y
+
+
+def test_the_harness_steps_win_over_prompts() -> None:
+    """Every call shows the same user message; the harness says which calls made which step, by
+    `calls_per_step` in the reward's details or by a `step` on an annotation (data, no value)."""
+    a = _agent("a", ["go"] * 2, [StepReward(call=1, value=1.0)], calls_per_step=[1, 1])
+    b = _agent("b", ["go"] * 3, [StepReward(call=2, value=0.0)], calls_per_step=[2, 1])
+    c = _agent("c", ["go"] * 3, [StepReward(call=2, value=0.5)])
+    c = c.model_copy(update={"annotations": [Annotation(rollout_id="c", created_at=0.0, call=k, details={"step": s})
+                                             for k, s in enumerate([0, 0, 1])]})  # fmt: skip
+    assert call_keys(b) == [("step", "0", 0), ("step", "0", 1), ("step", "1", 0)] == call_keys(c)
+    credit = step_credit([a, b, c], {"a": "g", "b": "g", "c": "g"})
+    assert credit.spans["a"]["a-c1"].term == pytest.approx(0.5) and credit.spans["b"][
+        "b-c2"
+    ].term == pytest.approx(-0.5)
+    assert credit.spans["c"]["c-c2"].term == pytest.approx(0.0) and credit.report.paired_by_step == 8
+    assert credit.report.unpaired == 0

@@ -108,7 +108,8 @@ def grade(task: Task, result: AttemptResult) -> RewardIn:
         value=n_right / len(ops),
         steps=step_rewards(correct, out.get("calls_per_step")),
         details={"steps": len(ops), "reached": len(correct), "correct": n_right,
-                 "chain_correct": n_right == len(ops), "tool_calls": out.get("tool_calls", 0)},
+                 "chain_correct": n_right == len(ops), "tool_calls": out.get("tool_calls", 0),
+                 "calls_per_step": out.get("calls_per_step")},  # step credit pairs calls by step
     )  # fmt: skip
 
 
