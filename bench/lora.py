@@ -144,12 +144,30 @@ def phase_sync(mode: str, syncs: int = 3) -> dict[str, Any]:
             c0 = time.process_time()  # trainer and engine share this process: CPU time of both
             walls.append(asyncio.run(publish(len(walls) + 1)))
             cpus.append(time.process_time() - c0)
-        nbytes = sum(p.stat().st_size for p in (Path(tmp) / f"v{syncs}").iterdir())
+        last = Path(tmp) / f"v{syncs}"
+        nbytes = sum(p.stat().st_size for p in last.iterdir())
+        tensor_bytes = _tensor_bytes(last)  # what the sync carries, read back from its safetensors file
     gaps, version = _gaps(server.url, model)
     server.stop()
-    return {"bytes": nbytes, "seconds": round(statistics.median(walls), 3), "cpu_seconds": round(statistics.median(cpus), 3),
+    # the state trained: the adapter's A and B, or every weight of the model
+    trained = sum(p.numel() * p.element_size() for p in (adapter or model).parameters())
+    return {"bytes": nbytes, "tensor_bytes": tensor_bytes, "trained_bytes": trained,
+            "seconds": round(statistics.median(walls), 3), "cpu_seconds": round(statistics.median(cpus), 3),
             "syncs": syncs, "weight_version": version, "logprob_gap_max": max(gaps),
             "logprob_gap_mean": sum(gaps) / len(gaps), "sampled_tokens": len(gaps)}  # fmt: skip
+
+
+def _tensor_bytes(folder: Path) -> int:
+    """Bytes of the tensors in a folder's safetensors files (headers and config left out)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - not a dict
+                t = f.get_tensor(name)
+                total += t.numel() * t.element_size()
+    return total
 
 
 def _gaps(url: str, model: Any, prompts: int = 4, tokens: int = 48) -> tuple[list[float], int]:
@@ -349,6 +367,17 @@ def main(argv: list[str] | None = None) -> int:
     if "big" in args.phases and not args.skip_big:
         res["big"] = _child("big", str(args.big_tokens))
     res["wall_seconds"] = round(time.time() - t0)
+    if "sync" in res:
+        res["sync"]["lora_vs_full_seconds"] = round(
+            res["sync"]["lora"]["seconds"] / res["sync"]["full"]["seconds"], 3
+        )
+        res["sync"]["lora_bytes_equal_adapter"] = (
+            res["sync"]["lora"]["tensor_bytes"] == res["sync"]["lora"]["trained_bytes"]
+        )
+    res["note"] = (
+        "measured on a shared 2-core machine with other work running beside it: compare the ratios "
+        "within one run, not absolute seconds across runs"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")
     sys.stdout.write(table(res) + "\n")

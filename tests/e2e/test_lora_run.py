@@ -16,6 +16,7 @@ from harnessrl.modeling.loading import load_state_dict_file
 from harnessrl.modeling.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from harnessrl.runs.flow import run
 from harnessrl.store import SQLiteStore
+from harnessrl.trainer.export_model import export_model
 
 # A tiny random model never answers right, so every group would be zero-variance and nothing would
 # train: this grader spreads rewards over a group by the attempt's output folder (unique per rollout).
@@ -55,7 +56,10 @@ def test_lora_run_trains_and_serves_the_adapter(
     assert any(float(t.abs().max()) > 0 for k, t in adapter.items() if "lora_B" in k)  # B moved from 0
     config = json.loads((run_dir / "checkpoints" / "step-2" / "adapter" / ADAPTER_CONFIG).read_text())
     assert config["r"] == 4 and config["base_model_name_or_path"] == str(tiny_model_dir)
-    merged = load_state_dict_file(run_dir / "checkpoints" / "step-2")
+    assert not (
+        run_dir / "checkpoints" / "step-2" / "model.safetensors"
+    ).exists()  # the adapter, no merged copy
+    merged = load_state_dict_file(export_model(run_dir, tmp_path / "exported", step=2))
     base = load_state_dict_file(tiny_model_dir)
     assert any(not merged[k].equal(base[k]) for k in base if k.endswith("q_proj.weight"))
     assert all(merged[k].equal(base[k]) for k in base if k.endswith(("k_proj.weight", "up_proj.weight")))

@@ -5,6 +5,7 @@ what is not wired yet."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from harnessrl.modeling.loading import load_model, load_state_dict_file
 from harnessrl.modeling.logprobs import next_token_logprobs
 from harnessrl.modeling.lora import ADAPTER_WEIGHTS, LoraAdapter, LoraSpec, attach
 from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from harnessrl.trainer.export_model import export_model
 from harnessrl.trainer.weights import EngineAdmin, publish_weights
 
 PROMPT = [1, 4093, 198, 2683, 314, 253, 1345, 28, 906, 30, 2, 198]
@@ -99,13 +101,22 @@ def test_engine_serves_the_published_adapter_with_the_trainers_logprobs(
     assert not (tmp_path / "weights" / "v1").exists()
 
 
-def test_checkpoint_keeps_the_adapter_and_a_merged_model(engine_tiny_dir: Path, tmp_path: Path) -> None:
+def test_checkpoint_keeps_the_adapter_and_the_base_name(engine_tiny_dir: Path, tmp_path: Path) -> None:
+    """A LoRA checkpoint holds the adapter and names the base folder (no merged copy of the model);
+    export-model merges it into that base; resuming restores the adapter and its optimizer state."""
     model, adapter = _trained(engine_tiny_dir, 21)
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-3)
     torch.log_softmax(model(torch.tensor([PROMPT])), -1).mean().backward()
     optimizer.step()
-    ckpt = save_checkpoint(tmp_path, 1, model, optimizer, {"run_id": "r"}, lora=adapter)
-    merged = load_model(ckpt)  # the checkpoint is an HF folder with the adapter merged in
+    ckpt = save_checkpoint(
+        tmp_path / "run" / "checkpoints", 1, model, optimizer, {"run_id": "r"}, lora=adapter
+    )
+    assert not (ckpt / "model.safetensors").exists()
+    assert json.loads((ckpt / "state.json").read_text())["base_model"] == str(engine_tiny_dir)
+    assert json.loads((ckpt / "adapter" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ] == str(engine_tiny_dir)
+    merged = load_model(export_model(tmp_path / "run", tmp_path / "exported"))  # base + adapter, merged
     with torch.no_grad():
         assert (merged(torch.tensor([PROMPT])) - model(torch.tensor([PROMPT]))).abs().max() < 1e-5
     fresh_model, fresh = _trained(engine_tiny_dir, 99)

@@ -275,3 +275,20 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tiny_model_
     m = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1e-2), batch, cfg)
     assert m["skipped_zero_adv_rows"] == 8 and m["grad_norm"] == 0.0
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_gpu_suffix_bias_attends_as_the_cpu_mask() -> None:
+    """The lower-right causal bias the trainer gives SDPA on a GPU (no mask matrix: fast kernels) attends
+    exactly as the boolean suffix mask used on CPU (checked here on CPU, where both run)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from harnessrl.modeling.transformer import window_mask
+    from harnessrl.trainer.forward import suffix_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 4, 9, 8, generator=g)
+    pos = torch.arange(4, 9)
+    mask = suffix_mask(pos, 9, None)  # CPU: the boolean mask, as before
+    assert mask.dtype == torch.bool and torch.equal(mask, window_mask(pos, 9, None))
+    fast = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=causal_lower_right(5, 9))
+    assert torch.equal(fast, torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask))

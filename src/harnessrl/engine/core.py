@@ -237,6 +237,8 @@ class Engine:
                 if not self.scheduler.state.needs_weights:
                     held = self.packed.state_dict() if self.packed is not None else self.model.state_dict()
                     state = remerge({k: v.detach() for k, v in held.items()}, adapter, self.merged_adapter)
+                    log.info("event=lora_adapter_merged path=%s r=%d alpha=%g layers=%d from=memory",
+                             p, adapter[0].r, adapter[0].alpha, len(adapter[1]) // 2)  # fmt: skip
                 else:
                     state = merge_peft_dir(load_state_dict_file(self.model_dir, dtype), p)
                 self.merged_adapter = adapter

@@ -7,9 +7,10 @@ and vLLM load as it is, plus `state.json` (the loop state) and `training/optimiz
 schedule, RNG states) kept apart from the model. A checkpoint is written into a temporary directory and
 renamed, so a crash never leaves a half-written one. Checkpoints written before the `training/` folder
 existed (optimizer.pt beside the weights) still resume.
-With LoRA (`train.lora`) the checkpoint also holds `adapter/` (a PEFT folder: what training resumes
-from); its model.safetensors holds the adapter merged into the base, and the optimizer state is the
-adapters' alone.
+With LoRA (`train.lora`) the checkpoint holds `adapter/` (a PEFT folder: what training resumes from,
+its adapter_config.json naming the base folder) and `state.json`'s `base_model`, not a merged copy of
+the model: a few MB a step instead of the whole model. `harnessrl export-model` merges it into the base
+when a whole model folder is wanted. The optimizer state is the adapter's alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.hf_folder import save_hf_folder
 from harnessrl.modeling.loading import load_state_dict_file, load_weights_into
-from harnessrl.modeling.lora import LoraAdapter, is_peft_dir, merged_state, read_peft, save_peft
+from harnessrl.modeling.lora import LoraAdapter, is_peft_dir, read_peft, save_peft
 
 TRAINING_STATE = Path("training") / "optimizer.pt"
 ADAPTER_SUBDIR = "adapter"  # a LoRA run's adapter inside each checkpoint (PEFT layout)
@@ -46,9 +47,9 @@ def save_checkpoint(
     final = ckpt_dir / f"step-{step}"
     tmp = ckpt_dir / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    if lora is not None:
+    if lora is not None:  # the adapter and the base folder's name: the base is not copied
         save_peft(lora, tmp / ADAPTER_SUBDIR, lora.base_model, step)
-        save_hf_folder(model, tmp, state=merged_state(model, lora))
+        state = {**state, "base_model": lora.base_model}
     else:
         save_hf_folder(model, tmp)
     (tmp / TRAINING_STATE).parent.mkdir()

@@ -8,7 +8,9 @@ template and generation_config.json: `transformers.AutoModelForCausalLM.from_pre
 from the run's base model (`engine.model` in the run's config.json).
 
 A run with several policies (`policies:`) checkpoints one adapter per policy (`policies/<name>/`) and
-no merged model: `--policy NAME` writes the base model with that policy's adapter merged in.
+no merged model: `--policy NAME` writes the base model with that policy's adapter merged in. A LoRA run
+(`train.lora`) checkpoints its adapter (`adapter/`) and no merged model either: the export merges it
+into the base folder its adapter_config.json names (else the run's `engine.model`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pathlib import Path
 
 from harnessrl.modeling.hf_folder import GENERATION_CONFIG, copy_assets
 from harnessrl.modeling.loading import load_model, load_state_dict_file, resolve_model, save_model
-from harnessrl.modeling.lora import merge_peft_dir
-from harnessrl.trainer.checkpoint import latest_checkpoint
+from harnessrl.modeling.lora import ADAPTER_CONFIG, is_peft_dir, merge_peft_dir
+from harnessrl.modeling.weight_files import WEIGHTS_FILE
+from harnessrl.trainer.checkpoint import ADAPTER_SUBDIR, latest_checkpoint
 from harnessrl.trainer.policies import POLICIES_SUBDIR
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
             raise ExportModelError(f"{ckpt_dir} holds no checkpoint; train the run first (harnessrl train)")
         return found
     path = ckpt_dir / f"step-{step}"
-    if not (path / "config.json").is_file() and not (path / POLICIES_SUBDIR).is_dir():
+    if not any((path / p).exists() for p in ("config.json", POLICIES_SUBDIR, ADAPTER_SUBDIR)):
         kept = sorted(p.name for p in ckpt_dir.glob("step-*")) if ckpt_dir.is_dir() else []
         raise ExportModelError(f"--step {step}: no checkpoint {path}; kept: {kept or 'none'}")
     return path
@@ -67,6 +70,8 @@ def export_model(run_dir: Path, out: Path, step: int | None = None, policy: str 
         raise ExportModelError(f"--out {out} already holds a model; choose an empty or new folder")
     if (src / POLICIES_SUBDIR).is_dir() or policy is not None:
         return _export_policy(run_dir, src, out, policy)
+    if is_peft_dir(src / ADAPTER_SUBDIR) and not (src / WEIGHTS_FILE).is_file():
+        return _export_adapter(run_dir, src / ADAPTER_SUBDIR, out)
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name not in TRAINING_ONLY and f.is_file():
@@ -79,6 +84,18 @@ def export_model(run_dir: Path, out: Path, step: int | None = None, policy: str 
     if not (out / GENERATION_CONFIG).is_file():
         log.warning("event=export_without_generation_config out=%s", out)
     log.info("event=model_exported checkpoint=%s out=%s", src, out)
+    return out
+
+
+def _export_adapter(run_dir: Path, adapter: Path, out: Path) -> Path:
+    """A LoRA checkpoint's adapter merged into its base model, at `out`."""
+    named = json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+    base = Path(named) if named and (Path(named) / "config.json").is_file() else _base_model_dir(run_dir)
+    if base is None:
+        raise ExportModelError(f"the base model of {adapter} is unknown ({named!r} is not a model folder)")
+    save_model(load_model(base), out, merge_peft_dir(load_state_dict_file(base), adapter))
+    copy_assets(base, out)
+    log.info("event=lora_model_exported adapter=%s base=%s out=%s", adapter, base, out)
     return out
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from harnessrl.modeling.causal_lm import CausalLM, softcap
@@ -89,7 +90,7 @@ def selected_logprobs(
     xp = model.embed(tokens[:1, :prefix]) if prefix else None
     rope_p = model.rope(torch.arange(prefix, device=tokens.device).unsqueeze(0), dtype)
     s = length - prefix
-    masks = {w: window_mask(pos_s, prefix + s, w) for w in {b.self_attn.window for b in model.model.blocks}}
+    masks = {w: suffix_mask(pos_s, prefix + s, w) for w in {b.self_attn.window for b in model.model.blocks}}
     if checkpoint_layers is None:
         checkpoint_layers = activation_bytes(model, tokens.shape[0], s, prefix) > CHECKPOINT_ABOVE_BYTES
     recompute = checkpoint_layers and torch.is_grad_enabled()
@@ -107,6 +108,15 @@ def selected_logprobs(
     cap = model.config.final_logit_softcapping
     lp, ent = head_logprobs(model.lm_head, hidden, tokens[row, pos + 1], temps[row], entropy, cap)
     return Selected(lp, row, pos, ent)
+
+
+def suffix_mask(q_pos: Tensor, k_len: int, window: int | None) -> Tensor:
+    """The suffix's view of the prefix + suffix keys. On a GPU, without a sliding window, a lower-right
+    causal bias (no [S, P + S] matrix: SDPA can take its flash or memory-efficient kernels); otherwise
+    the boolean `window_mask`, as on CPU, where results stay exactly as they were."""
+    if window is None and q_pos.device.type == "cuda":
+        return causal_lower_right(q_pos.shape[0], k_len)
+    return window_mask(q_pos, k_len, window)
 
 
 def _trim_heap_hook(grad: Tensor) -> None:
