@@ -59,6 +59,15 @@ attempt("edit tests", lambda: open("repo/tests/test_mod.py", "w").write("def tes
 attempt("add test", lambda: open("repo/tests/conftest.py", "w").write("collect_ignore = ['x']\n"))
 attempt("read git", lambda: open("repo/.git/config").read())
 attempt("edit source", lambda: open("repo/mod.py", "w").write("def f():\n    return 2\n"))
+def own_reward(value):
+    import urllib.request
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/harnessrl/reward", method="PUT",
+                                 data=json.dumps({"value": value}).encode(),
+                                 headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                          "Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=10).status
+if "self_reward" in cfg:
+    attempt("self reward", lambda: own_reward(cfg["self_reward"]))
 for name, (host, port) in cfg.get("connect", {}).items():
     attempt(name, lambda h=host, p=port: echo(h, p))
 json.dump(res, open(os.path.join(os.environ["HARNESSRL_OUTPUT"], "probe.json"), "w"))
@@ -267,7 +276,10 @@ async def test_a_tampering_harness_on_the_plain_runner_is_zeroed_dropped_or_flag
         if on_violation is None
         else GuardPolicy(read_only=["repo/tests"], on_violation=on_violation)
     )
-    task = Task(task_id="t1", input={}, workspace=WORKSPACE, guard=policy)
+    # the task lets its harness write its own reward, and the harness gives itself 1.0: a violation voids that
+    task = Task(
+        task_id="t1", input={"self_reward": 1.0}, workspace=WORKSPACE, guard=policy, allow_self_reward=True
+    )
     harness = HarnessSpec([sys.executable, str(script)], timeout_s=60)
     try:
         hidden = Controller(
@@ -284,6 +296,10 @@ async def test_a_tampering_harness_on_the_plain_runner_is_zeroed_dropped_or_flag
         await client.aclose()
     assert detail.reward is not None and detail.reward.details["hacking"] == {"guard": FLAGGED}
     assert detail.reward.details["read_edited_test"] is False  # the grader read the original test file
+    probe = json.loads(
+        (tmp_path / "run/rollouts" / outcome.rollout_id / "attempt-0/output/probe.json").read_text()
+    )
+    assert probe["self reward"] == {"ok": True, "value": 200}  # its own 1.0 was stored, then graded over
     assert detail.reward.details["guard"] == {"on_violation": on_violation or "zero", "graded": 0.5}
     if on_violation == "drop":  # graded, recorded, but out of the batch
         assert outcome.state == RolloutState.FAILED and outcome.failure == "guard" and outcome.reward is None

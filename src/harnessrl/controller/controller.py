@@ -299,9 +299,9 @@ class Controller:
         return RolloutOutcome(rid, req.task.task_id, req.group_id, RolloutState.FAILED, None, error, "infra")
 
     async def _grade(self, req: RolloutRequest, rid: str, result: AttemptResult) -> RolloutOutcome:
-        if req.task.allow_self_reward:  # the harness may have written its reward: it stands
-            own = (await self.client.rollout(rid)).reward
-            if own is not None:
+        if req.task.allow_self_reward:  # the harness may have written its reward: it stands, unless it
+            own = (await self.client.rollout(rid)).reward  # broke its guard (then graded, and that costs)
+            if own is not None and not result.guard_findings:
                 await self.client.set_state(rid, RolloutState.SUCCEEDED)
                 return _scored(req, rid, own.value, result)
         reward, error = None, ""
