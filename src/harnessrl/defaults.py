@@ -20,6 +20,9 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 ENGINE_KEY_ENV = "HARNESSRL_ENGINE_KEY"
 # Bound on the SQLite store's write-ahead log (MB): folded in every few seconds, TRUNCATEd at half.
 WAL_LIMIT_MB = 512.0
+# `engine.model_impl` ("auto", "builtin", "transformers") as every process of a run reads it
+# (harnessrl.modeling.families.model_impl): set by the run's service stack, inherited by the engine
+MODEL_IMPL_ENV = "HARNESSRL_MODEL_IMPL"
 
 
 def cache_dir() -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harnessrl.defaults import MODEL_IMPL_ENV
 from harnessrl.modeling.families import FAMILIES as ARCHITECTURES
 from harnessrl.modeling.families import UnsupportedArchitecture, config_from_hf
 from harnessrl.modeling.loading import load_model, read_model_config
@@ -77,7 +78,11 @@ def test_bf16_follows_fp32(root: Path, family: str) -> None:
     assert (a.gather(-1, top) - b.gather(-1, top)).abs().max().item() < 0.5
 
 
-def test_unknown_architecture_is_refused_with_the_list(tmp_path: Path) -> None:
+def test_unknown_architecture_is_refused_with_the_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `engine.model_impl: builtin` (auto would take transformers' Mistral: tests/modeling/test_hf_generic.py)."""
+    monkeypatch.setenv(MODEL_IMPL_ENV, "builtin")
     config = {**family_config("qwen3"), "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitecture) as err:

@@ -42,6 +42,10 @@ class EngineSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # builtin engine on CPU: oneDNN-packed linear weights, F.linear, or auto (see modeling/packed.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
+    # which implementation computes the model (engine and trainer alike): "auto" (a builtin family when
+    # config.json names one: Llama, Qwen2, Qwen3, Gemma 3; else transformers' own: Qwen3.5, Gemma 4, MoE,
+    # ...), "builtin" or "transformers" (docs/models.md)
+    model_impl: Literal["auto", "builtin", "transformers"] = "auto"
     # tool-call format the engine and the gateway parse completions with: "auto" (detected from the
     # model's own chat template: hermes for <tool_call>, llama3_json for Llama 3.1+, qwen3_coder for
     # Qwen3.5's <function=...>, gemma4 for Gemma 4's <|tool_call>, pythonic for [f(x=1)]; the hermes

@@ -18,11 +18,13 @@ from harnessrl.engine.sampling import SamplingParams
 from harnessrl.engine.scheduler import Scheduler
 from harnessrl.engine.sequence import AdapterLoad, EngineSequence, GenerationResult, Maintenance, WeightLoad
 from harnessrl.engine.state import EngineOp, EngineState
+from harnessrl.modeling.hf_generic import generic_prefill_chunk, is_generic
 from harnessrl.modeling.loading import (
     check_state_dict,
     load_model,
     load_state_dict_file,
     load_tokenizer,
+    read_weights,
     resolve_model,
 )
 from harnessrl.modeling.lora import LoraSpec, is_peft_dir, merge_peft_dir, read_peft, remerge
@@ -57,8 +59,14 @@ class Engine:
         try:
             self.model = load_model(self.model_dir, dtype=config.torch_dtype, device=config.device)
             # served adapters hook each layer's own product: no fused q/k/v, gate/up then
-            self.packed, self.matmul = choose_matmul(
-                self.model, config.matmul, torch.device(config.device), fuse=not config.lora_adapters
+            self.packed, self.matmul = (
+                (None, "aten (transformers path)")
+                if is_generic(self.model)
+                else (
+                    choose_matmul(
+                        self.model, config.matmul, torch.device(config.device), fuse=not config.lora_adapters
+                    )
+                )
             )
             if self.packed is not None:  # the packed copies serve state dict, loads and sleep from now on
                 freed = self.packed.release_originals()
@@ -66,6 +74,8 @@ class Engine:
                 log.info("event=packed_originals_released mb=%.0f", freed / 2**20)
         finally:
             torch.set_num_threads(previous)
+        if config.lora_adapters and is_generic(self.model):
+            raise ValueError("--lora-adapters: per-request adapters are served on the builtin path only")
         self.adapters = ServedAdapters(self.model) if config.lora_adapters else None
         # the LoRA adapter merged into the weights served (None: they are a full load's, e.g. the base);
         # a LoRA sync swaps it for the new one in memory (`_read_weights`)
@@ -87,7 +97,7 @@ class Engine:
             prefix_cache=config.prefix_cache,
             weight_version=config.weight_version,
             threads=config.num_threads,
-            prefill_chunk=config.prefill_chunk,
+            prefill_chunk=generic_prefill_chunk(self.model, config.prefill_chunk, self.kv_budget),
             max_cached_tokens=self.kv_budget,
             packed=self.packed,
             adapters=self.adapters,
@@ -232,7 +242,9 @@ class Engine:
             raise EngineError(f"weights path {path} does not exist", "path")
         dtype = self.model.lm_head.weight.dtype
         try:
-            if is_peft_dir(p):
+            if is_generic(self.model):  # transformers' loading: the folder's names are its business
+                state = read_weights(self.model, p)
+            elif is_peft_dir(p):
                 adapter = read_peft(p)
                 if not self.scheduler.state.needs_weights:
                     held = self.packed.state_dict() if self.packed is not None else self.model.state_dict()

@@ -152,7 +152,7 @@ class Scheduler(ModelMemory):
                 "sleep_level": self._state.sleep_level,
                 "needs_weights": self._state.needs_weights,
                 "weight_bytes": self.weight_bytes(),
-                "kv_cache_bytes": self.cache.kv.numel() * self.cache.kv.element_size(),
+                "kv_cache_bytes": self.cache.nbytes,
                 "weight_version": self.weight_version,
             }
 

@@ -89,6 +89,7 @@ class SlotTable:
             if self.owner[j] != adapter:
                 continue
             n = min(common_prefix_len(self.tokens[j], prompt), len(prompt) - 1)
+            n = self.cache.reusable_prefix(j, n, len(self.tokens[j]))  # a recurrent state: all or nothing
             if n > best_len:
                 best, best_len = j, n
         return best, best_len

@@ -76,6 +76,11 @@ class KVCache:
         if not self.allocated:
             self.kv, self._buf = _zeros(self._shape, self._dtype, self._device)
 
+    def reusable_prefix(self, slot: int, n: int, held: int) -> int:
+        """Matching tokens of a slot a new prompt may reuse: all `n` (K/V rows can be cut back anywhere;
+        a recurrent state cannot: modeling/hf_cache.py)."""
+        return n
+
     def copy(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst`."""
         if src != dst and length > 0:

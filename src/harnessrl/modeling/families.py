@@ -4,15 +4,21 @@ One place says which families exist: `FAMILIES` maps an architecture name to the
 config.json (modeling/llama.py shows the shape). All families share one model (modeling/causal_lm.py,
 pieces in modeling/transformer.py), so the engine's KV cache, batching, chunked prefill and prefix cache
 and the trainer's forward serve every family alike. Adding a family is one module and one line here.
-An architecture not listed is refused at load with the list (docs/models.md).
+Which PATH a folder takes is decided here too (`model_impl`): a builtin family when config.json names
+one, else transformers' own implementation (modeling/hf_generic.py), overridable by `engine.model_impl`
+(exported to every process of a run as HARNESSRL_MODEL_IMPL). docs/models.md says what each costs.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from harnessrl.defaults import MODEL_IMPL_ENV
 from harnessrl.modeling.transformer import ModelConfig
 
 FAMILIES: dict[str, str] = {
@@ -74,3 +80,63 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.hf_config is not None:
         return dict(cfg.hf_config)
     return family_module(cfg.architecture).config_to_hf(cfg)
+
+
+# `engine.model_impl`: "auto" (builtin family if config.json names one, else transformers), "builtin",
+# "transformers"; every process of a run reads it from MODEL_IMPL_ENV (the engine, the trainer's ranks)
+MODEL_IMPLS = ("auto", "builtin", "transformers")
+
+
+def transformers_implements(hf: dict[str, Any]) -> bool:
+    """True when the installed transformers has a model class for config.json's model_type."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return False
+    return str(hf.get("model_type", "")) in CONFIG_MAPPING_NAMES
+
+
+def model_impl(hf: dict[str, Any], impl: str | None = None) -> str:
+    """THE choice of path for a config.json dict: "builtin" (our family modules) or "transformers".
+
+    `impl` (default: $HARNESSRL_MODEL_IMPL, else "auto") may force either; "builtin" for an architecture
+    no family computes raises UnsupportedArchitecture, "transformers" for one transformers lacks a
+    ValueError naming the model_type."""
+    impl = impl or os.environ.get(MODEL_IMPL_ENV) or "auto"
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"engine.model_impl must be one of {', '.join(MODEL_IMPLS)}, not {impl!r}")
+    if impl == "builtin":
+        architecture_of(hf)
+        return "builtin"
+    if impl == "auto":
+        try:
+            architecture_of(hf)
+            return "builtin"
+        except UnsupportedArchitecture as exc:
+            if not transformers_implements(hf):
+                raise UnsupportedArchitecture(
+                    f"{exc}; nor does the installed transformers implement model_type {hf.get('model_type')!r}"
+                ) from None
+    if not transformers_implements(hf):
+        raise ValueError(
+            f"config.json: model_type {hf.get('model_type')!r} is not implemented by the installed transformers "
+            "(upgrade transformers, or set engine.model_impl: builtin for one of the builtin families)"
+        )
+    return "transformers"
+
+
+def model_impl_of(path: str | Path, impl: str | None = None) -> str:
+    """`model_impl` of a model folder's config.json."""
+    return model_impl(json.loads((Path(path) / "config.json").read_text()), impl)
+
+
+def describe_path(path: str | Path, impl: str | None = None) -> str:
+    """One line for `harnessrl check` and `doctor`: which path serves and trains the folder, and why."""
+    hf = json.loads((Path(path) / "config.json").read_text())
+    chosen = model_impl(hf, impl)
+    names = ", ".join(str(a) for a in hf.get("architectures") or []) or f"model_type {hf.get('model_type')}"
+    if chosen == "builtin":
+        return f"builtin family ({architecture_of(hf)}): harnessrl's own modules, packed CPU matmuls"
+    text = hf.get("text_config")
+    part = f", its text model ({text.get('model_type')})" if isinstance(text, dict) else ""
+    return f"transformers ({names}{part}): transformers' implementation, one cache per sequence"

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from harnessrl.modeling.causal_lm import CausalLM
-from harnessrl.modeling.families import config_from_hf, config_to_hf
+from harnessrl.modeling.families import config_from_hf, config_to_hf, model_impl_of
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.rope import RopeScaling, RopeType
 from harnessrl.modeling.transformer import ModelConfig
@@ -256,6 +256,18 @@ def check_state_dict(model: CausalLM, state: dict[str, torch.Tensor]) -> dict[st
     return state
 
 
+def read_weights(model: CausalLM, path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of the folder (or file) `path` under `model`'s own names: the state dict as stored for
+    a builtin family, transformers' loading for the transformers path (whose folders may store them
+    under other names, e.g. an MoE's per-expert tensors)."""
+    if getattr(model, "generic", False):
+        from harnessrl.modeling.hf_generic import read_generic_weights
+
+        base = model.config.source_dir or path
+        return read_generic_weights(model, path, base)  # type: ignore[arg-type]
+    return load_state_dict_file(path)
+
+
 def load_weights_into(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
     """Copy a HF-named state dict into `model` in place (a tied lm_head may be absent); strict on names."""
     state = check_state_dict(model, state)
@@ -286,8 +298,13 @@ def load_weights_lazily(model: CausalLM, path: str | Path) -> None:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
     """Build the model of a model directory (or name) in eval mode, whichever supported family it is:
-    built on the meta device in `dtype`, then filled tensor by tensor (peak: the model + one tensor)."""
+    built on the meta device in `dtype`, then filled tensor by tensor (peak: the model + one tensor).
+    Where modeling/families.py's `model_impl` says so, transformers' model instead (modeling/hf_generic.py)."""
     d = resolve_model(path)
+    if model_impl_of(d) == "transformers":
+        from harnessrl.modeling.hf_generic import load_generic
+
+        return load_generic(d, dtype, device)  # type: ignore[return-value]
     t0 = time.monotonic()
     with torch.device("meta"):
         model = CausalLM(read_model_config(d)).to(dtype)
@@ -303,7 +320,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
 def save_model(model: CausalLM, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json + model.safetensors (HF-compatible, tied lm_head omitted) atomically; `state`
-    (HF names) instead of the model's own weights if given (a LoRA adapter merged in, modeling/lora.py)."""
+    (HF names) instead of the model's own weights if given (a LoRA adapter merged in, modeling/lora.py).
+    A transformers-path model is written in its own folder's layout (modeling/hf_generic.py)."""
+    if getattr(model, "generic", False):
+        from harnessrl.modeling.hf_generic import save_generic
+
+        return save_generic(model, out_dir, state)  # type: ignore[arg-type]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = model.state_dict() if state is None else state

@@ -17,6 +17,7 @@ from harnessrl.controller.runner import Runner
 from harnessrl.gateway.client import Control, ControlClient
 from harnessrl.gateway.replicas import GatewayReplicas
 from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.modeling.hf_generic import is_generic
 from harnessrl.modeling.loading import load_model
 from harnessrl.modeling.lora import attach_lora, base_view, reference_model
 from harnessrl.modeling.packed import use_onednn_for_training
@@ -100,7 +101,11 @@ def build_trainer(
     dtype = torch_dtype(tc.dtype)  # FSDP keeps fp32 shards (the master weights) and computes in `dtype`
     fsdp = tc.world_size > 1 and tc.parallel == "fsdp"
     model = load_model(model_dir, dtype=torch.float32 if fsdp else dtype, device=tc.device)
-    matmul = use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
+    matmul = (
+        "aten (transformers path)"
+        if is_generic(model)
+        else use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
+    )
     log.info("event=trainer_matmul path=%r", matmul)
     schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
     if cfg.policies:  # one adapter, optimizer and schedule per policy (trainer.policies)

@@ -20,6 +20,7 @@ from harnessrl.controller import Controller, RolloutRequest
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import tail
 from harnessrl.gateway.client import Control, ControlClient
+from harnessrl.modeling.families import describe_path
 from harnessrl.modeling.loading import resolve_model
 from harnessrl.runs.project import resolve_project
 from harnessrl.schema import RolloutState, SamplingOverrides, Task
@@ -47,6 +48,7 @@ class CheckReport:
     seconds: float = 0.0
     workdir: str = ""
     problems: list[str] = field(default_factory=list)
+    model_path: str = ""  # which implementation computes the model (modeling/families.py's `describe_path`)
 
     @property
     def ok(self) -> bool:
@@ -64,6 +66,8 @@ class CheckReport:
             f"  reward       {'-' if self.reward is None else f'{self.reward:g}'}"
             + (f"  {self.reward_details}" if self.reward_details else ""),
         ]
+        if self.model_path:
+            lines.insert(1, f"  model        {self.model_path}")
         if self.error:
             lines.append(f"  error        {self.error}")
         if self.stderr_tail.strip():
@@ -148,7 +152,8 @@ def run_check(cfg: RunConfig, task_index: int = 0) -> CheckReport:
     runner = make_runner(cfg.controller, harness)  # refuses a harness the sandbox cannot start
     scratch = Path(tempfile.mkdtemp(prefix="harnessrl-check-"))
     admin_key = secrets.token_hex(16)
-    stack = start_services(cfg, scratch, resolve_model(cfg.engine.model), admin_key)
+    model_dir = resolve_model(cfg.engine.model)
+    stack = start_services(cfg, scratch, model_dir, admin_key)
     gateway_url = stack.gateway_urls[0]  # the first replica serves every request here
 
     async def go() -> CheckReport:
@@ -160,7 +165,9 @@ def run_check(cfg: RunConfig, task_index: int = 0) -> CheckReport:
         )  # fmt: skip
         try:
             await runner.start()
-            return await preflight(controller, client, task, "check", scratch)
+            report = await preflight(controller, client, task, "check", scratch)
+            report.model_path = model_path_line(cfg, model_dir)
+            return report
         finally:
             await client.aclose()
             runner.close()
@@ -169,3 +176,10 @@ def run_check(cfg: RunConfig, task_index: int = 0) -> CheckReport:
         return asyncio.run(go())
     finally:
         stack.stop()
+
+
+def model_path_line(cfg: RunConfig, model_dir: Path) -> str:
+    """Which implementation computes the model (`engine.model_impl`, decided from config.json)."""
+    if cfg.engine.kind != "builtin":
+        return f"{cfg.engine.kind} serves it; the trainer: " + describe_path(model_dir, cfg.engine.model_impl)
+    return describe_path(model_dir, cfg.engine.model_impl)

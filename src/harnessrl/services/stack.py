@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harnessrl.config import RunConfig
+from harnessrl.defaults import MODEL_IMPL_ENV
 from harnessrl.errors import ConfigError
 from harnessrl.services.builtin import start_engine, start_gateway
 from harnessrl.services.process import Service, free_port
@@ -104,7 +105,9 @@ def start_services(
     cfg: RunConfig, run_dir: Path, model_dir: Path, admin_key: str, notify: Notify | None = None
 ) -> ServiceStack:
     """Start the engine (the builtin one, or vLLM when `engine.kind=vllm` names no URL; an external one
-    is only used) and the gateway (`gateway.replicas` processes); wait until all answer."""
+    is only used) and the gateway (`gateway.replicas` processes); wait until all answer. `engine.model_impl`
+    is exported to this process and its children (modeling/families.py's `model_impl` reads it)."""
+    os.environ[MODEL_IMPL_ENV] = cfg.engine.model_impl
     engine_key: str | None = secrets.token_hex(
         16
     )  # for an engine the run starts; an external one has its own

@@ -26,7 +26,7 @@ import torch
 
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.hf_folder import save_hf_folder
-from harnessrl.modeling.loading import load_state_dict_file, load_weights_into
+from harnessrl.modeling.loading import load_weights_into, read_weights
 from harnessrl.modeling.lora import LoraAdapter, is_peft_dir, read_peft, save_peft
 
 TRAINING_STATE = Path("training") / "optimizer.pt"
@@ -103,7 +103,7 @@ def load_checkpoint(
             )
         lora.load_peft_tensors(read_peft(path / ADAPTER_SUBDIR)[1])
     else:
-        load_weights_into(model, load_state_dict_file(path))
+        load_weights_into(model, read_weights(model, path))
     blob = torch.load(training_state_path(path), weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
     return restore_loop_state(path, blob, scheduler)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from harnessrl.modeling.hf_folder import GENERATION_CONFIG, copy_assets
-from harnessrl.modeling.loading import load_model, load_state_dict_file, resolve_model, save_model
+from harnessrl.modeling.loading import load_model, read_weights, resolve_model, save_model
 from harnessrl.modeling.lora import ADAPTER_CONFIG, is_peft_dir, merge_peft_dir
 from harnessrl.modeling.weight_files import WEIGHTS_FILE
 from harnessrl.trainer.checkpoint import ADAPTER_SUBDIR, latest_checkpoint
@@ -93,7 +93,8 @@ def _export_adapter(run_dir: Path, adapter: Path, out: Path) -> Path:
     base = Path(named) if named and (Path(named) / "config.json").is_file() else _base_model_dir(run_dir)
     if base is None:
         raise ExportModelError(f"the base model of {adapter} is unknown ({named!r} is not a model folder)")
-    save_model(load_model(base), out, merge_peft_dir(load_state_dict_file(base), adapter))
+    model = load_model(base)
+    save_model(model, out, merge_peft_dir(read_weights(model, base), adapter))
     copy_assets(base, out)
     log.info("event=lora_model_exported adapter=%s base=%s out=%s", adapter, base, out)
     return out
@@ -116,8 +117,9 @@ def _export_policy(run_dir: Path, src: Path, out: Path, policy: str | None) -> P
     base = _base_model_dir(run_dir)
     if base is None:
         raise ExportModelError(f"the base model of {run_dir} is unknown (no engine.model in its config.json)")
-    state = merge_peft_dir(load_state_dict_file(base), src / POLICIES_SUBDIR / policy)
-    save_model(load_model(base), out, state)
+    model = load_model(base)
+    state = merge_peft_dir(read_weights(model, base), src / POLICIES_SUBDIR / policy)
+    save_model(model, out, state)
     copy_assets(base, out)
     log.info("event=policy_model_exported checkpoint=%s policy=%s out=%s", src, policy, out)
     return out

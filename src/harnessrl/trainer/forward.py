@@ -82,6 +82,10 @@ def selected_logprobs(
     the backward pass instead of keeping them (same values); None: when `activation_bytes` exceeds
     `CHECKPOINT_ABOVE_BYTES` (see the module docstring).
     """
+    if getattr(model, "generic", False):  # transformers' model: its own forward (modeling/hf_generic.py)
+        from harnessrl.trainer.generic_forward import generic_selected_logprobs
+
+        return generic_selected_logprobs(model, tokens, select, temps, entropy, checkpoint_layers)
     length = tokens.shape[1]
     dtype = model.model.embed_tokens.weight.dtype
     xs = model.embed(tokens[:, prefix:])
