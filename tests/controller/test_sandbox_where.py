@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.config import ControllerSection
+from harnessrl.config import ControllerSection, load_config
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import AttemptSpec, HarnessSpec
 from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
@@ -62,6 +62,15 @@ def project() -> Iterator[Path]:
     finally:
         link.unlink()
         shutil.rmtree(real, ignore_errors=True)
+
+
+def test_a_relative_venv_python_in_the_config_stays_the_venvs(project: Path) -> None:
+    """`harness.command: [venv/bin/python, harness.py]`: the venv's python is a link to its base
+    interpreter; the config keeps the link (followed, the harness would run outside its venv)."""
+    (project / "config.yaml").write_text("harness:\n  command: [venv/bin/python, harness.py]\n")
+    cfg = load_config(project / "config.yaml")
+    real = Path(os.path.realpath(project))  # (the config's folder is taken at its real path)
+    assert cfg.harness.command == [str(real / "venv" / "bin" / "python"), str(real / "harness.py")]
 
 
 @pytest.mark.parametrize("kind", ["exec", "fork", "console-script"])

@@ -4,6 +4,7 @@ the key, and the config's file references resolved against its folder."""
 from __future__ import annotations
 
 import difflib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -173,13 +174,14 @@ def check_model(cfg: RunConfig) -> None:
 
 def resolve_command(command: list[str], base: Path) -> list[str]:
     """`python`/`python3` → this interpreter; arguments naming a file or folder under `base` →
-    absolute paths (so an attempt, running in its own folder, finds them)."""
+    absolute paths (so an attempt, running in its own folder, finds them), links not followed (a
+    virtualenv's `venv/bin/python` is a link to its base interpreter: followed, it would lose the venv)."""
     out = list(command)
     if out[0] in ("python", "python3"):
         out[0] = sys.executable
     for i, a in enumerate(out):
         if not a.startswith("-") and not Path(a).is_absolute() and (base / a).exists():
-            out[i] = str((base / a).resolve())
+            out[i] = os.path.abspath(base / a)
     return out
 
 
