@@ -165,6 +165,7 @@ def flagged(reward: RewardIn, answer: str) -> RewardIn:
     flags = injection_flags(answer)
     if not flags:
         return reward
+    log.warning("event=judge_injection flags=%s", ",".join(flags))
     details = dict(reward.details)
     own = details.get("hacking")
     details["hacking"] = {**(own if isinstance(own, dict) else {}), "judge_injection": flags}
