@@ -304,6 +304,9 @@ async def test_a_tampering_harness_on_the_plain_runner_is_zeroed_dropped_or_flag
     if on_violation == "drop":  # graded, recorded, but out of the batch
         assert outcome.state == RolloutState.FAILED and outcome.failure == "guard" and outcome.reward is None
         assert build_batch([detail]).rewards == {}
+        from harnessrl.trainer.loop import batch_metrics  # (torch: imported only here)
+
+        assert batch_metrics(build_batch([detail]), [outcome])["rollouts_guard_dropped"] == 1
         return
     assert outcome.state == RolloutState.SUCCEEDED
     assert outcome.reward == (

@@ -298,6 +298,7 @@ def batch_metrics(batch: Batch, outcomes: list[RolloutOutcome]) -> dict[str, Any
         "rollouts_failed": sum(o.state != RolloutState.SUCCEEDED for o in outcomes),
         "rollouts_grader_error": sum(o.failure == "grader" for o in outcomes),
         "rollouts_infra_error": sum(o.failure == "infra" for o in outcomes),
+        "rollouts_guard_dropped": sum(o.failure == "guard" for o in outcomes),  # guard.on_violation: drop
         "rollouts_timed_out": sum(o.timed_out for o in outcomes),
         "first_error": next((o.error for o in outcomes if o.error), None),
         "rows": len(batch.rows),
