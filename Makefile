@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-vllm test-vllm bench-vllm demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-lora bench-train bench-scale test-harnesses opencode-calc clean
+.PHONY: install install-vllm test-vllm bench-vllm demo test lint typecheck unit screenshots bench bench-dashboard bench-engine bench-gateway bench-controller bench-reliability bench-memory bench-lora bench-train bench-distill bench-scale test-harnesses opencode-calc clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -152,6 +152,12 @@ test-harnesses: $(STAMP)
 	bash bench/harnesses/setup.sh
 	$(PY) bench/harnesses/run.py --out bench/results/harnesses.json
 	$(PY) bench/harnesses/matrix.py --results bench/results/harnesses.json --doc docs/harnesses.md
+
+# Hours on 2 cores (not in CI): learning from a teacher on calc (issue 50): a teacher trained here, its
+# traces, then RL, on-policy distillation, distillation + RL and SFT-then-RL, 3 seeds at equal RL steps.
+# Results in bench/results/distill.json; docs/distillation.md.
+bench-distill: $(STAMP)
+	nice -n 5 $(PY) bench/distill.py --out bench/results/distill.json
 
 clean:
 	rm -rf $(VENV) .bench runs .pytest_cache .mypy_cache .ruff_cache

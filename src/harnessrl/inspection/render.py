@@ -287,13 +287,21 @@ def _segment_table(row: dict[str, Any]) -> Table:
 
 def _token_table(row: dict[str, Any]) -> Table:
     table = Table(header_style="bold", box=None, padding=(0, 1))
-    for name in ("pos", "id", "token", "mask", "logprob"):
+    teacher = row.get("teacher_logprobs")  # runs with train.teacher: the teacher's beside the student's
+    for name in ("pos", "id", "token", "mask", "logprob", *(["teacher"] if teacher else [])):
         table.add_column(name, justify="left" if name == "token" else "right")
     for i, (tok, piece, mask, lp) in enumerate(
         zip(row["tokens"], row["pieces"], row["loss_mask"], row["logprobs"], strict=True)
     ):
         style = _logprob_style(lp) if mask else PROMPT_STYLE
-        table.add_row(
-            str(i), str(tok), Text(repr(piece), style=style), str(mask), f"{lp:.4f}" if mask else ""
-        )
+        cells: list[str | Text] = [
+            str(i),
+            str(tok),
+            Text(repr(piece), style=style),
+            str(mask),
+            f"{lp:.4f}" if mask else "",
+        ]
+        if teacher:
+            cells.append(f"{teacher[i]:.4f}" if mask and teacher[i] is not None else "")
+        table.add_row(*cells)
     return table

@@ -23,6 +23,7 @@ from harnessrl.inspection.runview import (
     rollout_rows,
     summarize,
 )
+from harnessrl.inspection.teacher_view import attach_teacher_logprobs, read_teacher_logprobs
 from harnessrl.inspection.tokens import Decoder, load_decoder
 from harnessrl.schema import Call, Rollout
 from harnessrl.store import Store
@@ -140,6 +141,9 @@ def rollout_view(store: Store, run_dir: Path, settings: RunSettings, rollout: Ro
     summary.advantage = adv.get(rollout.rollout_id)
     results = rollout_rows(detail, settings)
     row_of, cause_of = row_positions(results)
+    rows = _row_entries(results, decoder, detail.calls)
+    attach_teacher_logprobs(rows, [r.call_ids for res in results for r in res.rows],
+                            read_teacher_logprobs(run_dir, rollout.rollout_id))  # fmt: skip
     return {
         "run_dir": str(run_dir),
         "rollout": {
@@ -161,7 +165,7 @@ def rollout_view(store: Store, run_dir: Path, settings: RunSettings, rollout: Ro
         "calls": [
             _call_entry(c, decoder, row_of.get(c.call_id), cause_of.get(c.call_id)) for c in detail.calls
         ],
-        "rows": _row_entries(results, decoder, detail.calls),
+        "rows": rows,
         "credit": credit_report(detail),
     }
 

@@ -290,8 +290,11 @@ function renderTokens(row, mode, adv) {
   const frag = document.createDocumentFragment();
   row.pieces.forEach((piece, i) => {
     const mask = row.loss_mask[i], lp = row.logprobs[i];
-    frag.appendChild(el("span", { class: `m${mask}`, style: tokenColor(mode, mask, lp, adv),
-      title: `#${i} id ${row.tokens[i]} mask ${mask}` + (mask ? ` logprob ${lp.toFixed(4)}` : "") }, piece));
+    const tlp = row.teacher_logprobs ? row.teacher_logprobs[i] : null;  // runs with train.teacher
+    const shown = mode === "teacher" ? (tlp === null ? null : tlp - lp) : adv;
+    frag.appendChild(el("span", { class: `m${mask}`, style: tokenColor(mode, mask, lp, shown),
+      title: `#${i} id ${row.tokens[i]} mask ${mask}` + (mask ? ` logprob ${lp.toFixed(4)}` : "")
+        + (mask && tlp !== null ? ` teacher ${tlp.toFixed(4)}` : "") }, piece));
   });
   box.appendChild(frag);
   return box;
@@ -368,7 +371,8 @@ async function rolloutView(id) {
   const rowsBox = el("div", { id: "rows" });
   const legend = { mask: "blue: trainable (loss mask 1) · grey: prompt and tool output (mask 0)",
     logprob: "trainable tokens by the engine's logprob: green ≥ −0.5 · yellow ≥ −2.3 · red below",
-    advantage: "trainable tokens by the rollout's advantage: green positive · red negative" };
+    advantage: "trainable tokens by the rollout's advantage: green positive · red negative",
+    teacher: "trainable tokens by teacher − student logprob (the distillation advantage): green the teacher likes it more · red less" };
   const legendBox = el("span", { class: "muted", id: "legend" }, legend[mode]);
   const draw = () => {
     rowsBox.replaceChildren();
@@ -387,7 +391,7 @@ async function rolloutView(id) {
     }));
   };
   out.appendChild(el("div", { class: "modes", id: "modes" }, "colour by: ",
-    ["mask", "logprob", "advantage"].map((m) => el("label", {}, el("input", { type: "radio", name: "mode", value: m, checked: m === mode ? "checked" : null,
+    ["mask", "logprob", "advantage", ...(rep.rows.some((row) => row.teacher_logprobs) ? ["teacher"] : [])].map((m) => el("label", {}, el("input", { type: "radio", name: "mode", value: m, checked: m === mode ? "checked" : null,
       onchange: () => { mode = m; draw(); } }), m)), legendBox));
   draw();
   out.appendChild(rowsBox);
