@@ -34,7 +34,15 @@ from harnessrl.controller.runners.sandbox import SandboxRunner, SandboxSpec, bwr
 from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.client import ControlClient
-from harnessrl.schema import GuardPolicy, RewardIn, RolloutState, Task
+from harnessrl.schema import (
+    AttemptFinish,
+    AttemptStatus,
+    GuardPolicy,
+    RewardIn,
+    RolloutCreate,
+    RolloutState,
+    Task,
+)
 from harnessrl.store import SQLiteStore
 from tests.support.gateway import ThreadServer
 
@@ -299,6 +307,8 @@ async def test_a_tampering_harness_on_the_plain_runner_is_zeroed_dropped_or_flag
     probe = json.loads(
         (tmp_path / "run/rollouts" / outcome.rollout_id / "attempt-0/output/probe.json").read_text()
     )
+    saved = tmp_path / "run/rollouts" / outcome.rollout_id / "attempt-0/guard_findings.json"
+    assert json.loads(saved.read_text()) == FLAGGED  # for a regrade after a restart
     assert probe["self reward"] == {"ok": True, "value": 200}  # its own 1.0 was stored, then graded over
     assert detail.reward.details["guard"] == {"on_violation": on_violation or "zero", "graded": 0.5}
     if on_violation == "drop":  # graded, recorded, but out of the batch
@@ -313,6 +323,35 @@ async def test_a_tampering_harness_on_the_plain_runner_is_zeroed_dropped_or_flag
         0.5 if on_violation == "flag" else 0.0
     )  # the task's own policy wins over the run's
     assert build_batch([detail]).flagged_hacking == [outcome.rollout_id]
+
+
+async def test_a_restarted_controller_still_zeroes_a_violation(
+    tmp_path: Path, gateway: tuple[ControlClient, str, SQLiteStore]
+) -> None:
+    """A controller killed between an attempt's end and its grading: the restarted one grades the attempt
+    from its files, and the guard findings saved beside them still cost the reward."""
+    client, url, _ = gateway
+    task = Task(task_id="t1", input={}, guard=READ_ONLY)
+    try:
+        rid = (
+            await client.create_rollout(RolloutCreate(client_id="c1", task_id="t1", input={}))
+        ).rollout.rollout_id
+        attempt = (await client.start_attempt(rid)).attempt
+        workdir = tmp_path / "run" / "rollouts" / rid / f"attempt-{attempt}"
+        (workdir / "home" / TEST_FILE).parent.mkdir(parents=True)
+        (workdir / "home" / TEST_FILE).write_text(WORKSPACE[TEST_FILE])  # restored by the dead controller
+        (workdir / "output").mkdir()
+        (workdir / "guard_findings.json").write_text(json.dumps(FLAGGED))
+        await client.finish_attempt(rid, attempt, AttemptFinish(status=AttemptStatus.EXITED, exit_code=0))
+        ctl = Controller(
+            client, url, HarnessSpec([sys.executable, "-c", "pass"], timeout_s=30), _grade, tmp_path / "run"
+        )
+        (outcome,) = await ctl.run([RolloutRequest(task, "c1")])
+        detail = await client.rollout(rid)
+    finally:
+        await client.aclose()
+    assert outcome.state == RolloutState.SUCCEEDED and outcome.reward == 0.0 and len(detail.attempts) == 1
+    assert detail.reward is not None and detail.reward.details["hacking"] == {"guard": FLAGGED}
 
 
 # --- the sandbox: blocked -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from harnessrl.schema import (
 )
 
 log = logging.getLogger(__name__)
+GUARD_FINDINGS = "guard_findings.json"  # beside an attempt's files: what its guard check found
 MAX_REDOS = 100  # how often one request's cancelled rollout is run again under a fresh client id
 
 
@@ -257,6 +259,7 @@ class Controller:
                 output_dir=workdir / "output",
                 stdout_tail=_read_tail(workdir / "stdout.txt", self.harness.max_output_bytes),
                 stderr_tail=_read_tail(workdir / "stderr.txt", self.harness.max_output_bytes),
+                guard_findings=_saved_findings(workdir),
             )
             log.info("event=attempt_regraded rollout=%s attempt=%d", rid, last.attempt)
             return await self._grade(req, rid, result), used
@@ -293,6 +296,7 @@ class Controller:
                 )
                 await self.client.set_state(rid, RolloutState.QUEUED)
                 continue
+            _save_findings(spec.workdir, result.guard_findings)  # a regrade after a restart reads them
             await self.client.finish_attempt(rid, attempt.attempt, _finish(result))
             return await self._grade(req, rid, result)
         await self.client.set_state(rid, RolloutState.FAILED)
@@ -358,6 +362,23 @@ def _write_grader_error(workdir: Path, error: str) -> None:
         (workdir / "grader_error.txt").write_text(error + "\n")
     except OSError as e:
         log.warning("event=grader_error_not_saved workdir=%s error=%s", workdir, e)
+
+
+def _save_findings(workdir: Path, findings: dict[str, Any] | None) -> None:
+    """Keep what the guard check found beside the attempt's files (`guard_findings.json`), so a
+    controller that restarts before grading still zeroes (or drops) a violating attempt."""
+    if findings:
+        (workdir / GUARD_FINDINGS).write_text(json.dumps(findings))
+
+
+def _saved_findings(workdir: Path) -> dict[str, Any] | None:
+    try:
+        found = json.loads((workdir / GUARD_FINDINGS).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # unreadable: still a violation, never a silent pass
+        return {"unreadable_findings": str(e)}
+    return found if isinstance(found, dict) and found else None
 
 
 def _read_tail(path: Path, limit: int) -> str:
