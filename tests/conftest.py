@@ -53,7 +53,7 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     """A real builtin engine process serving the tiny model."""
     svc = start_engine(tiny_model_dir, free_port(), tmp_path_factory.mktemp("engine-logs"), 16, 2048, 1)
     try:
-        svc.wait_healthy(120)
+        svc.wait_healthy(300)  # a busy machine took over 120 s to load the tiny model
         yield svc
     finally:
         svc.stop()

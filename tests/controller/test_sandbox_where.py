@@ -22,6 +22,7 @@ from harnessrl.config import ControllerSection, load_config
 from harnessrl.controller.factory import make_runner
 from harnessrl.controller.runner import AttemptSpec, HarnessSpec
 from harnessrl.controller.runners.sandbox_fork import SandboxedForkServerRunner
+from harnessrl.services import free_port
 from tests.controller.test_sandbox import _REFUSED
 
 pytestmark = pytest.mark.skipif(_REFUSED is not None, reason=_REFUSED or "")
@@ -85,7 +86,8 @@ async def test_a_project_under_tmp_runs_in_every_sandboxed_runner(project: Path,
         runner.python = python  # the fork server of the harness's interpreter
     workdir = project / "runs" / "rollouts" / f"r-{kind}" / "attempt-0"
     stores = [str(project / "runs" / "store.sqlite"), os.path.realpath(project / "runs" / "store.sqlite")]
-    spec = AttemptSpec(f"r-{kind}", 0, "k", "http://127.0.0.1:9/", {"stores": stores}, workdir)
+    gateway = f"http://127.0.0.1:{free_port()}/"  # (a port under 1024 is root's alone in the sandbox)
+    spec = AttemptSpec(f"r-{kind}", 0, "k", gateway, {"stores": stores}, workdir)
     try:
         result = await runner.run(spec, HarnessSpec(command, timeout_s=60))
     finally:
