@@ -23,7 +23,7 @@ MAY_SKIP: tuple[tuple[str, str, str], ...] = (
     ("tests/", r"no PostgreSQL server", "a PostgreSQL server that can start here"),
     (
         "tests/",
-        r"kernel refuses namespaces|no sandbox here|bubblewrap cannot run here|the pod is run with bubblewrap",
+        r"kernel refuses namespaces|no sandbox here|no bubblewrap here|bubblewrap cannot run here|the pod is run with bubblewrap",
         "namespaces for bubblewrap (the kernel's setting)",
     ),
     ("tests/controller/", r"needs root|as root|forks as root only|as another user", "root"),
