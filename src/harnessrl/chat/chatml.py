@@ -68,8 +68,8 @@ def tools_block(tools: list[dict[str, Any]]) -> str:
             raise ChatFormatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
         spec = {
             "name": fn["name"],
-            "description": fn.get("description", ""),
-            "parameters": fn.get("parameters", {}),
+            "description": fn.get("description") or "",
+            "parameters": fn.get("parameters") or {},
         }
         lines.append(json.dumps(spec, ensure_ascii=False))
     return (

@@ -4,7 +4,9 @@
 tokenizer_config.json) and chooses, unless told (`engine.tool_parser`):
 
 - how prompts are rendered: the template itself, with `tools`, when it supports tools (Qwen2.5, Qwen3,
-  Llama 3.1+); the template after `convention.fold_tools` when it has none (Gemma 3, Llama 3.0);
+  Llama 3.1+), fed the messages and tools as vLLM's OpenAI server feeds them (`serving`), so the prompt
+  is the one vLLM renders for the same request; the template after `convention.fold_tools` when it has
+  none (Gemma 3, Llama 3.0) and the conversation has tools;
   today's `chatml` convention for a ChatML template without tools (SmolLM2: same text, same tokens);
 - how tool calls are parsed back: `qwen3_coder` when the template writes `<function=` (Qwen3.5,
   Qwen3-Coder), `gemma4` when it writes `<|tool_call>` (Gemma 4), `hermes` when it writes `<tool_call>`,
@@ -35,6 +37,7 @@ from harnessrl.chat.chatml import (
 from harnessrl.chat.completion import CompletionRules, CompletionStream
 from harnessrl.chat.convention import fold_tools
 from harnessrl.chat.reasoning import GEMMA4_THINK, THINK, ThinkTags
+from harnessrl.chat.serving import server_messages, server_tools
 from harnessrl.chat.template import JinjaTemplate, load_template, read_tokenizer_config
 from harnessrl.chat.toolcalls import PYTHON_TAG, tool_parser
 
@@ -211,11 +214,11 @@ class ChatFormat:
         `enable_thinking`) override the run's template kwargs for this request."""
         if self.renderer == "chatml" or self.template is None:
             return render_chat(messages, tools, add_generation_prompt, self.chatml)
-        msgs = canonical_messages(messages)
-        if self.renderer == "folded":
-            msgs, tools = fold_tools(msgs, tools), None
+        if self.renderer == "folded" and (tools or _tool_turns(messages)):
+            messages, tools = fold_tools(canonical_messages(messages), tools), None
+        msgs = server_messages(messages, self.template.source)  # as vLLM's server hands them over
         return self.template.render(
-            msgs, tools or None, add_generation_prompt, **{**self.template_kwargs, **kwargs}
+            msgs, server_tools(tools), add_generation_prompt, **{**self.template_kwargs, **kwargs}
         )
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
@@ -234,6 +237,13 @@ class ChatFormat:
             return False
         think = self.rules.think
         return think is not None and prompt.rstrip().endswith(think.open)
+
+
+def _tool_turns(messages: Any) -> bool:
+    """Whether a conversation calls tools or answers a call (rendered with the convention when folded)."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages
+    )
 
 
 def _chatml_for(template: JinjaTemplate | None) -> ChatTemplate:

@@ -55,8 +55,11 @@ class ToolMap:
     dropped: list[dict[str, str]] = field(default_factory=list)  # {"type", "name", "reason"}
     deferred: dict[str, dict[str, Any]] = field(default_factory=dict)  # Anthropic defer_loading tools
 
-    def add(self, name: str, description: str, parameters: dict[str, Any], origin: ToolOrigin) -> None:
-        """Offer one function to the model."""
+    def add(
+        self, name: str, description: str | None, parameters: dict[str, Any] | None, origin: ToolOrigin
+    ) -> None:
+        """Offer one function to the model (a description or parameters the client left out stay None,
+        as vLLM passes them to the template)."""
         fn = {"name": name, "description": description, "parameters": parameters}
         self.functions.append({"type": "function", "function": fn})
         self.origins[name] = origin
@@ -134,6 +137,16 @@ def _name(tool: dict[str, Any], where: str) -> str:
     return name
 
 
+def _described(tool: dict[str, Any]) -> str | None:
+    text = tool.get("description")
+    return None if text is None else str(text)
+
+
+def _given_schema(value: Any, where: str) -> dict[str, Any] | None:
+    """The client's parameter schema, checked, or None when it sent none."""
+    return None if value is None else _schema(value, where)
+
+
 def _schema(value: Any, where: str) -> dict[str, Any]:
     if value is None:
         return {"type": "object"}
@@ -174,10 +187,8 @@ def _responses_member(out: ToolMap, tool: dict[str, Any], where: str, namespace:
     name = _name(tool, where)
     model_name = flat_name(namespace, name)
     if kind == "function":
-        params = _schema(tool.get("parameters"), f"{where}.parameters")
-        out.add(
-            model_name, str(tool.get("description") or ""), params, ToolOrigin("function", name, namespace)
-        )
+        params = _given_schema(tool.get("parameters"), f"{where}.parameters")
+        out.add(model_name, _described(tool), params, ToolOrigin("function", name, namespace))
     elif kind == "custom":
         out.add(
             model_name, custom_description(tool), custom_parameters(), ToolOrigin("custom", name, namespace)
@@ -253,9 +264,9 @@ def _anthropic_custom(out: ToolMap, tool: dict[str, Any], where: str) -> None:
         raise APIError(400, f"{where}.input_schema: field required", param=f"{where}.input_schema")
     params = _schema(tool["input_schema"], f"{where}.input_schema")
     if tool.get("defer_loading") is True:
-        out.deferred[name] = {"description": str(tool.get("description") or ""), "parameters": params}
+        out.deferred[name] = {"description": _described(tool), "parameters": params}
         return
-    out.add(name, str(tool.get("description") or ""), params, ToolOrigin("function", name))
+    out.add(name, _described(tool), params, ToolOrigin("function", name))
 
 
 def anthropic_tools(
@@ -298,8 +309,8 @@ def chat_tools(tools: Any, where: str = "tools") -> ToolMap:
         fn = tool.get("function")
         if kind == "function" and isinstance(fn, dict):
             name = _name(fn, f"{at}.function")
-            params = _schema(fn.get("parameters"), f"{at}.function.parameters")
-            out.add(name, str(fn.get("description") or ""), params, ToolOrigin("function", name))
+            params = _given_schema(fn.get("parameters"), f"{at}.function.parameters")
+            out.add(name, _described(fn), params, ToolOrigin("function", name))
         elif kind == "function":
             raise APIError(400, f"{at}.function: field required", param=f"{at}.function")
         else:
