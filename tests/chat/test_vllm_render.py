@@ -77,7 +77,7 @@ def test_vllm_preprocessing_facts() -> None:
 def test_live_vllm_renders_the_fixture(tmp_path: Path) -> None:
     """Re-render the corpus through vLLM itself (its venv) and compare with the chat format."""
     if not VLLM_PY.is_file():
-        pytest.skip("vLLM's venv is not installed: make install-vllm")
+        pytest.skip("no vLLM venv here: make install-vllm")
     out = tmp_path / "renders.json"
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HARNESSRL_RENDERS_OUT": str(out)}
     subprocess.run([str(VLLM_PY), "bench/record_vllm_renders.py"], cwd=ROOT, check=True, timeout=600, env=env)

@@ -19,6 +19,11 @@ import pytest
 # (test id prefix, pattern of the skip's reason, what this machine lacks)
 MAY_SKIP: tuple[tuple[str, str, str], ...] = (
     ("tests/services/test_vllm_real.py", r"vLLM venv", "vLLM serving (a GPU's engine: make install-vllm)"),
+    (
+        "tests/chat/test_vllm_render.py",
+        r"vLLM venv",
+        "vLLM's own venv (make install-vllm), for the live re-render",
+    ),
     ("tests/controller/test_kubernetes.py", r"KUBECONFIG", "a Kubernetes cluster"),
     ("tests/", r"no PostgreSQL server", "a PostgreSQL server that can start here"),
     (
