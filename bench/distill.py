@@ -54,24 +54,28 @@ def _run(name: str, args: argparse.Namespace, overrides: list[str]) -> tuple[dic
     return summary, run_dir
 
 
-def teacher_and_traces(args: argparse.Namespace, out: dict[str, Any]) -> tuple[Path, Path]:
-    """The teacher's folder (trained here unless --teacher) and the run holding its traces."""
+def train_teacher(args: argparse.Namespace, out: dict[str, Any]) -> Path:
+    """The teacher's folder: `--teacher`, or RL on calc from the base model here (its last checkpoint)."""
     if args.teacher:
-        teacher = Path(args.teacher).resolve()
-    else:
-        summary, run_dir = _run("teacher", args, [f"train.steps={args.teacher_steps}", "train.seed=100"])
-        ckpt = latest_checkpoint(run_dir / "checkpoints")
-        assert ckpt is not None, "the teacher run saved no checkpoint"
-        teacher = ckpt
-        out["teacher_training"] = {"steps": args.teacher_steps, "heldout_before": _heldout(summary, "before"),
-                                   "heldout_after": _heldout(summary, "after"), "wall_s": summary["wall_seconds"]}  # fmt: skip
+        return Path(args.teacher).resolve()
+    summary, run_dir = _run("teacher", args, [f"train.steps={args.teacher_steps}", "train.seed=100"])
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    assert ckpt is not None, "the teacher run saved no checkpoint"
+    out["teacher_training"] = {"steps": args.teacher_steps, "heldout_before": _heldout(summary, "before"),
+                               "heldout_after": _heldout(summary, "after"), "wall_s": summary["wall_seconds"]}  # fmt: skip
+    return ckpt
+
+
+def record_traces(args: argparse.Namespace, teacher: Path, out: dict[str, Any]) -> Path:
+    """A run of the teacher on the training tasks (lr 1e-12: every rollout is the teacher's); its eval
+    before is the teacher's held-out."""
     summary, traces = _run("traces", args, [f"engine.model={teacher}", f"train.steps={args.trace_steps}",
                                             "train.lr=1e-12", "train.seed=200"])  # fmt: skip
-    out["teacher"] = {"model": str(teacher), "heldout": _heldout(summary, "before")}
-    return teacher, traces
+    out["teacher"]["heldout"] = _heldout(summary, "before")
+    return traces
 
 
-def one(arm: str, seed: int, args: argparse.Namespace, teacher: Path, traces: Path) -> dict[str, Any]:
+def one(arm: str, seed: int, args: argparse.Namespace, teacher: Path, traces: Path | None) -> dict[str, Any]:
     """One arm with one seed: held-out before/after, wall time, SFT figures where there is SFT."""
     base = [f"train.seed={seed}", f"train.steps={args.steps}"]
     extra: dict[str, Any] = {}
@@ -83,6 +87,7 @@ def one(arm: str, seed: int, args: argparse.Namespace, teacher: Path, traces: Pa
         sft_dir = Path(args.run_root) / f"sft-s{seed}"
         cfg = load_config(example_config("calc"), [f"run_dir={sft_dir}", f"train.seed={seed}",
                           f"sft.min_reward={args.sft_min_reward}", f"sft.epochs={args.sft_epochs}", *args.override])  # fmt: skip
+        assert traces is not None
         sft = run_sft(cfg, traces, fresh=True)
         extra["sft"] = {k: sft[k] for k in ("rows", "steps", "target_logprob_before", "target_logprob_after",
                                             "wall_seconds")}  # fmt: skip
@@ -100,9 +105,9 @@ def one(arm: str, seed: int, args: argparse.Namespace, teacher: Path, traces: Pa
     }  # fmt: skip
 
 
-def gap_closed(r: dict[str, Any], teacher: dict[str, float], temp: str) -> dict[str, float | None]:
+def gap_closed(r: dict[str, Any], teacher: dict[str, float] | None, temp: str) -> dict[str, float | None]:
     """Share of the student-teacher gap closed, in all, per step and per minute of training (+ SFT)."""
-    gap = teacher[temp] - r["heldout_before"][temp]
+    gap = teacher[temp] - r["heldout_before"][temp] if teacher else 0.0
     if abs(gap) < 1e-9:
         return {"total": None, "per_step": None, "per_minute": None}
     share = (r["heldout_after"][temp] - r["heldout_before"][temp]) / gap
@@ -110,7 +115,7 @@ def gap_closed(r: dict[str, Any], teacher: dict[str, float], temp: str) -> dict[
     return {"total": share, "per_step": share / r["steps"], "per_minute": share / max(minutes, 1e-9)}
 
 
-def summarize(results: list[dict[str, Any]], teacher: dict[str, float]) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any]], teacher: dict[str, float] | None) -> dict[str, Any]:
     """Per arm and eval temperature: held-out after (mean, sd, per seed) and the gap closed."""
     out: dict[str, Any] = {}
     for arm in ARMS:
@@ -149,7 +154,9 @@ def main() -> None:
                            "status": "smoke: a tiny-scale check that the bench runs, not a measurement" if args.smoke
                            else "full", "results": []}  # fmt: skip
     t0 = time.time()
-    teacher, traces = teacher_and_traces(args, out)
+    teacher = train_teacher(args, out)
+    out["teacher"] = {"model": str(teacher), "heldout": None}  # measured by the traces run (SFT arm)
+    traces = record_traces(args, teacher, out) if "sft_rl" in args.arms else None
     for seed in args.seeds:
         for arm in args.arms:
             out["results"].append(one(arm, seed, args, teacher, traces))
