@@ -156,7 +156,7 @@ class ControllerSection(_Section):
     sandbox_cgroup: Literal["auto", "required", "never"] = "auto"  # one cgroup bounds the whole attempt
     sandbox_cgroup_memory_mb: int | None = 8192  # all of an attempt's processes together
     sandbox_cgroup_max_pids: int | None = 1024  # processes of one attempt together (cgroup pids.max)
-    sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness reads (a venv)
+    sandbox_ro_paths: list[str] = Field(default_factory=list)  # more host paths the harness reads (a CLI)
     # aliases of the guard (tasks.guard; docs/security.md, Guards)
     sandbox_hide_git: bool = False  # alias: hidden "**/.git" (every `.git` in the attempt's home/ hidden)
     sandbox_disable_git: bool = False  # alias: no_git (`git` commands fail inside the sandbox)
