@@ -101,8 +101,39 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         fmt.render([{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}])
 
 
-def test_folder_without_template_falls_back_to_chatml(tmp_path: Path) -> None:
-    fmt = ChatFormat.from_folder(tmp_path)
-    assert fmt.renderer == "chatml" and fmt.render(TOOL_CONVERSATION, TOOLS) == render_chat(
-        TOOL_CONVERSATION, TOOLS
+def test_folder_without_template_gets_its_familys_markers(tmp_path: Path) -> None:
+    """No SmolLM2 system prompt and no foreign `<|im_end|>`: the vocabulary's own turn markers, or a refusal."""
+    gemma, llama, chatml = (tmp_path / n for n in ("gemma", "llama", "chatml"))
+    for folder, family in ((gemma, "gemma3"), (llama, "llama3"), (chatml, "qwen2_5")):
+        folder.mkdir()
+        shutil.copy(tokenizer_dir(family) / "tokenizer.json", folder)
+    fmt = ChatFormat.from_folder(gemma)
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"},
+             {"role": "assistant", "content": "5"}, {"role": "user", "content": "4+4?"}]  # fmt: skip
+    assert fmt.render(convo) == (
+        "<start_of_turn>user\nBe brief.\n\n2+3?<end_of_turn>\n<start_of_turn>model\n5<end_of_turn>\n"
+        "<start_of_turn>user\n4+4?<end_of_turn>\n<start_of_turn>model\n"
     )
+    assert (
+        fmt.rules.stop_texts == ("<end_of_turn>",)
+        and 106 in fmt.stop_ids
+        and "SmolLM" not in fmt.render(convo)
+    )
+    tooled = fmt.render(TOOL_CONVERSATION, TOOLS)
+    assert (
+        "# Tools" in tooled
+        and '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>' in tooled
+    )
+    assert fmt.parse('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><end_of_turn>').tool_calls
+    lfmt = ChatFormat.from_folder(llama)
+    assert lfmt.render(convo[1:2]) == (
+        "<|start_header_id|>user<|end_header_id|>\n\n2+3?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert "<|eot_id|>" in lfmt.rules.stop_texts
+    cfmt = ChatFormat.from_folder(chatml)
+    assert (
+        cfmt.renderer == "chatml"
+        and cfmt.render(convo[1:2]) == "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(ChatFormatError, match=r"has no chat template.*chat_template\.jinja"):
+        ChatFormat.from_folder(tmp_path)

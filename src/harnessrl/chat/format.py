@@ -36,9 +36,15 @@ from harnessrl.chat.chatml import (
 )
 from harnessrl.chat.completion import CompletionRules, CompletionStream
 from harnessrl.chat.convention import fold_tools
+from harnessrl.chat.neutral import neutral_convention
 from harnessrl.chat.reasoning import GEMMA4_THINK, THINK, ThinkTags
 from harnessrl.chat.serving import server_messages, server_tools
-from harnessrl.chat.template import JinjaTemplate, load_template, read_tokenizer_config
+from harnessrl.chat.template import (
+    JinjaTemplate,
+    load_template,
+    neutral_special_tokens,
+    read_tokenizer_config,
+)
 from harnessrl.chat.toolcalls import PYTHON_TAG, tool_parser
 
 log = logging.getLogger(__name__)
@@ -179,12 +185,15 @@ class ChatFormat:
         """The chat format of a model folder (its own template; `tool_parser_name` overrides detection)."""
         folder = Path(folder)
         template = load_template(folder)
+        vocab = _added_token_ids(folder)
+        if template is None:  # the family's own turn markers, or a refusal (neutral.py)
+            convention, source = neutral_convention(folder, vocab)
+            log.warning("event=no_chat_template dir=%s using=%s", folder, convention)
+            if source is not None:
+                template = JinjaTemplate(source, neutral_special_tokens(folder))
         if template is not None:
             template.compiled  # noqa: B018 (a template that does not compile is refused here, not at a call)
-        else:
-            log.warning("event=no_chat_template dir=%s using=chatml", folder)
         name = detect_tool_parser(template.source if template else None)
-        vocab = _added_token_ids(folder)
         stops = stop_markers(template, vocab)
         think = detect_think(template.source if template else None)
         fmt = cls(
@@ -195,7 +204,7 @@ class ChatFormat:
             ),
             stop_ids=frozenset({vocab[s] for s in stops if s in vocab} | config_eos_ids(folder)),
             template_kwargs=dict(template_kwargs or {}),
-            chatml=_chatml_for(template),
+            chatml=_chatml_for(template, folder),
         )
         if think is not None and fmt._prompt_opens_thinking():
             fmt = replace(fmt, rules=CompletionRules(fmt.rules.tools, stops, think, True))
@@ -246,9 +255,16 @@ def _tool_turns(messages: Any) -> bool:
     )
 
 
-def _chatml_for(template: JinjaTemplate | None) -> ChatTemplate:
-    """SmolLM2's ChatML convention, with its default system prompt only where the template has it."""
-    if template is None or SMOLLM2.default_system is None or SMOLLM2.default_system in template.source:
+def _chatml_for(template: JinjaTemplate | None, folder: Path | None = None) -> ChatTemplate:
+    """SmolLM2's ChatML convention, with its default system prompt only where the template has it (a
+    folder without a template gets none)."""
+    if template is None and folder is None:
+        return SMOLLM2
+    if (
+        template is not None
+        and SMOLLM2.default_system is not None
+        and SMOLLM2.default_system in template.source
+    ):
         return SMOLLM2
     return ChatTemplate(default_system=None)
 

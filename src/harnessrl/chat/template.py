@@ -206,6 +206,12 @@ def template_source(folder: Path, config: dict[str, Any] | None = None) -> str |
     return value if isinstance(value, str) else None
 
 
+def neutral_special_tokens(folder: Path) -> dict[str, str]:
+    """The named special tokens of a folder's tokenizer_config.json (for a template harnessrl supplies)."""
+    config = read_tokenizer_config(folder)
+    return {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
+
+
 def load_template(folder: str | Path) -> JinjaTemplate | None:
     """The folder's own chat template with its special tokens, or None when the folder has none."""
     folder = Path(folder)

@@ -91,6 +91,7 @@ def build_prompt(
     `template_kwargs` (the call's own template variables, over the run's)."""
     if chat is not None and chat.renderer != "chatml":
         return _build_with_format(messages, tools, history, encode, chat, template_kwargs or {})
+    template = chat.chatml if chat is not None else template  # the folder's ChatML (system prompt or none)
     found = find_extended_call(messages, tools, history)
     if found is None:
         return TitoPrompt(encode(render_chat(messages, tools=tools, template=template)))
