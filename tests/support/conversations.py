@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-TOKENIZERS = Path(__file__).resolve().parents[2] / ".cache" / "tokenizers"
+
+def tokenizers_dir() -> Path:
+    """Where `make install` unpacks the real tokenizers (the Makefile's TOKENIZER_DIR rule): $HARNESSRL_TOKENIZERS,
+    else $XDG_CACHE_HOME/harnessrl/tokenizers when XDG_CACHE_HOME is an absolute path, else the checkout's
+    .cache/tokenizers."""
+    env = os.environ.get("HARNESSRL_TOKENIZERS")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "harnessrl" / "tokenizers"
+    return Path(__file__).resolve().parents[2] / ".cache" / "tokenizers"
+
+
+TOKENIZERS = tokenizers_dir()
 FAMILIES = ("qwen3", "qwen2_5", "llama3", "llama3_2", "gemma3")
 NATIVE_TOOLS = ("qwen3", "qwen2_5", "llama3_2")  # templates that read `tools`
 FOLDED = ("llama3", "gemma3")  # templates without tools: tools are written as text first

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from .conversations import tokenizers_dir
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TOKENIZERS = Path(__file__).resolve().parents[2] / ".cache" / "tokenizers"
+TOKENIZERS = tokenizers_dir()
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 # Released configs (Qwen3-0.6B, Qwen2.5-0.5B-Instruct, Llama-3.1-8B-Instruct, Llama-3.2-1B-Instruct,
