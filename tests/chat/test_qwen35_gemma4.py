@@ -161,3 +161,13 @@ def test_gemma4_answer_thinking_and_malformed_call(root: str) -> None:
     assert off.parse("It is 5.<turn|>").content == "It is 5."
     bad = "<|tool_call>call:add{a:2,b:<tool_call|>"
     assert off.parse(bad).content == bad and off.parse(bad).tool_calls == []
+
+
+def test_a_requests_thinking_switch_decides_where_the_completion_begins(root: str) -> None:
+    """Qwen3.5's template opens `<think>` in the prompt only when the request turns thinking on."""
+    fmt = ChatFormat.from_folder(folder("qwen3_5", root))  # the run: thinking off
+    text = "Two and three.\n</think>\n\nIt is 5.<|im_end|>"
+    assert fmt.parse(text).reasoning_content is None
+    on = fmt.for_request({"enable_thinking": True})
+    assert on.rules.think_started and on.parse(text).reasoning_content == "Two and three."
+    assert on.parse(text).content == "It is 5." and fmt.for_request({"enable_thinking": False}) is fmt

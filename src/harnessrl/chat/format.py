@@ -239,9 +239,19 @@ class ChatFormat:
         """A parser for one completion being generated (`feed`, `feed_parts`, `finish`)."""
         return CompletionStream(self.rules, tools)
 
-    def _prompt_opens_thinking(self) -> bool:
+    def for_request(self, template_kwargs: dict[str, Any] | None) -> ChatFormat:
+        """This format for a request whose template kwargs override the run's: whether the generation
+        prompt opens the thinking block (Qwen3.5's `enable_thinking`) is decided again for them."""
+        if self.rules.think is None or not template_kwargs:
+            return self
+        opens = self._prompt_opens_thinking(template_kwargs)
+        if opens == self.rules.think_started:
+            return self
+        return replace(self, rules=replace(self.rules, think_started=opens))
+
+    def _prompt_opens_thinking(self, template_kwargs: dict[str, Any] | None = None) -> bool:
         try:
-            prompt = self.render([{"role": "user", "content": "x"}], None, True)
+            prompt = self.render([{"role": "user", "content": "x"}], None, True, **(template_kwargs or {}))
         except ChatFormatError:
             return False
         think = self.rules.think

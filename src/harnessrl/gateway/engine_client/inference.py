@@ -128,7 +128,7 @@ async def tito(
     resp = await upstream.post("/v1/completions", body)
     a = read_completion(resp, need_text=True)
     check_prompt(a.record, prompt.prompt_ids)
-    parsed = tokenizer.chat.parse(a.text, call.tools)
+    parsed = tokenizer.chat.for_request(call.template_kwargs).parse(a.text, call.tools)
     choice = resp["choices"][0]
     return Generation(parsed.content, parsed.tool_calls, finish_reason(parsed.tool_calls, a.record), a.record,
                       a.token_texts, stop_string(choice), cached_tokens(resp), parsed.reasoning_content)  # fmt: skip
@@ -284,7 +284,8 @@ async def tito_stream(upstream: StickyUpstream, served: str, call: ChatCall, sam
                             **_sampling_fields(sampling)}  # fmt: skip
     events = await upstream.open_stream("/v1/completions", body)
     acc = Accumulator()
-    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc, tokenizer.chat, call.tools))
+    chat = tokenizer.chat.for_request(call.template_kwargs)  # thinking opened by this request's prompt?
+    return EngineStream(acc, _tito_events(events, prompt.prompt_ids, acc, chat, call.tools))
 
 
 async def _tito_events(
