@@ -25,12 +25,19 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from harnessrl.schema import Task
 
-if TYPE_CHECKING:
-    from harnessrl.controller.judge import JudgeSpec
+
+class JudgeSpec(Protocol):
+    """The fields of `judge.JudgeSpec` the prompts read (a protocol: judge.py imports this module)."""
+
+    @property
+    def rubric(self) -> str: ...
+    @property
+    def scale(self) -> float: ...
+
 
 Messages = list[dict[str, str]]
 

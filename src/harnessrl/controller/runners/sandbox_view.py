@@ -25,15 +25,24 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from harnessrl.controller.isolation import unreachable
 
-if TYPE_CHECKING:
-    from harnessrl.controller.runners.sandbox import SandboxSpec
-
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # src/harnessrl: harnesses may import it
 FRESH = ("/tmp", "/dev/shm")  # empty and private in every attempt (a fork server's attempt too)
+
+
+class SandboxPaths(Protocol):
+    """The fields of `sandbox.SandboxSpec` the view reads (a protocol, so this module does not import
+    sandbox.py, which imports it)."""
+
+    @property
+    def system_paths(self) -> tuple[str, ...]: ...
+    @property
+    def ro_paths(self) -> tuple[str, ...]: ...
+    @property
+    def rw_paths(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -51,14 +60,14 @@ class AttemptView:
         return [k for k in out if any(_under(k[0], u) for u in under)]
 
 
-def view_paths(sandbox: SandboxSpec) -> list[str]:
+def view_paths(sandbox: SandboxPaths) -> list[str]:
     """Host paths every attempt sees read-only: system dirs, Python, this package, the extras."""
     python = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}  # fmt: skip
     return [*sandbox.system_paths, *sorted(python), str(PACKAGE_DIR), *sandbox.ro_paths]
 
 
 def attempt_view(
-    sandbox: SandboxSpec, command: list[str], path_env: str | None, rollouts: Path
+    sandbox: SandboxPaths, command: list[str], path_env: str | None, rollouts: Path
 ) -> AttemptView:
     """The view of an attempt of `command` whose folder is under `rollouts` (the run's attempts folder)."""
     ro = [*view_paths(sandbox), *(p for p, _ in needed_paths(command, path_env)), *harness_folders(command)]
