@@ -182,7 +182,7 @@ def _gaps(url: str, model: Any, prompts: int = 4, tokens: int = 48) -> tuple[lis
     for i in range(prompts):
         body = {"prompt": [1, 4093, 198, 2683 + 7 * i, 314, 253, 1345], "max_tokens": tokens, "temperature": 1.0,
                 "seed": i, "ignore_eos": True, "logprobs": 0}  # fmt: skip
-        res = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()
+        res = httpx.post(f"{url}/v1/completions", json=body, timeout=1800).json()  # a loaded machine
         choice, version = res["choices"][0], res["weight_version"]
         ids = torch.tensor([res["prompt_token_ids"] + choice["token_ids"]])
         with torch.no_grad():

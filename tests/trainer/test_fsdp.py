@@ -16,7 +16,7 @@ from harnessrl.modeling.loading import load_model
 from harnessrl.modeling.lora import reference_model
 from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from harnessrl.trainer.distributed import DataParallel
-from harnessrl.trainer.fsdp import local_state_bytes, to_index_form, to_name_form
+from harnessrl.trainer.fsdp import local_state_bytes, meta_model, to_index_form, to_name_form
 from harnessrl.trainer.ppo import PPOConfig, lr_lambda, ppo_update
 from harnessrl.trainer.precision import make_optimizer, master_weights
 from tests.trainer.test_ppo import random_batch
@@ -149,3 +149,25 @@ def test_bf16_sharded_ranks_with_a_sharded_bf16_reference(tiny_model_dir: Path, 
     )
     print(f"fsdp 2-rank bf16 vs 1-rank bf16: max weight diff {gap:.2e}")
     assert gap < 5e-3  # lr 1e-3: a step moves weights ~1e-3; bf16 gradients agree to a few ulps
+
+
+def test_ranks_built_on_the_meta_device_read_only_their_shards(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A policy built on the meta device is sharded, then every rank reads only its rows of each tensor
+    from the safetensors (`fill_shards`): gathered back it is the folder's model bit for bit, rank 0
+    holds half of it, and the KL reference is built the same way (sharded, in the compute dtype)."""
+    model = meta_model(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dp = DataParallel(model, opt, tiny_model_dir, 2, threads=1, log_dir=tmp_path, parallel="fsdp",
+                      dtype="bfloat16", kl_coef=0.05)  # fmt: skip
+    try:
+        full = dp.full_model().state_dict()
+        held = local_state_bytes(model, opt)["params"]
+        ref = dp.ref_model
+        m = dp.update(random_batch(6, seed=24), PPOConfig(kl_coef=0.05))
+    finally:
+        dp.close()
+    want = load_model(tiny_model_dir)
+    assert all(torch.equal(full[k], v) for k, v in want.state_dict().items() if k != "lm_head.weight")
+    assert held <= 0.51 * sum(p.numel() * 4 for p in want.parameters())
+    assert ref is not None and isinstance(ref.model.embed_tokens.weight, DTensor)
+    assert ref.model.embed_tokens.weight.dtype == torch.bfloat16 and m["kl"] == 0.0

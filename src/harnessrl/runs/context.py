@@ -25,6 +25,7 @@ from harnessrl.runs.project import Project
 from harnessrl.runs.rundir import run_id as run_id_of
 from harnessrl.schema import Task
 from harnessrl.services.stack import ServiceStack, vllm_restarter
+from harnessrl.trainer.fsdp import meta_model
 from harnessrl.trainer.loop import Progress, TrainContext
 from harnessrl.trainer.metrics import MetricsLogger
 from harnessrl.trainer.policies import PolicyState
@@ -100,12 +101,16 @@ def build_trainer(
     tc = cfg.train
     dtype = torch_dtype(tc.dtype)  # FSDP keeps fp32 shards (the master weights) and computes in `dtype`
     fsdp = tc.world_size > 1 and tc.parallel == "fsdp"
-    model = load_model(model_dir, dtype=torch.float32 if fsdp else dtype, device=tc.device)
-    matmul = (
-        "aten (transformers path)"
-        if is_generic(model)
-        else use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
-    )
+    if fsdp:  # built on the meta device; the ranks then read only their shards (trainer/fsdp.py)
+        model = meta_model(model_dir)
+        matmul = "aten (fsdp ranks)"
+    else:
+        model = load_model(model_dir, dtype=dtype, device=tc.device)
+        matmul = (
+            "aten (transformers path)"
+            if is_generic(model)
+            else use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
+        )
     log.info("event=trainer_matmul path=%r", matmul)
     schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
     if cfg.policies:  # one adapter, optimizer and schedule per policy (trainer.policies)
@@ -119,7 +124,7 @@ def build_trainer(
     ctx = TrainContext(
         cfg, parts.run_id, run_dir, parts.client, parts.controller, parts.engine, model, optimizer, metrics,
         progress, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-        ref_model=reference_model(model, model_dir, tc.device, lora, dtype) if tc.kl_coef > 0 else None,
+        ref_model=reference_model(model, model_dir, tc.device, lora, dtype) if tc.kl_coef > 0 and not fsdp else None,
         heldout=heldout, notify=notify, lora=lora,
     )  # fmt: skip
     if tc.teacher is not None:  # on-policy distillation (its tokenizer was checked before the run)
@@ -131,8 +136,9 @@ def build_trainer(
 
         ctx.data_parallel = DataParallel(model, optimizer, model_dir, tc.world_size, threads=tc.threads,
                                          matmul=matmul, kl_coef=tc.kl_coef, log_dir=run_dir / "logs",
-                                         parallel=tc.parallel, dtype=tc.dtype,
-                                         ref_model=ctx.ref_model)  # fmt: skip
+                                         parallel=tc.parallel, dtype=tc.dtype, device=tc.device)  # fmt: skip
+        if ctx.ref_model is None:  # fsdp: the reference sharded like the policy, built with the ranks
+            ctx.ref_model = ctx.data_parallel.ref_model
     return ctx
 
 

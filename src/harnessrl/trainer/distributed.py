@@ -63,8 +63,11 @@ from harnessrl.trainer.checkpoint import (
 from harnessrl.trainer.ddp import divergence, sync_state, wrap
 from harnessrl.trainer.fsdp import (
     ShardedLoss,
+    fill_shards,
     gather_full,
     load_full,
+    load_sharded_reference,
+    meta_model,
     micro_batch_slots,
     model_view,
     shard,
@@ -178,6 +181,7 @@ class DataParallel:
         parallel: Literal["ddp", "fsdp"] = "ddp",
         dtype: str = "float32",
         ref_model: CausalLM | None = None,
+        device: str = "cpu",
     ) -> None:
         if world_size < 2:
             raise ValueError("DataParallel needs world_size >= 2 (1 is the plain single-process update)")
@@ -186,14 +190,16 @@ class DataParallel:
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, MasterAdamW):
             raise ValueError(f"data-parallel ranks build AdamW, Adam or SGD, not {type(optimizer).__name__}")
         self.model, self.optimizer, self.world_size, self.parallel = model, optimizer, world_size, parallel
+        # fsdp: the KL reference, sharded (the one given, or loaded shard by shard when kl_coef > 0)
+        self.ref_model = ref_model
+        self.device_kind = device
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         defaults = {k: v for k, v in optimizer.defaults.items() if isinstance(v, int | float | bool | tuple)}
-        device = next(model.parameters()).device
         spec = {"world_size": world_size, "model_dir": str(model_dir), "threads": self.threads, "matmul": matmul,
                 "optimizer": type(optimizer).__name__, "defaults": defaults, "kl_coef": kl_coef,
-                "parallel": parallel, "device": device.type, "dtype": dtype}  # fmt: skip
+                "parallel": parallel, "device": device.split(":")[0], "dtype": dtype}  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
         try:
@@ -207,16 +213,26 @@ class DataParallel:
                 init = spec["init"] = f"tcp://127.0.0.1:{port or free_port()}"
                 self._spawn(spec, log_dir)
                 launch.join(init, 0, world_size, JOIN_TIMEOUT_S)
-            self.root: Root = (
-                wrap(model) if parallel == "ddp" else shard(model, optimizer, torch_dtype(dtype))
-            )
-            if parallel == "fsdp" and ref_model is not None:  # as every worker shards its own
-                shard_reference(ref_model)
+            self.root: Root = wrap(model) if parallel == "ddp" else self._shard(model_dir, dtype, kl_coef)
         except BaseException:
             self._kill()
             raise
         log.info("event=data_parallel_started parallel=%s world_size=%d threads_per_rank=%d",
                  parallel, world_size, self.threads)  # fmt: skip
+
+    def _shard(self, model_dir: Path, dtype: str, kl_coef: float) -> ShardedLoss:
+        """fsdp: shard the policy (one on the meta device is then filled shard by shard from `model_dir`)
+        and build the KL reference sharded the same way (or shard the one given), as every worker does."""
+        on_meta = next(self.model.parameters()).is_meta
+        device = launch.rank_device(self.device_kind, 0) if on_meta else next(self.model.parameters()).device
+        root = shard(self.model, self.optimizer, torch_dtype(dtype), device)
+        if on_meta:
+            fill_shards(self.model, model_dir, device)
+        if self.ref_model is not None:
+            shard_reference(self.ref_model)
+        elif kl_coef > 0:
+            self.ref_model = load_sharded_reference(model_dir, torch_dtype(dtype), device)
+        return root
 
     def _spawn(self, spec: dict[str, Any], log_dir: Path | None) -> None:
         for rank in range(1, self.world_size):
@@ -241,6 +257,7 @@ class DataParallel:
         self._send(
             {"op": "update", "batch": batch, "cfg": asdict(cfg), "lr": self.optimizer.param_groups[0]["lr"]}
         )
+        ref_model = ref_model if ref_model is not None else self.ref_model
         metrics = rank_update(self.root, self.optimizer, batch, cfg, ref_model, progress)
         if scheduler is not None:
             with warnings.catch_warnings():
@@ -341,21 +358,28 @@ def worker(rank: int, spec: dict[str, Any]) -> None:
     device = launch.rank_device(spec.get("device", "cpu"), rank)
     dtype = torch_dtype(spec.get("dtype", "float32"))
     fsdp = spec.get("parallel", "ddp") == "fsdp"  # fsdp: fp32 shards (the master weights), compute in dtype
-    model = load_model(spec["model_dir"], dtype=torch.float32 if fsdp else dtype, device=str(device))
-    if str(spec["matmul"]).startswith("onednn"):
+    # fsdp: built on the meta device, sharded, then only this rank's rows read (never the whole model)
+    model = (
+        meta_model(spec["model_dir"])
+        if fsdp
+        else load_model(spec["model_dir"], dtype=dtype, device=str(device))
+    )
+    if str(spec["matmul"]).startswith("onednn") and not fsdp:
         use_onednn_for_training(model, "onednn", device)
     cls = _optimizer_class(spec["optimizer"])
     accepted = inspect.signature(cls).parameters
     defaults = {
         k: tuple(v) if isinstance(v, list) else v for k, v in spec["defaults"].items() if k in accepted
     }
-    root: Root = shard(model, dtype=dtype) if fsdp else wrap(model)
+    root: Root = shard(model, dtype=dtype, device=device) if fsdp else wrap(model)
+    if fsdp:
+        fill_shards(model, spec["model_dir"], device)
     optimizer = cls(model.parameters(), **defaults)  # after sharding: over this rank's shards
     ref = None
-    if spec["kl_coef"] > 0:  # in the compute dtype, sharded as the policy is
+    if spec["kl_coef"] > 0 and fsdp:  # in the compute dtype, sharded as the policy is
+        ref = load_sharded_reference(spec["model_dir"], dtype, device)
+    elif spec["kl_coef"] > 0:
         ref = load_model(spec["model_dir"], dtype=dtype, device=str(device)).requires_grad_(False)
-        if fsdp:
-            shard_reference(ref)
     log.info("event=rank_ready rank=%d parallel=%s device=%s", rank, spec.get("parallel", "ddp"), device)
     while True:
         box: list[Any] = [None]

@@ -34,6 +34,7 @@ is loaded in the compute dtype and sharded the same way (`shard_reference`): no 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -52,6 +53,8 @@ from torch.distributed.tensor import DTensor
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.modeling.loading import read_model_config, resolve_model
+from harnessrl.modeling.weight_files import WeightReader
 from harnessrl.trainer.ddp import RankLoss
 from harnessrl.trainer.forward import SHARDED_STEP, layer_forward, selected_logprobs
 from harnessrl.trainer.ppo import row_groups
@@ -84,9 +87,17 @@ def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def _shard_layers(model: CausalLM, mp: MixedPrecisionPolicy) -> list[FSDPModule]:
+def _mesh(model: nn.Module, device: torch.device | None) -> Any:
+    """The 1-D mesh of all ranks on `device`'s type (None: where the model's parameters are)."""
+    kind = device.type if device is not None else next(model.parameters()).device.type
+    return init_device_mesh(kind, (dist.get_world_size(),))
+
+
+def _shard_layers(
+    model: CausalLM, mp: MixedPrecisionPolicy, device: torch.device | None = None
+) -> list[FSDPModule]:
     """Every decoder layer of `model` an FSDP unit, called through its `sharded_step`."""
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    mesh = _mesh(model, device)
     units: list[FSDPModule] = []
     for layer in model.model.blocks:
         setattr(layer, SHARDED_STEP, functools.partial(layer_forward, layer))
@@ -96,19 +107,23 @@ def _shard_layers(model: CausalLM, mp: MixedPrecisionPolicy) -> list[FSDPModule]
 
 
 def shard(
-    policy: CausalLM, optimizer: torch.optim.Optimizer | None = None, dtype: torch.dtype = torch.float32
+    policy: CausalLM,
+    optimizer: torch.optim.Optimizer | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> ShardedLoss:
     """Shard `policy` (fp32) in place over all ranks of the process group (each layer a unit, the rest the
     root), computing in `dtype`, and return the root. An `optimizer` built on the unsharded parameters
-    (and not stepped yet) is pointed at the sharded ones."""
+    (and not stepped yet) is pointed at the sharded ones. A policy on the meta device (`device`: where its
+    shards will live) is sharded as it is, and filled afterwards by `fill_shards`."""
     if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):  # added to FSDP2 after torch 2.6
         raise RuntimeError(f"train.parallel: fsdp needs a newer torch than {torch.__version__} (FSDP2's "
                            "set_force_sum_reduction_for_comms); upgrade torch, or use train.parallel: ddp")  # fmt: skip
     if next(policy.parameters()).dtype != torch.float32:
         raise ValueError("FSDP shards fp32 parameters (the master weights); load the policy in float32")
-    mesh = init_device_mesh(next(policy.parameters()).device.type, (dist.get_world_size(),))
+    mesh = _mesh(policy, device)
     mp = mixed_precision(dtype)
-    units = _shard_layers(policy, mp)
+    units = _shard_layers(policy, mp, device)
     root = fully_shard(ShardedLoss(policy), mesh=mesh, mp_policy=mp)
     for unit in (*units, root):
         unit.set_gradient_divide_factor(1.0)  # SUM over ranks, not the mean
@@ -118,15 +133,48 @@ def shard(
     return root  # type: ignore[return-value]
 
 
-def shard_reference(ref: CausalLM) -> CausalLM:
+def meta_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The model of a folder built on the meta device (no memory), tied as the folder says: what `shard`
+    takes before `fill_shards` gives each rank its rows."""
+    with torch.device("meta"):
+        model = CausalLM(read_model_config(resolve_model(model_dir))).to(dtype)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def fill_shards(model: CausalLM, model_dir: str | Path, device: torch.device) -> None:
+    """Collective-free: allocate this rank's shards of a model sharded on the meta device and read into
+    each one only its rows of the tensor (FSDP2 shards dim 0 in chunks of ceil(n/k) rows), straight from
+    the folder's safetensors (`WeightReader`): no rank ever holds the whole model."""
+    model.to_empty(device=device)  # FSDP2 keeps ties and re-points its shards (swap_tensors on DTensors)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with WeightReader(resolve_model(model_dir)) as reader, torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            rows = -(-param.shape[0] // world)
+            start = min(rank * rows, param.shape[0])
+            if local.shape[0]:
+                local.copy_(reader.get(name, local.dtype, rows=slice(start, start + local.shape[0])))
+
+
+def shard_reference(ref: CausalLM, device: torch.device | None = None) -> CausalLM:
     """Shard the frozen KL reference (loaded in the compute dtype) as the policy is sharded: each layer a
     unit gathered when it runs, the rest a root unit that `trainer.ppo` gathers around the reference's
-    forward (`FSDPModule.unshard`). Every rank calls it, after `shard`."""
+    forward (`FSDPModule.unshard`). Every rank calls it, after `shard`. A reference on the meta device
+    (`device`: where its shards will live) is filled by `fill_shards` afterwards."""
     mp = MixedPrecisionPolicy()  # already in the compute dtype
-    _shard_layers(ref, mp)
-    mesh = init_device_mesh(next(ref.parameters()).device.type, (dist.get_world_size(),))
-    fully_shard(ref, mesh=mesh, mp_policy=mp)
+    _shard_layers(ref, mp, device)
+    fully_shard(ref, mesh=_mesh(ref, device), mp_policy=mp)
     return ref
+
+
+def load_sharded_reference(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The frozen KL reference in `dtype`, sharded like the policy and filled shard by shard."""
+    ref = meta_model(model_dir, dtype).requires_grad_(False)
+    shard_reference(ref, device)
+    fill_shards(ref, model_dir, device)
+    return ref.eval()
 
 
 def _adopt(optimizer: torch.optim.Optimizer, policy: nn.Module) -> None:

@@ -1,0 +1,189 @@
+"""The scale path on one GPU, in one command (issue 48): a bf16 update against fp32, the flash-attention
+path of the trainer's forward, and a LoRA weight sync into a live engine against a full one.
+
+    python bench/gpu_scale_check.py --model-dir DIR --out bench/results/gpu/scale_check.json
+    python bench/gpu_scale_check.py --tiny --device cpu      # a dry run of the script on CPU (no flash check)
+
+It has not run on a GPU yet (no GPU was lent while it was written); on CPU it runs end to end.
+
+- **bf16 update**: two PPO updates of the same rows with `train.dtype` float32 (AdamW) and bfloat16
+  (MasterAdamW), peak GPU memory of each (`torch.cuda.max_memory_allocated`) and their ratio, the largest
+  |bf16 − fp32| trainer logprob before the update, and the largest difference of the fp32 master weights
+  after it.
+- **flash path**: the trainer's forward (shared prefix: the suffix attends through a lower-right causal
+  bias, no mask matrix) in bf16 with SDPA restricted to the flash and memory-efficient kernels: it must
+  run (a mask would make SDPA refuse) and agree with the math kernel.
+- **LoRA sync**: a builtin engine on the GPU gets an adapter (`publish_weights` with `lora`) and the full
+  model, 3 times each: median seconds, bytes of the sync, and the engine-vs-trainer logprob gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.scale
+
+
+def _peak_reset(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_mb(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
+
+
+def check_bf16_update(model_dir: Path, device: str, rows: int) -> dict[str, Any]:
+    """fp32 vs bf16: peak memory of two updates, logprob and master-weight differences."""
+    from bench.scale import demo_batch
+
+    from harnessrl.modeling.loading import load_model
+    from harnessrl.trainer.forward import selected_logprobs
+    from harnessrl.trainer.ppo import PPOConfig, _pack, ppo_update
+    from harnessrl.trainer.precision import make_optimizer, master_weights
+
+    batch, cfg = demo_batch(1, rows), PPOConfig()
+    out: dict[str, Any] = {}
+    lps, weights = {}, {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        _peak_reset(device)
+        model = load_model(model_dir, dtype=dtype, device=device)
+        p = _pack(batch, list(range(len(batch.rows))), torch.device(device))
+        with torch.no_grad():
+            lps[name] = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix).logprobs.float().cpu()
+        opt = make_optimizer(model.parameters(), dtype, lr=1e-5, weight_decay=0.0)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            ppo_update(model, opt, batch, cfg)
+        out[f"{name}_seconds"] = round(time.perf_counter() - t0, 2)
+        out[f"{name}_peak_mb"] = _peak_mb(device)
+        weights[name] = {n: master_weights(opt, q).cpu() for n, q in model.named_parameters()}
+        del model, opt
+    if out["fp32_peak_mb"]:
+        out["update_peak_mb_ratio_vs_fp32"] = round(out["bf16_peak_mb"] / out["fp32_peak_mb"], 3)
+    out["logprob_max_diff_vs_fp32"] = float((lps["fp32"] - lps["bf16"]).abs().max())
+    out["master_weight_max_diff_vs_fp32"] = max(
+        float((weights["fp32"][n] - w).abs().max()) for n, w in weights["bf16"].items()
+    )
+    return out
+
+
+def check_flash(model_dir: Path, device: str, rows: int) -> dict[str, Any]:
+    """The trainer's shared-prefix forward in bf16 on the flash/memory-efficient kernels vs math."""
+    from bench.scale import demo_batch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from harnessrl.modeling.loading import load_model
+    from harnessrl.trainer.forward import selected_logprobs
+    from harnessrl.trainer.ppo import _pack
+
+    if not device.startswith("cuda"):
+        return {"skipped": "flash and memory-efficient SDPA kernels are GPU kernels"}
+    model = load_model(model_dir, dtype=torch.bfloat16, device=device)
+    batch = demo_batch(1, rows)
+    p = _pack(batch, list(range(len(batch.rows))), torch.device(device))
+    result: dict[str, Any] = {"prefix": p.prefix}
+    with torch.no_grad():
+        with sdpa_kernel([SDPBackend.MATH]):
+            ref = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix).logprobs.float()
+        for name, backend in (
+            ("flash", SDPBackend.FLASH_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ):
+            try:
+                with sdpa_kernel([backend]):
+                    lp = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix).logprobs.float()
+                result[f"{name}_max_diff_vs_math"] = float((lp - ref).abs().max())
+            except RuntimeError as e:
+                result[f"{name}_error"] = str(e)[:300]
+    return result
+
+
+def check_lora_sync(model_dir: Path, device: str, syncs: int = 3) -> dict[str, Any]:
+    """Adapter vs full-model syncs into a live engine on `device`: seconds, bytes, logprob gap."""
+    from harnessrl.engine.config import EngineConfig
+    from harnessrl.engine.core import Engine
+    from harnessrl.engine.server import ServerThread
+    from harnessrl.modeling.loading import load_model
+    from harnessrl.modeling.lora import LoraSpec, attach
+    from harnessrl.trainer.weights import EngineAdmin, publish_weights
+
+    engine = Engine(EngineConfig(model=str(model_dir), max_batch=2, max_model_len=512, device=device))
+    server = ServerThread(engine).start()
+    model = load_model(model_dir, device=device)
+    adapter = attach(model, LoraSpec(r=8), seed=1, base_model=str(model_dir))
+    with torch.no_grad():
+        for b in adapter.lora_B:
+            b.normal_(0, 0.02)
+    out: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in ("lora", "full"):
+
+                async def publish(version: int, lora: Any, folder: Path = Path(tmp) / mode) -> float:
+                    admin = EngineAdmin(server.url)
+                    try:
+                        return await publish_weights(model, admin, folder, version, lora)
+                    finally:
+                        await admin.aclose()
+
+                base = 1 if mode == "lora" else syncs + 1
+                walls = [
+                    asyncio.run(publish(base + i, adapter if mode == "lora" else None)) for i in range(syncs)
+                ]
+                last = Path(tmp) / mode / f"v{base + syncs - 1}"
+                out[mode] = {"seconds": round(statistics.median(walls), 3),
+                             "bytes": sum(f.stat().st_size for f in last.iterdir())}  # fmt: skip
+    finally:
+        server.stop()
+    out["lora_vs_full_seconds"] = round(out["lora"]["seconds"] / out["full"]["seconds"], 3)
+    return out
+
+
+def main() -> int:
+    """Run the three checks; print and write them as JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--tiny", action="store_true", help="a tiny random model (a dry run)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu" / "scale_check.json")
+    args = p.parse_args()
+    if args.tiny:
+        from harnessrl.modeling.loading import make_tiny_model_dir
+
+        args.model_dir = make_tiny_model_dir(Path(tempfile.mkdtemp()) / "tiny")
+    elif args.model_dir is None:
+        from harnessrl.modeling.loading import resolve_model
+
+        args.model_dir = resolve_model("smollm2")
+    res: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "model_dir": str(args.model_dir),
+                           "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}  # fmt: skip
+    for name, check in (("bf16_update", lambda: check_bf16_update(args.model_dir, args.device, args.rows)),
+                        ("flash", lambda: check_flash(args.model_dir, args.device, args.rows)),
+                        ("lora_sync", lambda: check_lora_sync(args.model_dir, args.device))):  # fmt: skip
+        try:
+            res[name] = check()
+        except Exception as e:  # every check runs; a failure is reported, not fatal
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        print(name, json.dumps(res[name]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    return 1 if any("error" in v for v in res.values() if isinstance(v, dict)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""`train.dtype: bfloat16` against float32 on the same rows: part of `make bench-scale` (`bench/scale.py`), or
+alone (each phase in a fresh process, so a peak is its own):
+
+    python bench/scale_bf16.py --model smollm2 --groups 1 --rows 4 --out bench/results/scale_bf16.json
+
+- `update_peak_mb_ratio_vs_fp32`: the trainer process's peak RSS (VmHWM, reset after loading) over
+  `--updates` PPO updates of the same rows, bf16 (MasterAdamW: bf16 weights and gradients, int16 low
+  halves, fp32 moments) over fp32 (AdamW). Layers are not checkpointed here (`checkpoint_layers=False`),
+  so the activations, which bf16 halves, are part of the peak as in a long-row update; with the default
+  checkpointing the state dominates and the ratio is nearer 14/16.
+- `logprob_max_diff_vs_fp32` / `logprob_mean_diff_vs_fp32`: |bf16 − fp32| of the trainer's logprobs of
+  every trainable token of the rows, before any update.
+- `fsdp_2rank_vs_1rank_max_weight_diff`: 2 FSDP ranks (fp32 shards, bf16 compute, fp32 reduction) against
+  1 process in bf16 (MasterAdamW), one update of the same rows: the largest difference of the fp32 master
+  weights; `fp32_step_max_change` is how far one fp32 step moved any weight (the scale to read it by).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.scale
+
+
+def _kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
+def phase_update(model_name: str, dtype_name: str, groups: int, rows: int, updates: int) -> dict[str, Any]:
+    """`updates` PPO updates of one dtype: peak RSS, the logprobs before the first, seconds."""
+    import torch
+    from bench.scale import demo_batch
+
+    from harnessrl.modeling.loading import load_model, resolve_model
+    from harnessrl.trainer.forward import selected_logprobs
+    from harnessrl.trainer.ppo import PPOConfig, _pack, ppo_update
+    from harnessrl.trainer.precision import make_optimizer, torch_dtype
+
+    dtype = torch_dtype(dtype_name)
+    model = load_model(resolve_model(model_name), dtype=dtype)
+    batch = demo_batch(groups, rows)
+    packed = _pack(batch, list(range(len(batch.rows))), torch.device("cpu"))
+    with torch.no_grad():
+        lp = selected_logprobs(model, packed.tokens, packed.select, packed.temps, packed.prefix).logprobs
+    optimizer = make_optimizer(model.parameters(), dtype, lr=1e-5, weight_decay=0.0)
+    cfg = PPOConfig(micro_batch_tokens=1 << 20)  # the whole batch one micro-batch
+    rss_before = _kb("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    for _ in range(updates):
+        ppo_update(model, optimizer, batch, cfg, checkpoint_layers=False)
+    return {"dtype": dtype_name, "rss_before_mb": rss_before // 1024, "peak_mb": _kb("VmHWM") // 1024,
+            "seconds": round(time.perf_counter() - t0, 1), "logprobs": [float(x) for x in lp],
+            "rows": len(batch.rows), "tokens": sum(len(r.tokens) for r in batch.rows)}  # fmt: skip
+
+
+def phase_fsdp(model_name: str, groups: int, rows: int) -> dict[str, Any]:
+    """One update of the same rows: 2 FSDP ranks in bf16 against 1 bf16 process and 1 fp32 process."""
+    import torch
+    from bench.scale import demo_batch
+
+    from harnessrl.modeling.loading import load_model, resolve_model
+    from harnessrl.trainer.distributed import DataParallel
+    from harnessrl.trainer.ppo import PPOConfig, ppo_update
+    from harnessrl.trainer.precision import make_optimizer, master_weights
+
+    model_dir = resolve_model(model_name)
+    batch, cfg = demo_batch(groups, rows), PPOConfig()
+    one = load_model(model_dir, dtype=torch.bfloat16)
+    opt1 = make_optimizer(one.parameters(), torch.bfloat16, lr=1e-5, weight_decay=0.0)
+    ppo_update(one, opt1, batch, cfg)
+    fp32 = load_model(model_dir)
+    start = {n: p.detach().clone() for n, p in fp32.named_parameters()}
+    ppo_update(fp32, torch.optim.AdamW(fp32.parameters(), lr=1e-5, weight_decay=0.0), batch, cfg)
+    change = max(float((p.detach() - start[n]).abs().max()) for n, p in fp32.named_parameters())
+    del fp32, start
+    model = load_model(model_dir)
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    with tempfile.TemporaryDirectory() as logs:
+        dp = DataParallel(
+            model, opt2, model_dir, 2, threads=1, log_dir=Path(logs), parallel="fsdp", dtype="bfloat16"
+        )
+        try:
+            t0 = time.perf_counter()
+            dp.update(batch, cfg)
+            seconds = time.perf_counter() - t0
+            full = dp.full_model().state_dict()
+        finally:
+            dp.close()
+    gap = max(
+        float((master_weights(opt1, p) - full[n].float()).abs().max()) for n, p in one.named_parameters()
+    )
+    return {"fsdp_2rank_vs_1rank_max_weight_diff": gap, "fp32_step_max_change": change,
+            "fsdp_2rank_update_s": round(seconds, 1)}  # fmt: skip
+
+
+def _child(*args: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--phase", *args], capture_output=True, text=True, env=env
+    )
+    if proc.returncode:
+        raise RuntimeError(f"phase {args} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def bench_bf16(model: str, groups: int, rows: int, updates: int, fsdp: bool = True) -> dict[str, Any]:
+    """The figures of the module docstring."""
+    f32 = _child("update", model, "float32", str(groups), str(rows), str(updates))
+    b16 = _child("update", model, "bfloat16", str(groups), str(rows), str(updates))
+    diffs = [abs(a - b) for a, b in zip(f32.pop("logprobs"), b16.pop("logprobs"), strict=True)]
+    out: dict[str, Any] = {
+        "model": model, "updates": updates, "fp32": f32, "bf16": b16,
+        "update_peak_mb_ratio_vs_fp32": round(b16["peak_mb"] / f32["peak_mb"], 3),
+        "logprob_max_diff_vs_fp32": max(diffs), "logprob_mean_diff_vs_fp32": sum(diffs) / len(diffs),
+        "trainable_tokens": len(diffs),
+    }  # fmt: skip
+    if fsdp:
+        out.update(_child("fsdp", model, str(groups), str(rows)))
+    return out
+
+
+def main() -> int:
+    """Command line: see the module docstring."""
+    if sys.argv[1:2] == ["--phase"]:
+        name, *rest = sys.argv[2:]
+        if name == "update":
+            res = phase_update(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
+        else:
+            res = phase_fsdp(rest[0], int(rest[1]), int(rest[2]))
+        sys.stdout.write(json.dumps(res) + "\n")
+        return 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--groups", type=int, default=1)
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--updates", type=int, default=2)
+    p.add_argument("--skip-fsdp", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    res = bench_bf16(args.model, args.groups, args.rows, args.updates, not args.skip_fsdp)
+    res["command"] = "python " + " ".join(sys.argv)
+    res["note"] = (
+        "measured on a shared 2-core machine with other work running beside it: ratios within this run"
+    )
+    res["load_avg_at_end"] = os.getloadavg()
+    text = json.dumps(res, indent=2)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
