@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from harnessrl.adapter import Batch
 from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.modeling.families import model_impl_of
 from harnessrl.modeling.loading import read_model_config, resolve_model
 from harnessrl.modeling.weight_files import WeightReader
 from harnessrl.trainer.ddp import RankLoss
@@ -136,8 +137,12 @@ def shard(
 def meta_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
     """The model of a folder built on the meta device (no memory), tied as the folder says: what `shard`
     takes before `fill_shards` gives each rank its rows."""
+    folder = resolve_model(model_dir)
+    if model_impl_of(folder) == "transformers":
+        raise ValueError(f"train.parallel: fsdp shards the builtin families; {folder} takes the transformers "
+                         "path: use train.parallel: ddp (or train.world_size: 1)")  # fmt: skip
     with torch.device("meta"):
-        model = CausalLM(read_model_config(resolve_model(model_dir))).to(dtype)
+        model = CausalLM(read_model_config(folder)).to(dtype)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
