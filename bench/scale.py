@@ -6,6 +6,9 @@
    rank (all `--threads` threads) and with 2 ranks over gloo (`--threads`/2 each), from the same weights:
    the update time of each (median of `--repeats`, a fresh update each) and `ddp_2rank_max_weight_diff`,
    the largest absolute weight difference after the step.
+1c. bf16 (`bench/scale_bf16.py`): `train.dtype` bfloat16 against float32 on the same rows (update peak RSS
+   ratio, logprob difference, 2 FSDP ranks in bf16 against 1 process); 1d. loading a 1.5B-shaped model
+   onto FSDP ranks, 2 vs 1 (`bench/scale_load.py`, `fsdp_load_rank_peak_mb_ratio`).
 1b. FSDP (`bench/scale_fsdp.py`): 2 sharded ranks against 1 process over 3 AdamW updates on the same
    weights and batches (`fsdp_2rank_max_weight_diff`), rank 0's peak of parameters + gradients + optimizer
    state against the 1-process figure (`fsdp_rank_peak_mb_ratio`), the weight gather and push time, and a
@@ -209,6 +212,14 @@ def main() -> int:
     p.add_argument(
         "--fsdp-model", default=None, help="the FSDP part's model (default: --model; or small-random)"
     )
+    p.add_argument(
+        "--skip-bf16", action="store_true", help="skip train.dtype bfloat16 vs float32 (scale_bf16.py)"
+    )
+    p.add_argument("--bf16-model", default=None, help="the bf16 part's model (default: --model)")
+    p.add_argument("--bf16-rows", type=int, default=8, help="rows of the bf16 vs fp32 updates (1 group)")
+    p.add_argument(
+        "--skip-load", action="store_true", help="skip the FSDP load, 2 ranks vs 1 (scale_load.py)"
+    )
     p.add_argument("--skip-gateways", action="store_true")
     p.add_argument("--gateway-seconds", type=float, default=10.0, help="load per gateway measurement")
     p.add_argument("--gateway-concurrency", type=int, default=16, help="rollouts calling at once")
@@ -232,6 +243,18 @@ def main() -> int:
         for key in ("fsdp_2rank_max_weight_diff", "fsdp_rank_peak_mb_ratio"):
             result[key] = result["fsdp"][key]
         print(json.dumps(result["fsdp"], indent=2), flush=True)
+    if not args.skip_bf16:
+        from bench.scale_bf16 import bench_bf16
+
+        result["bf16"] = bench_bf16(args.bf16_model or args.model, 1, args.bf16_rows, 2)
+        result["bf16"].update(command=result["command"], load_avg_at_end=os.getloadavg())
+        print(json.dumps(result["bf16"], indent=2), flush=True)
+    if not args.skip_load:
+        from bench.scale_load import bench_load, write_model
+
+        result["fsdp_load"] = bench_load(write_model(Path(tempfile.gettempdir()) / "harnessrl-1.5b-shaped"))
+        result["fsdp_load_rank_peak_mb_ratio"] = result["fsdp_load"]["fsdp_load_rank_peak_mb_ratio"]
+        print(json.dumps(result["fsdp_load"], indent=2), flush=True)
     if not args.skip_store:
         result["store"] = bench_store(args.calls)
         print(json.dumps(result["store"], indent=2), flush=True)

@@ -46,13 +46,13 @@ def phase_update(model_name: str, dtype_name: str, groups: int, rows: int, updat
     import torch
     from bench.scale import demo_batch
 
-    from harnessrl.modeling.loading import load_model, resolve_model
+    from harnessrl.modeling.loading import load_model
     from harnessrl.trainer.forward import selected_logprobs
     from harnessrl.trainer.ppo import PPOConfig, _pack, ppo_update
     from harnessrl.trainer.precision import make_optimizer, torch_dtype
 
     dtype = torch_dtype(dtype_name)
-    model = load_model(resolve_model(model_name), dtype=dtype)
+    model = load_model(model_name, dtype=dtype)
     batch = demo_batch(groups, rows)
     packed = _pack(batch, list(range(len(batch.rows))), torch.device("cpu"))
     with torch.no_grad():
@@ -64,7 +64,9 @@ def phase_update(model_name: str, dtype_name: str, groups: int, rows: int, updat
     t0 = time.perf_counter()
     for _ in range(updates):
         ppo_update(model, optimizer, batch, cfg, checkpoint_layers=False)
-    return {"dtype": dtype_name, "rss_before_mb": rss_before // 1024, "peak_mb": _kb("VmHWM") // 1024,
+    peak = _kb("VmHWM")
+    return {"dtype": dtype_name, "rss_before_mb": rss_before // 1024, "peak_mb": peak // 1024,
+            "update_mb": (peak - rss_before) // 1024,
             "seconds": round(time.perf_counter() - t0, 1), "logprobs": [float(x) for x in lp],
             "rows": len(batch.rows), "tokens": sum(len(r.tokens) for r in batch.rows)}  # fmt: skip
 
@@ -80,7 +82,7 @@ def phase_fsdp(model_name: str, groups: int, rows: int) -> dict[str, Any]:
     from harnessrl.trainer.precision import make_optimizer, master_weights
 
     model_dir = resolve_model(model_name)
-    batch, cfg = demo_batch(groups, rows), PPOConfig()
+    batch, cfg = demo_batch(groups, rows), PPOConfig()  # (a folder, or a name)
     one = load_model(model_dir, dtype=torch.bfloat16)
     opt1 = make_optimizer(one.parameters(), torch.bfloat16, lr=1e-5, weight_decay=0.0)
     ppo_update(one, opt1, batch, cfg)
@@ -121,13 +123,18 @@ def _child(*args: str) -> dict[str, Any]:
 
 
 def bench_bf16(model: str, groups: int, rows: int, updates: int, fsdp: bool = True) -> dict[str, Any]:
-    """The figures of the module docstring."""
+    """The figures of the module docstring (`model`: a name, a folder, or small-random as in scale_fsdp)."""
+    from bench.scale_fsdp import _model_dir
+
+    model = str(_model_dir(model))
     f32 = _child("update", model, "float32", str(groups), str(rows), str(updates))
     b16 = _child("update", model, "bfloat16", str(groups), str(rows), str(updates))
     diffs = [abs(a - b) for a, b in zip(f32.pop("logprobs"), b16.pop("logprobs"), strict=True)]
     out: dict[str, Any] = {
         "model": model, "updates": updates, "fp32": f32, "bf16": b16,
         "update_peak_mb_ratio_vs_fp32": round(b16["peak_mb"] / f32["peak_mb"], 3),
+        # what the update itself added above the loaded model (gradients, moments, activations)
+        "update_added_mb_ratio_vs_fp32": round(b16["update_mb"] / max(f32["update_mb"], 1), 3),
         "logprob_max_diff_vs_fp32": max(diffs), "logprob_mean_diff_vs_fp32": sum(diffs) / len(diffs),
         "trainable_tokens": len(diffs),
     }  # fmt: skip
