@@ -17,10 +17,10 @@ from harnessrl.modeling.lora import (
     attach,
     merged_state,
     read_peft,
-    reference_model,
     save_peft,
 )
 from harnessrl.modeling.packed import onednn_available, use_onednn_for_training
+from harnessrl.modeling.reference import reference_model
 
 IDS = torch.tensor([[1, 4093, 198, 2683, 314, 253, 1345, 28, 906, 30, 4093, 198, 7, 11]])
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from harnessrl.adapter import Batch
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_model
-from harnessrl.modeling.lora import reference_model
+from harnessrl.modeling.reference import reference_model
 from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from harnessrl.trainer.distributed import DataParallel
 from harnessrl.trainer.fsdp import local_state_bytes, meta_model, to_index_form, to_name_form

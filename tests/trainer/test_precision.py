@@ -11,7 +11,7 @@ import torch
 
 from harnessrl.adapter import Batch, Row
 from harnessrl.modeling.loading import load_model
-from harnessrl.modeling.lora import reference_model
+from harnessrl.modeling.reference import reference_model
 from harnessrl.trainer.forward import selected_logprobs
 from harnessrl.trainer.ppo import PPOConfig, _pack, ppo_update
 from harnessrl.trainer.precision import (

@@ -39,7 +39,6 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from harnessrl.defaults import LORA_TARGET_MODULES
-from harnessrl.modeling.loading import load_model
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -317,18 +316,3 @@ def attach_lora(model: nn.Module, section: Any, seed: int, base_model: str | Pat
         "event=lora_attached r=%d alpha=%g layers=%d params=%d", spec.r, spec.alpha, len(adapter.names), n
     )
     return adapter
-
-
-def reference_model(
-    model: nn.Module,
-    model_dir: str | Path,
-    device: str,
-    adapter: LoraAdapter | None,
-    dtype: torch.dtype = torch.float32,
-) -> Any:
-    """The frozen initial policy for the KL term, in the policy's compute `dtype` (`train.dtype`): under
-    LoRA the base itself (`base_view`, no copy of the weights), else a second copy loaded from
-    `model_dir`."""
-    if adapter is not None:
-        return base_view(model, adapter)
-    return load_model(model_dir, dtype=dtype, device=device).requires_grad_(False)

@@ -19,8 +19,9 @@ from harnessrl.gateway.replicas import GatewayReplicas
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.hf_generic import is_generic
 from harnessrl.modeling.loading import load_model
-from harnessrl.modeling.lora import attach_lora, base_view, reference_model
+from harnessrl.modeling.lora import attach_lora, base_view
 from harnessrl.modeling.packed import use_onednn_for_training
+from harnessrl.modeling.reference import reference_model
 from harnessrl.runs.project import Project
 from harnessrl.runs.rundir import run_id as run_id_of
 from harnessrl.schema import Task

@@ -21,6 +21,7 @@ unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,8 +84,6 @@ def selected_logprobs(
     `CHECKPOINT_ABOVE_BYTES` (see the module docstring).
     """
     if getattr(model, "generic", False):  # transformers' model: its own forward (modeling/hf_generic.py)
-        from harnessrl.trainer.generic_forward import generic_selected_logprobs
-
         return generic_selected_logprobs(model, tokens, select, temps, entropy, checkpoint_layers)
     length = tokens.shape[1]
     dtype = model.model.embed_tokens.weight.dtype
@@ -216,3 +215,34 @@ def _head_chunk(
         with torch.no_grad():
             ent = -full.exp().mul_(full).sum(-1)
     return lp, ent
+
+
+def generic_selected_logprobs(
+    model: Any,
+    tokens: Tensor,
+    select: Tensor,
+    temps: Tensor,
+    entropy: bool = False,
+    checkpoint_layers: bool | None = None,
+) -> Selected:
+    """Logprobs of tokens[b, t+1] for every (b, t) with select[b, t], through transformers' forward (a
+    transformers-path model, modeling/hf_generic.py).
+
+    Each micro-batch runs transformers' decoder over its right-padded rows whole (no shared-prefix split:
+    that needs the layers' internals, which differ per architecture), then the SAME chunked head as the
+    builtin path (`head_logprobs`) at the selected positions only. Right padding needs no attention mask:
+    every layer is causal (attention and the linear-attention recurrences alike), so padding after a row's
+    last token never reaches its selected positions. `checkpoint_layers` turns on transformers' own
+    gradient checkpointing of the decoder layers."""
+    decoder = model.model
+    wants = bool(checkpoint_layers) and decoder.training
+    if wants != bool(getattr(decoder, "is_gradient_checkpointing", False)):
+        if wants:
+            decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            decoder.gradient_checkpointing_disable()
+    hidden = model.hidden_states(tokens)
+    row, pos = select.nonzero(as_tuple=True)
+    cap = model.config.final_logit_softcapping
+    lp, ent = head_logprobs(model.lm_head, hidden[row, pos], tokens[row, pos + 1], temps[row], entropy, cap)
+    return Selected(lp, row, pos, ent)
