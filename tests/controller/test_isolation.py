@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -271,3 +272,27 @@ def test_the_count_of_refusals_names_each_probe_that_worked(run: Run, tmp_path: 
         c.put(f"/control/rollouts/{rid}/reward", json={"value": 1.0}).raise_for_status()
     refused = refusals(a, run, isolated=False)
     assert not refused["write own reward"] and not refused["self reward"]
+
+
+def test_a_warning_reaches_stderr_once_whether_or_not_logging_is_configured() -> None:
+    # Before a run's log file exists the harnessrl logger has no handler, and logging's last resort would
+    # print the warning a second time beside warn_once's own line.
+    code = (
+        "import logging, sys\n"
+        "from harnessrl.controller.isolation import warn_once\n"
+        "if sys.argv[1] == 'configured':\n"
+        "    logging.getLogger('harnessrl').addHandler(logging.FileHandler(sys.argv[2]))\n"
+        "warn_once('e', 'the sandbox is off')\n"
+        "warn_once('e', 'the sandbox is off')\n"
+    )
+    for mode in ("bare", "configured"):
+        with tempfile.TemporaryDirectory() as d:
+            log_file = os.path.join(d, "log")
+            done = subprocess.run(
+                [sys.executable, "-c", code, mode, log_file], capture_output=True, text=True
+            )
+            assert done.returncode == 0, done.stderr
+            assert done.stderr.count("the sandbox is off") == 1, done.stderr
+            if mode == "configured":
+                with open(log_file) as f:
+                    assert "event=e" in f.read()

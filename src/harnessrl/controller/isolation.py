@@ -50,7 +50,8 @@ def warn_once(event: str, message: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    log.warning("event=%s message=%r", event, message)
+    if log.hasHandlers():  # without a handler, logging's last resort would print it to stderr a second time
+        log.warning("event=%s message=%r", event, message)
     sys.stderr.write(f"harnessrl: WARNING: {message}\n")
 
 
