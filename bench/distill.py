@@ -1,23 +1,27 @@
 """Learning from a teacher on the calc example: RL, on-policy distillation, distillation + RL, and SFT on
 the teacher's recorded traces followed by RL, at equal RL steps, several seeds (issue 50).
 
-    teacher  = RL on calc from SmolLM2-135M-Instruct (`--teacher-steps`), its last checkpoint
-               (or `--teacher DIR`: a checkpoint this project trained, e.g. the demo's last step)
-    traces   = a run of the teacher on the training tasks (`--trace-steps` steps at lr 1e-12, so every
-               rollout is the teacher's; its eval before is the teacher's held-out)
-    per seed, from the base student (SmolLM2-135M-Instruct), `--steps` steps each:
+    teacher  = `--teacher DIR`: a checkpoint this project trained (the demo's last step), or, without
+               it, RL on calc from SmolLM2-135M-Instruct here (`--teacher-steps`), its last checkpoint
+    once     = held-out of the base student and of the teacher (`harnessrl eval`, greedy and T=1): every
+               arm starts from the same base model, so its "before" is measured once, not per run
+    traces   = a run of the teacher on the training tasks (`--trace-groups` tasks × 2 rollouts at T=1,
+               one step at lr 1e-12: every rollout is the teacher's; no held-out evaluation)
+    per seed, from the base student (SmolLM2-135M-Instruct), `--steps` RL steps each (eval.before off):
       rl          train.steps=S
       distill     train.teacher.model=TEACHER                      (reverse KL alone)
       distill_rl  train.teacher.model=TEACHER train.teacher.rl=true
-      sft_rl      harnessrl sft --from traces (sft.min_reward), then RL from its checkpoint
+      sft_rl      harnessrl sft --from traces (sft.min_reward, seed S), then RL from its checkpoint
 
-Held-out greedy and T=1 before/after on the example's disjoint held-out tasks (`--n-heldout`), wall
-time, and the share of the student-teacher gap each arm closes, (after − before) / (teacher − before),
-per step and per minute of training. Writes bench/results/distill.json (every finished run at once).
+Every run is a subprocess (`harnessrl train|sft|eval`, the memory of each returned when it ends). Held-out
+greedy and T=1 on the example's disjoint held-out tasks (the first `--n-heldout`), wall time, and the share
+of the student-teacher gap each arm closes, (after − before) / (teacher − before), in all, per RL step and
+per minute of training (SFT's minutes included). bench/results/distill.json is rewritten after every
+finished run (`--resume` continues a cut bench from it).
 
-    make bench-distill                                    # the full bench: hours on 2 cores
-    nice -n 5 .venv/bin/python bench/distill.py --seeds 0 --steps 1 --teacher-steps 1 --trace-steps 1 \\
-        --n-heldout 4 --override train.batch_groups=1 --override train.group_size=2 --smoke   # minutes
+    make bench-distill TEACHER=runs/demo/checkpoints/step-14               # the full scale: hours on 2 cores
+    nice -n 5 .venv/bin/python bench/distill.py --teacher DIR --seeds 0 --steps 1 --n-heldout 4 \\
+        --trace-groups 2 --override train.batch_groups=1 --override train.group_size=2 --smoke   # minutes
 """
 
 from __future__ import annotations
@@ -25,146 +29,227 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from harnessrl.config import load_config
 from harnessrl.examples import example_config
-from harnessrl.runs.flow import run
-from harnessrl.trainer.checkpoint import latest_checkpoint
-from harnessrl.trainer.sft import run_sft
 
 ARMS = ("rl", "distill", "distill_rl", "sft_rl")
+CLI = [sys.executable, "-c", "import sys; from harnessrl.cli import main; sys.exit(main())"]
 
 
-def _heldout(summary: dict[str, Any], when: str) -> dict[str, float]:
-    """Held-out reward per eval temperature ('0', '1') before or after."""
-    return {t: r[when]["mean"] for t, r in summary["heldout_by_temperature"].items()}
+def _q(value: object) -> str:
+    """A dotted override's value as JSON (a path with spaces or non-ASCII letters reads back unchanged)."""
+    return json.dumps(str(value))
 
 
-def _run(name: str, args: argparse.Namespace, overrides: list[str]) -> tuple[dict[str, Any], Path]:
+def harnessrl(args: argparse.Namespace, command: list[str]) -> float:
+    """`harnessrl COMMAND` in a subprocess, its output appended to `<run_root>/log.txt`; returns its wall
+    seconds. A failure stops the bench (the log says why)."""
+    log = Path(args.run_root) / "log.txt"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"$ harnessrl {' '.join(command)}", flush=True)
+    t0 = time.time()
+    with log.open("a") as f:
+        f.write(f"\n$ harnessrl {' '.join(command)}\n")
+        f.flush()
+        rc = subprocess.run([*CLI, *command], stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"harnessrl {command[0]} failed (exit {rc}); see {log}")
+    return time.time() - t0
+
+
+def common(args: argparse.Namespace) -> list[str]:
+    """The overrides of every command: the held-out size, both eval temperatures, `--override`s."""
+    return [f"eval.n_heldout={args.n_heldout}", "eval.temperature=0", "eval.extra_temperatures=[1.0]",
+            *args.override]  # fmt: skip
+
+
+def evaluate(args: argparse.Namespace, name: str, model: Path | str) -> dict[str, Any]:
+    """Held-out of one model folder at T=0 and T=1 (`harnessrl eval`): {temperature: eval dict}."""
+    out = Path(args.run_root) / f"eval-{name}.json"
+    wall = harnessrl(args, ["eval", "--config", str(example_config("calc")), "--model", str(model),
+                            "--out", str(out), *common(args)])  # fmt: skip
+    result = json.loads(out.read_text())
+    return {"model": str(model), "wall_s": wall, "by_temperature": result["heldout_by_temperature"]}
+
+
+def train(args: argparse.Namespace, name: str, overrides: list[str]) -> dict[str, Any]:
+    """One `harnessrl train` run of calc in `<run_root>/NAME` (no preflight, no checkpoints unless
+    asked); returns its summary.json with the wall seconds of the subprocess."""
     run_dir = Path(args.run_root) / name
-    cfg = load_config(example_config("calc"), [
-        f"run_dir={run_dir}", f"eval.n_heldout={args.n_heldout}", "eval.extra_temperatures=[1.0]",
-        *args.override, *overrides,
-    ])  # fmt: skip
-    print(f"run {name}: {' '.join(overrides)}", flush=True)
-    summary = run(cfg, fresh=True, check=False)
-    return summary, run_dir
+    wall = harnessrl(args, ["train", "--config", str(example_config("calc")), "--fresh", "--no-check",
+                            f"run_dir={_q(run_dir)}", "train.checkpoint_every=0", *common(args), *overrides])  # fmt: skip
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    summary["process_wall_s"] = wall
+    return summary
 
 
-def train_teacher(args: argparse.Namespace, out: dict[str, Any]) -> Path:
-    """The teacher's folder: `--teacher`, or RL on calc from the base model here (its last checkpoint)."""
+def teacher_folder(args: argparse.Namespace, out: dict[str, Any]) -> Path:
+    """The teacher: `--teacher`, or RL on calc from the base model here (its last checkpoint)."""
     if args.teacher:
         return Path(args.teacher).resolve()
-    summary, run_dir = _run("teacher", args, [f"train.steps={args.teacher_steps}", "train.seed=100"])
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    assert ckpt is not None, "the teacher run saved no checkpoint"
-    out["teacher_training"] = {"steps": args.teacher_steps, "heldout_before": _heldout(summary, "before"),
-                               "heldout_after": _heldout(summary, "after"), "wall_s": summary["wall_seconds"]}  # fmt: skip
-    return ckpt
+    s = train(args, "teacher", [f"train.steps={args.teacher_steps}", "train.seed=100",
+                                f"train.checkpoint_every={args.teacher_steps}"])  # fmt: skip
+    out["teacher_training"] = {"steps": args.teacher_steps, "wall_s": s["wall_seconds"]}
+    return Path(s["run_dir"]) / "checkpoints" / f"step-{args.teacher_steps}"
 
 
-def record_traces(args: argparse.Namespace, teacher: Path, out: dict[str, Any]) -> Path:
-    """A run of the teacher on the training tasks (lr 1e-12: every rollout is the teacher's); its eval
-    before is the teacher's held-out."""
-    summary, traces = _run("traces", args, [f"engine.model={teacher}", f"train.steps={args.trace_steps}",
-                                            "train.lr=1e-12", "train.seed=200"])  # fmt: skip
-    out["teacher"]["heldout"] = _heldout(summary, "before")
-    return traces
+def record_traces(args: argparse.Namespace, teacher: Path) -> dict[str, Any]:
+    """The teacher on `--trace-groups` training tasks × 2 rollouts (lr 1e-12: every rollout is the
+    teacher's); no held-out evaluation (one greedy task after, the least a run evaluates)."""
+    s = train(args, "traces", [f"engine.model={_q(teacher)}", "train.steps=1", "train.lr=1e-12",
+                               "train.seed=200", f"train.batch_groups={args.trace_groups}", "train.group_size=2",
+                               "eval.before=false", "eval.n_heldout=1", "eval.extra_temperatures=[]"])  # fmt: skip
+    return {"run_dir": s["run_dir"], "rollouts": s["rollouts_per_step"], "reward": s["train_reward_first"],
+            "wall_s": s["process_wall_s"]}  # fmt: skip
 
 
-def one(arm: str, seed: int, args: argparse.Namespace, teacher: Path, traces: Path | None) -> dict[str, Any]:
-    """One arm with one seed: held-out before/after, wall time, SFT figures where there is SFT."""
-    base = [f"train.seed={seed}", f"train.steps={args.steps}"]
+def sft(args: argparse.Namespace, seed: int, traces: str) -> dict[str, Any]:
+    """`harnessrl sft` of the base student on the teacher's traces, seed `seed`; returns sft.json."""
+    run_dir = Path(args.run_root) / f"sft-s{seed}"
+    harnessrl(args, ["sft", "--config", str(example_config("calc")), "--from", traces, "--fresh",
+                     f"run_dir={_q(run_dir)}", f"train.seed={seed}", f"sft.min_reward={args.sft_min_reward}",
+                     f"sft.epochs={args.sft_epochs}", *args.override])  # fmt: skip
+    result: dict[str, Any] = json.loads((run_dir / "sft.json").read_text())
+    return result
+
+
+def one(arm: str, seed: int, args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
+    """One arm with one seed: held-out after (before: the base student's, measured once), wall time, the
+    per-step training reward and reverse KL, SFT's figures where there is SFT."""
+    teacher = out["teacher"]["model"]
+    overrides = [f"train.seed={seed}", f"train.steps={args.steps}", "eval.before=false"]
     extra: dict[str, Any] = {}
-    if arm == "distill":
-        base.append(f"train.teacher.model={teacher}")
-    elif arm == "distill_rl":
-        base += [f"train.teacher.model={teacher}", "train.teacher.rl=true"]
+    if arm in ("distill", "distill_rl"):
+        overrides.append(f"train.teacher.model={_q(teacher)}")
+        overrides += ["train.teacher.rl=true"] if arm == "distill_rl" else []
     elif arm == "sft_rl":
-        sft_dir = Path(args.run_root) / f"sft-s{seed}"
-        cfg = load_config(example_config("calc"), [f"run_dir={sft_dir}", f"train.seed={seed}",
-                          f"sft.min_reward={args.sft_min_reward}", f"sft.epochs={args.sft_epochs}", *args.override])  # fmt: skip
-        assert traces is not None
-        sft = run_sft(cfg, traces, fresh=True)
-        extra["sft"] = {k: sft[k] for k in ("rows", "steps", "target_logprob_before", "target_logprob_after",
-                                            "wall_seconds")}  # fmt: skip
-        base.append(f"engine.model={sft['checkpoint']}")
-    t0 = time.time()
-    summary, run_dir = _run(f"{arm}-s{seed}", args, base)
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        s = sft(args, seed, out["traces"]["run_dir"])
+        extra["sft"] = {k: s[k] for k in ("rows", "steps", "target_logprob_before", "target_logprob_after",
+                                          "wall_seconds", "report")}  # fmt: skip
+        overrides.append(f"engine.model={_q(s['checkpoint'])}")
+        if args.sft_heldout:  # the SFT checkpoint's own held-out: the RL run's evaluation before
+            overrides.append("eval.before=true")
+    s = train(args, f"{arm}-s{seed}", overrides)
+    records = [json.loads(x) for x in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines() if x]
+    by_temp = s["heldout_by_temperature"]
+    if arm == "sft_rl" and args.sft_heldout:
+        extra["sft"]["heldout"] = {t: r["before"]["mean"] for t, r in by_temp.items()}
     return {
-        "arm": arm, "seed": seed, "steps": args.steps, "n_heldout": summary["n_heldout"],
-        "heldout_before": _heldout(summary, "before"), "heldout_after": _heldout(summary, "after"),
-        "train_wall_s": summary["train_wall_seconds"], "wall_s": time.time() - t0,
+        "arm": arm, "seed": seed, "steps": s["train_steps"], "rollouts_per_step": s["rollouts_per_step"],
+        "heldout_after": {t: r["after"]["mean"] for t, r in by_temp.items()},
+        "heldout_after_failed": {t: r["after"]["failed"] for t, r in by_temp.items()},
+        "train_wall_s": s["train_wall_seconds"], "run_wall_s": s["process_wall_s"],
         "train_reward": [r.get("reward") for r in records],
         "distill_reverse_kl": [r["distill_reverse_kl"] for r in records if "distill_reverse_kl" in r],
         **extra,
     }  # fmt: skip
 
 
-def gap_closed(r: dict[str, Any], teacher: dict[str, float] | None, temp: str) -> dict[str, float | None]:
-    """Share of the student-teacher gap closed, in all, per step and per minute of training (+ SFT)."""
-    gap = teacher[temp] - r["heldout_before"][temp] if teacher else 0.0
+def gap_closed(r: dict[str, Any], before: float, teacher: float) -> dict[str, float | None]:
+    """Share of the student-teacher gap an arm's run closed: in all, per RL step, per minute of training
+    (SFT's minutes included)."""
+    gap = teacher - before
     if abs(gap) < 1e-9:
         return {"total": None, "per_step": None, "per_minute": None}
-    share = (r["heldout_after"][temp] - r["heldout_before"][temp]) / gap
+    share = (r["heldout_after"][r["_t"]] - before) / gap
     minutes = (r["train_wall_s"] + r.get("sft", {}).get("wall_seconds", 0.0)) / 60
     return {"total": share, "per_step": share / r["steps"], "per_minute": share / max(minutes, 1e-9)}
 
 
-def summarize(results: list[dict[str, Any]], teacher: dict[str, float] | None) -> dict[str, Any]:
-    """Per arm and eval temperature: held-out after (mean, sd, per seed) and the gap closed."""
-    out: dict[str, Any] = {}
+def _spread(xs: list[float]) -> dict[str, Any]:
+    return {"mean": statistics.fmean(xs), "sd": statistics.stdev(xs) if len(xs) > 1 else None, "per_seed": xs}
+
+
+def summarize(out: dict[str, Any]) -> dict[str, Any]:
+    """Per arm and eval temperature: held-out after and its change from the base student (mean, sd over
+    seeds, per seed), the gap closed, and whether the mean change exceeds the seed spread (sd of after)."""
+    summary: dict[str, Any] = {}
+    base, teacher = out["student"]["by_temperature"], out["teacher"]["by_temperature"]
     for arm in ARMS:
-        runs = [r for r in results if r["arm"] == arm]
+        runs = [r for r in out["results"] if r["arm"] == arm]
         if not runs:
             continue
-        out[arm] = {}
-        for temp in runs[0]["heldout_after"]:
-            after = [r["heldout_after"][temp] for r in runs]
-            closed = [gap_closed(r, teacher, temp)["total"] for r in runs]
-            out[arm][temp] = {
-                "after_mean": statistics.fmean(after), "after_sd": statistics.stdev(after) if len(after) > 1 else None,
-                "after_per_seed": after, "gap_closed_per_seed": closed,
+        summary[arm] = {"seeds": [r["seed"] for r in runs]}
+        for t in runs[0]["heldout_after"]:
+            before = base[t]["mean"]
+            after = _spread([r["heldout_after"][t] for r in runs])
+            change = _spread([a - before for a in after["per_seed"]])
+            closed = [gap_closed({**r, "_t": t}, before, teacher[t]["mean"]) for r in runs]
+            summary[arm][t] = {
+                "before": before, "teacher": teacher[t]["mean"], "after": after, "change": change,
+                "change_exceeds_seed_sd": None if after["sd"] is None else abs(change["mean"]) > after["sd"],
+                "gap_closed": {k: _spread([float(c[k] or 0.0) for c in closed]) if closed[0][k] is not None
+                               else None for k in ("total", "per_step", "per_minute")},
+                "train_minutes": _spread([(r["train_wall_s"] + r.get("sft", {}).get("wall_seconds", 0.0)) / 60
+                                          for r in runs]),
             }  # fmt: skip
-    return out
+    return summary
 
 
-def main() -> None:
-    """Run the arms (see the module docstring) and write the JSON."""
+def write(args: argparse.Namespace, out: dict[str, Any], t0: float) -> None:
+    """The JSON as it stands (after every finished run, so a cut bench still leaves its figures)."""
+    out["wall_s"] = out.get("wall_s_before_resume", 0.0) + time.time() - t0
+    if out.get("student") and out.get("teacher", {}).get("by_temperature"):
+        out["summary"] = summarize(out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2, default=str))
+
+
+def parse() -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="RL steps of every arm")
     p.add_argument("--n-heldout", type=int, default=100)
     p.add_argument("--teacher", help="a model folder this project trained (default: train one here)")
     p.add_argument("--teacher-steps", type=int, default=14)
-    p.add_argument("--trace-steps", type=int, default=2)
+    p.add_argument("--trace-groups", type=int, default=32, help="training tasks the teacher's traces cover")
     p.add_argument("--sft-min-reward", type=float, default=1.0)
     p.add_argument("--sft-epochs", type=int, default=2)
+    p.add_argument("--sft-heldout", action="store_true", help="also evaluate each SFT checkpoint")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     p.add_argument("--override", action="append", default=[], help="a dotted override for every run")
     p.add_argument("--run-root", default="runs/bench-distill")
     p.add_argument("--out", type=Path, default=Path("bench/results/distill.json"))
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
     p.add_argument("--smoke", action="store_true", help="mark the JSON as a tiny-scale check, not figures")
-    args = p.parse_args()
-    out: dict[str, Any] = {"bench": "distill", "args": {k: v for k, v in vars(args).items() if k != "out"},
-                           "status": "smoke: a tiny-scale check that the bench runs, not a measurement" if args.smoke
-                           else "full", "results": []}  # fmt: skip
+    return p.parse_args()
+
+
+def main() -> None:
+    """Run the arms (see the module docstring), writing the JSON after every run."""
+    args = parse()
     t0 = time.time()
-    teacher = train_teacher(args, out)
-    out["teacher"] = {"model": str(teacher), "heldout": None}  # measured by the traces run (SFT arm)
-    traces = record_traces(args, teacher, out) if "sft_rl" in args.arms else None
+    out: dict[str, Any] = json.loads(args.out.read_text()) if args.resume and args.out.exists() else {}
+    out["wall_s_before_resume"] = out.get("wall_s", 0.0)
+    out.update({"bench": "distill", "args": {k: v for k, v in vars(args).items() if k != "out"},
+                "status": "smoke: a tiny-scale check that the bench runs, not a measurement" if args.smoke
+                else "measurement", "results": out.get("results", []),
+                "before_note": "every arm starts from the same base student: its held-out (student) is measured "
+                               "once by harnessrl eval and is every arm's before; runs skip it (eval.before=false)"})  # fmt: skip
+    if not out.get("teacher"):
+        out["teacher"] = {"model": str(teacher_folder(args, out))}
+    if not out.get("student"):
+        out["student"] = evaluate(args, "student", "smollm2")
+        write(args, out, t0)
+    if not out["teacher"].get("by_temperature"):
+        out["teacher"].update(evaluate(args, "teacher", out["teacher"]["model"]))
+        write(args, out, t0)
+    if "sft_rl" in args.arms and not out.get("traces"):
+        out["traces"] = record_traces(args, Path(out["teacher"]["model"]))
+        write(args, out, t0)
+    done = {(r["arm"], r["seed"]) for r in out["results"]}
     for seed in args.seeds:
         for arm in args.arms:
-            out["results"].append(one(arm, seed, args, teacher, traces))
-            out["summary"] = summarize(out["results"], out["teacher"]["heldout"])
-            out["wall_s"] = time.time() - t0
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(out, indent=2, default=str))
-    print(json.dumps(out["summary"], indent=2))
+            if (arm, seed) not in done:
+                out["results"].append(one(arm, seed, args, out))
+                write(args, out, t0)
+    print(json.dumps(out.get("summary"), indent=2))
 
 
 if __name__ == "__main__":

@@ -39,10 +39,17 @@ def train(
     """Train as `harnessrl train` does and return the run's summary (also in `<run_dir>/summary.json`).
 
     `resume` continues the run in `run_dir`, `fresh` deletes an earlier run there first (only a
-    harnessrl run directory); `check=False` skips the preflight attempt."""
+    harnessrl run directory); `check=False` skips the preflight attempt. With `train.algorithm: sft`
+    it fine-tunes on `sft.source` instead and returns the SFT summary (`sft.json`)."""
     from harnessrl.runs.flow import run
 
     cfg = configure(config_or_path, **overrides)
+    if cfg.train.algorithm == "sft":  # fine-tuning on sft.source: its summary is sft.json's
+        from harnessrl.trainer.sft import run_sft
+
+        if resume:
+            raise ValueError("train.algorithm: sft does not resume; pass fresh=True to run it again")
+        return run_sft(cfg, fresh=fresh)
     return run(cfg, fresh=fresh, resume=resume, check=check, on_step=on_step)
 
 

@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "check":
             return _check(cfg, args.task)
+        if cfg.train.algorithm == "sft":
+            return _sft(cfg, args.resume, args.fresh)
         mode = Mode.RESUME if args.resume else Mode.FRESH if args.fresh else Mode.NEW
         again = " ".join(["harnessrl train --config", str(args.config), *args.overrides, "--resume"])
         return _run(cfg, mode, not args.no_check, again)
@@ -128,6 +130,23 @@ def _check(cfg: Any, task: int) -> int:
     report = run_check(cfg, task)
     print(report.render())
     return 0 if report.ok else 1
+
+
+def _sft(cfg: Any, resume: bool, fresh: bool) -> int:
+    """`harnessrl train` with `train.algorithm: sft`: what `harnessrl sft` runs, on `sft.source`."""
+    from harnessrl.runs.rundir import RunDirError
+    from harnessrl.trainer.sft import render, run_sft
+    from harnessrl.trainer.sft_data import SftDataError
+
+    if resume:
+        print("harnessrl: train.algorithm: sft does not resume; run it again with --fresh", file=sys.stderr)
+        return 2
+    try:
+        print(render(run_sft(cfg, fresh=fresh)))
+    except (SftDataError, RunDirError) as e:
+        print(f"harnessrl: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -205,12 +224,14 @@ def _step_printer(cfg: Any, notify: Any) -> Any:
 
 
 def _print_summary(s: dict[str, Any], run_dir: Path) -> None:
-    def cell(r: dict[str, Any]) -> str:
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None or r["mean"] is None:  # eval.before off, or no task could be graded
+            return "n/a"
         lo, hi = r["ci95"]
         return f"{r['mean']:.3f} [{lo:.2f}, {hi:.2f}]"
 
     rate = s.get("merge_rate")
-    if s.get("heldout_reward_before") is None or s.get("heldout_reward_after") is None:
+    if s.get("heldout_reward_after") is None:
         print(f"\nno held-out reward could be measured; see {run_dir / 'harnessrl.log'}")
         print(f"summary: {run_dir / 'summary.json'}")
         return

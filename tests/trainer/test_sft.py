@@ -140,3 +140,23 @@ def test_harnessrl_sft_lowers_the_loss_and_writes_a_checkpoint(
     assert (
         main(["sft", "--config", str(config), "--from", str(tmp_path / "nowhere"), f"run_dir={out}-2"]) == 2
     )
+
+
+def test_train_algorithm_sft_runs_sft_on_its_source_and_refuses_a_config_without_one(
+    teacher_run: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"engine: {{model: {tiny_model_dir}}}\ntrain: {{lr: 0.003, seed: 1, algorithm: sft}}\n"
+                      f"sft: {{min_reward: 0.5, epochs: 2, batch_rows: 1, source: {teacher_run}}}\n")  # fmt: skip
+    out = tmp_path / "sft-by-train"
+    assert main(["train", "--config", str(config), f"run_dir={out}"]) == 0  # no harness or grader needed
+    summary = json.loads((out / "sft.json").read_text())
+    assert summary["source"] == str(teacher_run) and summary["steps"] == 2 and summary["rows"] == 1
+    assert Path(summary["checkpoint"]).name == "step-2" and "checkpoint:" in capsys.readouterr().out
+    assert main(["train", "--config", str(config), "sft.source=null", f"run_dir={out}-2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "train.algorithm: sft" in err
+        and "set sft.source" in err
+        and not (tmp_path / "sft-by-train-2").exists()
+    )

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from harnessrl.adapter import AdvantageLevel, Credit, Estimator, LossMode, ZeroVariance
 from harnessrl.config.project import GraderSection, HarnessSection, TasksSection, _Section
-from harnessrl.config.teaching import SftSection, TeacherSection
+from harnessrl.config.teaching import SftSection, TeacherSection, algorithm_problem
 from harnessrl.defaults import (
     DEFAULT_MAX_TOKENS,
     ENGINE_MAX_BATCH,
@@ -258,6 +258,8 @@ class TrainSection(_Section):
     # LoRA: train adapters only (base frozen, optimizer state for the adapters alone; the engine gets
     # the adapter, a few MB, after each update); None: full fine-tuning
     lora: LoraSection | None = None
+    # rl: the RL loop; sft: fine-tune on the recorded calls of `sft.source` instead (what `harnessrl sft` runs)
+    algorithm: Literal["rl", "sft"] = "rl"
     # on-policy distillation (docs/distillation.md): a teacher scores every token the student sampled
     teacher: TeacherSection | None = None
     distill_coef: float = Field(default=1.0, ge=0)  # weight of the per-token reverse KL (with `teacher`)
@@ -323,6 +325,9 @@ class EvalSection(_Section):
     # also evaluate (at `temperature`) after every N-th update during training, logged with the step
     # as `heldout_reward` (0: only before and after); its time is left out of `train_wall_seconds`
     every: int = Field(default=0, ge=0)
+    # false: no evaluation before training (its figures are null in summary.json), for a caller that
+    # evaluated the same starting model once already (`harnessrl eval`, bench/distill.py)
+    before: bool = True
 
 
 class DataSection(_Section):
@@ -389,6 +394,13 @@ class RunConfig(_Section):
         """Every policy with the model names that choose it (its own first), in the config's order (the
         first policy is the default)."""
         return {name: [name, *(m for m in p.models if m != name)] for name, p in self.policies.items()}
+
+    @model_validator(mode="after")
+    def _sft_has_a_source(self) -> RunConfig:
+        problem = algorithm_problem(self.train.algorithm, self.sft, self.train.teacher)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _calls_fail_before_harnesses_die(self) -> RunConfig:

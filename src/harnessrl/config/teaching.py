@@ -22,6 +22,9 @@ class SftSection(_Section):
     # not what the student's template and tokenizer give), always, or never (the recorded tokens as they are)
     retemplate: Literal["auto", "always", "never"] = "auto"
     include_eval: bool = False  # also train on evaluation rollouts (held-out tasks: off, they leak)
+    # the recorded calls to imitate: a run directory or a trace file (relative to the current folder);
+    # the --from of `harnessrl sft` sets it; `train.algorithm: sft` needs it
+    source: str | None = None
 
 
 class TeacherSection(_Section):
@@ -48,3 +51,20 @@ class TeacherSection(_Section):
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"train.teacher.url: {self.url!r} is not an http(s):// URL")
         return self
+
+
+def algorithm_problem(algorithm: str, sft: SftSection, teacher: TeacherSection | None) -> str | None:
+    """What is wrong with `train.algorithm: sft` in this config (None: nothing, or the algorithm is rl)."""
+    if algorithm != "sft":
+        return None
+    if not sft.source:
+        return (
+            "train.algorithm: sft fine-tunes on recorded calls: set sft.source to a run directory or a trace "
+            "file (harnessrl export RUN --format trace), or use harnessrl sft --from RUN_DIR|TRACE"
+        )
+    if teacher is not None:
+        return (
+            "train.teacher is on-policy distillation, part of the RL loop: remove it, or set "
+            "train.algorithm: rl (SFT imitates sft.source's calls and scores nothing with a teacher)"
+        )
+    return None

@@ -105,6 +105,10 @@ def run(
     The run directory is used as `mode` says (default: `fresh` → FRESH, `resume` → RESUME, else NEW;
     see `harnessrl.runs.rundir`). With `check`, one graded attempt runs first and a failing one stops
     the run (`CheckFailed`) before any evaluation or training."""
+    if cfg.train.algorithm != "rl":
+        raise ValueError(
+            "train.algorithm: sft is run by harnessrl.trainer.sft.run_sft (harnessrl train does)"
+        )
     started = time.time()
     run_dir = Path(cfg.run_dir).resolve()
     mode = mode or (Mode.FRESH if fresh else Mode.RESUME if resume else Mode.NEW)
@@ -193,12 +197,13 @@ async def _preflight(parts: RunParts, task: Task, run_dir: Path) -> None:
 async def _evaluate_train_evaluate(
     ctx: TrainContext, inputs: RunInputs, on_step: OnStep | None
 ) -> tuple[list[EvalResult], list[EvalResult], int, float]:
-    """Held-out evaluation at each eval temperature, training, evaluation again; returns (before,
-    after, steps trained, training wall seconds without the evaluations during training)."""
+    """Held-out evaluation at each eval temperature (unless `eval.before` is off: `before` is then
+    empty), training, evaluation again; returns (before, after, steps trained, training wall seconds
+    without the evaluations during training)."""
     cfg = inputs.cfg
     train = run_async if cfg.train.schedule == "async" else run_sync
     temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
-    before = [await evaluate(ctx, inputs.heldout, f"eval-before-t{t:g}", t) for t in temps]
+    before = [await evaluate(ctx, inputs.heldout, f"eval-before-t{t:g}", t) for t in temps if cfg.eval.before]
     t_train = time.time()
     steps = await train(ctx, inputs.train_tasks, on_step)
     train_wall = time.time() - t_train - ctx.eval_seconds

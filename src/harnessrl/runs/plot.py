@@ -62,6 +62,8 @@ def _heldout_before_after(ax: Any, summary: dict[str, Any]) -> None:
     for temp, r in summary.get("heldout_by_temperature", {}).items():
         marker = next(markers, "s")
         for x, key in ((0, "before"), (steps, "after")):
+            if r[key] is None:  # eval.before off
+                continue
             y, (lo, hi) = r[key]["mean"], r[key]["ci95"]
             ax.errorbar(
                 [x], [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]], fmt=marker, color="black", capsize=4

@@ -43,28 +43,31 @@ def summarise(
     steps: int,
     records: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The run's summary: held-out reward before/after with intervals, merge statistics, timings."""
-    before, after = before_all[0], after_all[0]
+    """The run's summary: held-out reward before/after with intervals, merge statistics, timings.
+    `before_all` is empty when `eval.before` is off: the before figures are then null."""
+    after = after_all[0]
+    before = before_all[0] if before_all else None
     temps = [cfg.eval.temperature, *cfg.eval.extra_temperatures]
+    befores: list[EvalResult | None] = list(before_all) or [None] * len(temps)
     by_temp = {
-        f"{t:g}": {"before": b.as_dict(), "after": a.as_dict()}
-        for t, b, a in zip(temps, before_all, after_all, strict=True)
+        f"{t:g}": {"before": b.as_dict() if b else None, "after": a.as_dict()}
+        for t, b, a in zip(temps, befores, after_all, strict=True)
     }
     multi = sum(r.get("calls", 0) > r.get("rollouts", 0) for r in records)
     rates = [r["merge_rate"] for r in records if r.get("merge_rate") is not None]
     return {
         "name": cfg.name,
         "model": cfg.engine.model,
-        "heldout_reward_before": before.mean,
+        "heldout_reward_before": before.mean if before else None,
         "heldout_reward_after": after.mean,
-        "heldout_ci95_before": [before.lo, before.hi],
+        "heldout_ci95_before": [before.lo, before.hi] if before else None,
         "heldout_ci95_after": [after.lo, after.hi],
-        "n_heldout": before.n,
+        "n_heldout": (before or after).n,
         "eval_temperature": cfg.eval.temperature,
         "heldout_by_temperature": by_temp,
         # (step, held-out reward at eval.temperature): before, every `eval.every` steps, after
         "heldout_curve": [
-            [0, before.mean],
+            *([[0, before.mean]] if before else []),
             *([r["step"], r["heldout_reward"]] for r in records if "heldout_reward" in r),
             [steps, after.mean],
         ],
@@ -76,10 +79,10 @@ def summarise(
         "rows_per_rollout": _mean([r["rows_per_rollout"] for r in records if "rows_per_rollout" in r]),
         "rollouts_failed_total": sum(r.get("rollouts_failed", 0) for r in records),
         "grader_errors_total": sum(r.get("rollouts_grader_error", 0) for r in records),
-        "heldout_failed_before": before.failed,
+        "heldout_failed_before": before.failed if before else None,
         "heldout_failed_after": after.failed,
         # graded held-out tasks whose harness ran past its time limit (in the means above)
-        "heldout_timed_out_before": before.timed_out,
+        "heldout_timed_out_before": before.timed_out if before else None,
         "heldout_timed_out_after": after.timed_out,
         "rollouts_timed_out_total": sum(r.get("rollouts_timed_out", 0) for r in records),
         "rollouts_flagged_hacking_total": sum(r.get("rollouts_flagged_hacking", 0) for r in records),

@@ -111,9 +111,10 @@ def step_batches(n_rows: int, batch_rows: int, epochs: int, seed: int) -> list[l
     return out
 
 
-def run_sft(cfg: RunConfig, source: Path, fresh: bool = False) -> dict[str, Any]:
-    """Fine-tune `engine.model` on the rows of `source` (module docstring); writes the checkpoint,
-    metrics.jsonl and sft.json to `run_dir` and returns the summary."""
+def run_sft(cfg: RunConfig, source: Path | None = None, fresh: bool = False) -> dict[str, Any]:
+    """Fine-tune `engine.model` on the rows of `source` (default: `sft.source`; module docstring);
+    writes the checkpoint, metrics.jsonl and sft.json to `run_dir` and returns the summary. What
+    `harnessrl sft` and `harnessrl train` with `train.algorithm: sft` run."""
     from harnessrl.gateway.engine_client.inference import TitoTokenizer
     from harnessrl.modeling.loading import load_model, resolve_model
     from harnessrl.runs.rundir import Mode, prepare
@@ -122,6 +123,10 @@ def run_sft(cfg: RunConfig, source: Path, fresh: bool = False) -> dict[str, Any]
     from harnessrl.trainer.sft_data import SftDataError, load_details, sft_rows
 
     t0 = time.time()
+    if source is None:
+        if not cfg.sft.source:
+            raise SftDataError("no calls to train on: set sft.source (or harnessrl sft --from RUN_DIR|TRACE)")
+        source = Path(cfg.sft.source)
     run_dir = Path(cfg.run_dir).resolve()
     if run_dir == source.resolve():
         raise SftDataError(
@@ -165,8 +170,20 @@ def run_sft(cfg: RunConfig, source: Path, fresh: bool = False) -> dict[str, Any]
     return summary
 
 
+def render(s: dict[str, Any]) -> str:
+    """The report of an SFT run: what the filter kept, the steps, the target logprob, the checkpoint."""
+    r = s["report"]
+    return "\n".join([
+        f"{r['kept']} of {r['rollouts']} rollouts kept ({r['retemplated']} re-rendered with the student's "
+        f"template, text-level); {s['rows']} rows, {r['trainable_tokens']} trainable tokens",
+        f"{s['steps']} steps: mean target logprob {s['target_logprob_before']:.4f} -> "
+        f"{s['target_logprob_after']:.4f}",
+        f"checkpoint: {s['checkpoint']}  (RL from it: engine.model={s['checkpoint']})",
+    ])  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
-    """`harnessrl sft --config C --from RUN_DIR|TRACE [--fresh] [overrides]`."""
+    """`harnessrl sft --config C [--from RUN_DIR|TRACE] [--fresh] [overrides]` (`--from` sets `sft.source`)."""
     from harnessrl.config import ConfigError, load_config
     from harnessrl.runs.rundir import RunDirError
     from harnessrl.trainer.sft_data import SftDataError
@@ -175,21 +192,17 @@ def main(argv: list[str]) -> int:
         prog="harnessrl sft", description="fine-tune the config's model on recorded calls"
     )
     p.add_argument("--config", required=True, type=Path)
-    p.add_argument("--from", dest="source", required=True, type=Path,
-                   help="a run directory or a trace file (harnessrl export --format trace)")  # fmt: skip
+    p.add_argument("--from", dest="source", type=Path,
+                   help="a run directory or a trace file (harnessrl export --format trace); default: sft.source")  # fmt: skip
     p.add_argument("--fresh", action="store_true", help="delete an earlier run in run_dir first")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.min_reward=1 run_dir=runs/sft")
     args = p.parse_args(argv)
+    source = [f"sft.source={json.dumps(str(args.source))}"] if args.source else []
     try:
-        cfg = load_config(args.config, args.overrides)
-        s = run_sft(cfg, args.source, fresh=args.fresh)
+        cfg = load_config(args.config, [*args.overrides, *source])
+        s = run_sft(cfg, fresh=args.fresh)
     except (ConfigError, SftDataError, RunDirError) as e:
         print(f"harnessrl sft: {e}", file=sys.stderr)
         return 2
-    r = s["report"]
-    print(f"{r['kept']} of {r['rollouts']} rollouts kept ({r['retemplated']} re-rendered with the student's "
-          f"template, text-level); {s['rows']} rows, {r['trainable_tokens']} trainable tokens")  # fmt: skip
-    print(f"{s['steps']} steps: mean target logprob {s['target_logprob_before']:.4f} -> "
-          f"{s['target_logprob_after']:.4f}")  # fmt: skip
-    print(f"checkpoint: {s['checkpoint']}  (RL from it: engine.model={s['checkpoint']})")
+    print(render(s))
     return 0
