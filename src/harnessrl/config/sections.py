@@ -236,6 +236,9 @@ class TrainSection(_Section):
     max_staleness: int | None = None  # rows staler than this many versions are dropped (None: keep all)
     tis_cap: float | None = None  # truncated importance sampling cap C (None: plain PPO against μ)
     kl_coef: float = 0.0  # β of the k3 KL penalty to the initial model (0: no reference model loaded)
+    # an MoE model's router load-balancing loss, this times transformers' own (0: off, the RL default;
+    # transformers-path MoE models only; trainer/moe_aux.py, docs/models.md)
+    moe_aux_loss_coef: float = Field(default=0.0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # learning-rate schedule over `steps`
     warmup_steps: int = 0  # linear warm-up steps
     min_lr_ratio: float = 0.0  # the decayed schedules end at lr × this

@@ -45,6 +45,7 @@ from harnessrl.adapter import Batch
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.memory import release_freed_memory, trim_heap
 from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
+from harnessrl.trainer.moe_aux import router_aux
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class PPOConfig:
     epochs: int = 1
     tis_cap: float | None = None  # None: clip against the engine's logprobs; C: decoupled clip + IS cap C
     kl_coef: float = 0.0  # β of the KL penalty to the reference model (needs `ref_model`)
+    moe_aux_loss_coef: float = 0.0  # an MoE router's load-balancing loss (trainer/moe_aux.py; 0: off)
 
 
 def ppo_token_loss(new_lp: Tensor, old_lp: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> Tensor:
@@ -161,8 +163,9 @@ def micro_batch_loss(
     `checkpoint_layers`: recompute layer activations in the backward pass (less memory, same values);
     None: when the micro-batch's activations would be large (`trainer.forward.CHECKPOINT_ABOVE_BYTES`)."""
     p = _pack(batch, idx, next(model.parameters()).device)
-    sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, entropy=True,
-                            checkpoint_layers=checkpoint_layers)  # fmt: skip
+    with router_aux(model, cfg.moe_aux_loss_coef, [len(batch.rows[i].tokens) for i in idx]) as aux:
+        sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, entropy=True,
+                                checkpoint_layers=checkpoint_layers)  # fmt: skip
     behaviour = p.old_lp[sel.row, sel.pos]
     adv = p.adv[sel.row] if p.adv.dim() == 1 else p.adv[sel.row, sel.pos]
     w = p.weights[sel.row, sel.pos]
@@ -181,7 +184,7 @@ def micro_batch_loss(
         kl = k3_kl(ref, sel.logprobs)
         loss_t = loss_t + cfg.kl_coef * kl
         kl_sum = float(kl.detach().sum())
-    loss = (loss_t * w).sum()
+    loss = (loss_t * w).sum() + aux.loss(w.sum())
     with torch.no_grad():
         ratio = torch.exp(sel.logprobs - base)
         behaviour_ratio = torch.exp(start - behaviour)  # exp(π − μ): engine/trainer gap, before any cap
