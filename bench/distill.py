@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,10 @@ def _q(value: object) -> str:
     return json.dumps(str(value))
 
 
-def harnessrl(args: argparse.Namespace, command: list[str]) -> float:
-    """`harnessrl COMMAND` in a subprocess, its output appended to `<run_root>/log.txt`; returns its wall
-    seconds. A failure stops the bench (the log says why)."""
-    log = Path(args.run_root) / "log.txt"
+def harnessrl(args: argparse.Namespace, name: str, command: list[str]) -> float:
+    """`harnessrl COMMAND` in a subprocess, its output appended to `<run_root>/logs/NAME.txt`; returns its
+    wall seconds. A failure stops the bench (the log says why)."""
+    log = Path(args.run_root) / "logs" / f"{name}.txt"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"$ harnessrl {' '.join(command)}", flush=True)
     t0 = time.time()
@@ -71,17 +72,45 @@ def common(args: argparse.Namespace) -> list[str]:
 def evaluate(args: argparse.Namespace, name: str, model: Path | str) -> dict[str, Any]:
     """Held-out of one model folder at T=0 and T=1 (`harnessrl eval`): {temperature: eval dict}."""
     out = Path(args.run_root) / f"eval-{name}.json"
-    wall = harnessrl(args, ["eval", "--config", str(example_config("calc")), "--model", str(model),
+    wall = harnessrl(args, f"eval-{name}", ["eval", "--config", str(example_config("calc")), "--model", str(model),
                             "--out", str(out), *common(args)])  # fmt: skip
     result = json.loads(out.read_text())
     return {"model": str(model), "wall_s": wall, "by_temperature": result["heldout_by_temperature"]}
+
+
+def from_reference_run(run_dir: Path, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The base student's and the teacher's held-out read from a run of calc from the base model whose
+    last step is the teacher (the demo: its evaluation before is the base student, its evaluation after
+    the teacher), on its first `n` held-out tasks, which must be this bench's (checked by question)."""
+    from harnessrl.examples.calc.task import build_splits
+
+    _, heldout = build_splits(1000, n)
+    theirs = [json.loads(x) for x in (run_dir / "data" / "heldout.jsonl").read_text().splitlines()[:n]]
+    if [t.input["question"] for t in heldout] != [t["input"]["question"] for t in theirs]:
+        raise SystemExit(f"{run_dir}'s first {n} held-out tasks are not this bench's")
+    lines = (run_dir / "rollouts" / "index.tsv").read_text().splitlines()
+    rows = [dict(zip(lines[0].split("\t"), x.split("\t"), strict=True)) for x in lines[1:]]
+    wanted = {t.task_id for t in heldout}
+    last = max(int(r["step"]) for r in rows if r["eval_label"].startswith("eval-after-"))
+
+    def result(label: str) -> dict[str, Any]:
+        mine = [r for r in rows if r["eval_label"] == label and r["task_id"] in wanted]
+        rewards = [float(r["reward"]) for r in mine if r["reward"]]
+        return {"mean": statistics.fmean(rewards) if rewards else None, "n": len(rewards), "failed": len(mine) - len(rewards),
+                "label": label}  # fmt: skip
+
+    source = f"{run_dir} (rollouts/index.tsv, first {n} held-out tasks)"
+    student = {"model": "smollm2", "source": source,
+               "by_temperature": {t: result(f"eval-before-t{t}") for t in ("0", "1")}}  # fmt: skip
+    teacher = {"source": source, "by_temperature": {t: result(f"eval-after-{last}-t{t}") for t in ("0", "1")}}
+    return student, teacher
 
 
 def train(args: argparse.Namespace, name: str, overrides: list[str]) -> dict[str, Any]:
     """One `harnessrl train` run of calc in `<run_root>/NAME` (no preflight, no checkpoints unless
     asked); returns its summary.json with the wall seconds of the subprocess."""
     run_dir = Path(args.run_root) / name
-    wall = harnessrl(args, ["train", "--config", str(example_config("calc")), "--fresh", "--no-check",
+    wall = harnessrl(args, name, ["train", "--config", str(example_config("calc")), "--fresh", "--no-check",
                             f"run_dir={_q(run_dir)}", "train.checkpoint_every=0", *common(args), *overrides])  # fmt: skip
     summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
     summary["process_wall_s"] = wall
@@ -111,7 +140,7 @@ def record_traces(args: argparse.Namespace, teacher: Path) -> dict[str, Any]:
 def sft(args: argparse.Namespace, seed: int, traces: str) -> dict[str, Any]:
     """`harnessrl sft` of the base student on the teacher's traces, seed `seed`; returns sft.json."""
     run_dir = Path(args.run_root) / f"sft-s{seed}"
-    harnessrl(args, ["sft", "--config", str(example_config("calc")), "--from", traces, "--fresh",
+    harnessrl(args, f"sft-s{seed}", ["sft", "--config", str(example_config("calc")), "--from", traces, "--fresh",
                      f"run_dir={_q(run_dir)}", f"train.seed={seed}", f"sft.min_reward={args.sft_min_reward}",
                      f"sft.epochs={args.sft_epochs}", *args.override])  # fmt: skip
     result: dict[str, Any] = json.loads((run_dir / "sft.json").read_text())
@@ -216,6 +245,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--override", action="append", default=[], help="a dotted override for every run")
     p.add_argument("--run-root", default="runs/bench-distill")
     p.add_argument("--out", type=Path, default=Path("bench/results/distill.json"))
+    p.add_argument(
+        "--reference-run",
+        help="a run of calc from the base model whose last step is the teacher "
+        "(the demo's run directory): the base student's and the teacher's held-out are read from "
+        "its evaluations before and after instead of evaluated again",
+    )
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each a subprocess)")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
     p.add_argument("--smoke", action="store_true", help="mark the JSON as a tiny-scale check, not figures")
     return p.parse_args()
@@ -234,6 +270,9 @@ def main() -> None:
                                "once by harnessrl eval and is every arm's before; runs skip it (eval.before=false)"})  # fmt: skip
     if not out.get("teacher"):
         out["teacher"] = {"model": str(teacher_folder(args, out))}
+    if args.reference_run and not out.get("student"):
+        out["student"], teacher = from_reference_run(Path(args.reference_run), args.n_heldout)
+        out["teacher"].update(teacher)
     if not out.get("student"):
         out["student"] = evaluate(args, "student", "smollm2")
         write(args, out, t0)
@@ -244,11 +283,11 @@ def main() -> None:
         out["traces"] = record_traces(args, Path(out["teacher"]["model"]))
         write(args, out, t0)
     done = {(r["arm"], r["seed"]) for r in out["results"]}
-    for seed in args.seeds:
-        for arm in args.arms:
-            if (arm, seed) not in done:
-                out["results"].append(one(arm, seed, args, out))
-                write(args, out, t0)
+    todo = [(arm, seed) for seed in args.seeds for arm in args.arms if (arm, seed) not in done]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each run is a subprocess
+        for future in as_completed([pool.submit(one, arm, seed, args, out) for arm, seed in todo]):
+            out["results"].append(future.result())
+            write(args, out, t0)
     print(json.dumps(out.get("summary"), indent=2))
 
 
