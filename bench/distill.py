@@ -220,6 +220,28 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def table(out: dict[str, Any]) -> str:
+    """The summary as a Markdown table (docs/distillation.md): one line per arm and eval temperature."""
+
+    def pm(x: dict[str, Any] | None, digits: int = 3) -> str:
+        if x is None:
+            return "—"
+        sd = "" if x["sd"] is None else f" ± {x['sd']:.{digits}f}"
+        return f"{x['mean']:.{digits}f}{sd}"
+
+    lines = ["| arm | T | before | after (mean ± sd) | after per seed | change | gap closed | per RL step "
+             "| per minute | training |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for arm, by_t in out["summary"].items():
+        for t in ("0", "1"):
+            r = by_t[t]
+            g = r["gap_closed"] or {"total": None, "per_step": None, "per_minute": None}
+            seeds = ", ".join(f"{x:.3f}" for x in r["after"]["per_seed"])
+            lines.append(f"| {arm} | {t} | {r['before']:.3f} | {pm(r['after'])} | {seeds} | {pm(r['change'])} | "
+                         f"{pm(g['total'], 2)} | {pm(g['per_step'], 3)} | {pm(g['per_minute'], 3)} | "
+                         f"{r['train_minutes']['mean']:.1f} min |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def write(args: argparse.Namespace, out: dict[str, Any], t0: float) -> None:
     """The JSON as it stands (after every finished run, so a cut bench still leaves its figures)."""
     out["wall_s"] = out.get("wall_s_before_resume", 0.0) + time.time() - t0
@@ -253,6 +275,9 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--jobs", type=int, default=1, help="runs at once (each a subprocess)")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
+    p.add_argument(
+        "--table", action="store_true", help="print --out's summary as a Markdown table, run nothing"
+    )
     p.add_argument("--smoke", action="store_true", help="mark the JSON as a tiny-scale check, not figures")
     return p.parse_args()
 
@@ -260,6 +285,9 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     """Run the arms (see the module docstring), writing the JSON after every run."""
     args = parse()
+    if args.table:
+        print(table(json.loads(args.out.read_text())))
+        return
     t0 = time.time()
     out: dict[str, Any] = json.loads(args.out.read_text()) if args.resume and args.out.exists() else {}
     out["wall_s_before_resume"] = out.get("wall_s", 0.0)
