@@ -156,11 +156,14 @@ test-harnesses: $(STAMP)
 	$(PY) bench/harnesses/run.py --out bench/results/harnesses.json
 	$(PY) bench/harnesses/matrix.py --results bench/results/harnesses.json --doc docs/harnesses.md
 
-# Hours on 2 cores (not in CI): learning from a teacher on calc (issue 50): a teacher (TEACHER=DIR, e.g.
-# the demo's runs/demo/checkpoints/step-14, or one trained here), its traces, then RL, on-policy distillation, distillation + RL and SFT-then-RL, 3 seeds at equal RL steps.
+# Hours on 2 cores (not in CI): learning from a teacher on calc (issue 50). The teacher is the last checkpoint
+# of `make demo` (DEMO_RUN=runs/demo; its held-out before/after are the student's and the teacher's); its
+# traces, then RL, on-policy distillation, distillation + RL and SFT-then-RL, 3 seeds at equal RL steps.
 # Results in bench/results/distill.json; docs/distillation.md.
+DEMO_RUN ?= runs/demo
 bench-distill: $(STAMP)
-	nice -n 5 $(PY) bench/distill.py $(if $(TEACHER),--teacher "$(TEACHER)") --out bench/results/distill.json
+	nice -n 5 $(PY) bench/distill.py --teacher "$(DEMO_RUN)/checkpoints/step-14" --reference-run "$(DEMO_RUN)" \
+		--out bench/results/distill.json
 
 clean:
 	rm -rf $(VENV) .bench runs .pytest_cache .mypy_cache .ruff_cache

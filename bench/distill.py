@@ -19,7 +19,7 @@ of the student-teacher gap each arm closes, (after − before) / (teacher − be
 per minute of training (SFT's minutes included). bench/results/distill.json is rewritten after every
 finished run (`--resume` continues a cut bench from it).
 
-    make bench-distill TEACHER=runs/demo/checkpoints/step-14               # the full scale: hours on 2 cores
+    make demo && make bench-distill              # teacher: runs/demo's last checkpoint; hours on 2 cores
     nice -n 5 .venv/bin/python bench/distill.py --teacher DIR --seeds 0 --steps 1 --n-heldout 4 \\
         --trace-groups 2 --override train.batch_groups=1 --override train.group_size=2 --smoke   # minutes
 """
@@ -120,7 +120,12 @@ def train(args: argparse.Namespace, name: str, overrides: list[str]) -> dict[str
 def teacher_folder(args: argparse.Namespace, out: dict[str, Any]) -> Path:
     """The teacher: `--teacher`, or RL on calc from the base model here (its last checkpoint)."""
     if args.teacher:
-        return Path(args.teacher).resolve()
+        folder = Path(args.teacher).resolve()
+        if not (folder / "config.json").is_file():
+            raise SystemExit(
+                f"--teacher {folder}: no model folder there (make demo writes runs/demo/checkpoints)"
+            )
+        return folder
     s = train(args, "teacher", [f"train.steps={args.teacher_steps}", "train.seed=100",
                                 f"train.checkpoint_every={args.teacher_steps}"])  # fmt: skip
     out["teacher_training"] = {"steps": args.teacher_steps, "wall_s": s["wall_seconds"]}
