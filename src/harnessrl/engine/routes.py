@@ -173,7 +173,7 @@ class EngineRoutes:
         top = (req.top_logprobs or 0) if req.logprobs else 0
         params = _sampling(req, max_tokens, top, engine.adapter_for(req.model))
         if req.stream:
-            events = chat_events(engine, prompt_ids, params, self.name, bool(req.logprobs))
+            events = chat_events(engine, prompt_ids, params, self.name, bool(req.logprobs), req.tools)
             return StreamingResponse(events, media_type="text/event-stream")
         result = await _generate(request, engine, prompt_ids, params)
         if result.finish_reason == "abort":

@@ -130,12 +130,13 @@ async def completion_events(engine: Any, prompt_ids: list[int], params: Sampling
 
 
 async def chat_events(engine: Any, prompt_ids: list[int], params: SamplingParams, model: str,
-                      want_logprobs: bool) -> AsyncIterator[str]:  # fmt: skip
-    """SSE frames of a streamed `/v1/chat/completions` answer (content streams, tool calls at the end)."""
+                      want_logprobs: bool, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:  # fmt: skip
+    """SSE frames of a streamed `/v1/chat/completions` answer (content streams, tool calls at the end,
+    their arguments typed by the request's `tools` where the format writes them as text, as unstreamed)."""
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}  # fmt: skip
     releaser = TextReleaser(engine.text, params, frozenset(engine.eos_ids))
-    parser = engine.chat.streaming_parser()
+    parser = engine.chat.streaming_parser(tools)
 
     def chunk(
         delta: dict[str, Any], tokens: list[int], lps: list[dict[str, Any]] | None, finish: str | None = None

@@ -134,7 +134,7 @@ def activation_bytes(model: CausalLM, rows: int, suffix: int, prefix: int) -> in
     positions = rows * suffix + prefix
     per_layer = positions * (8 * c.hidden_size + 4 * c.intermediate_size)
     per_layer += rows * c.num_attention_heads * suffix * (prefix + suffix)
-    size = model.model.embed_tokens.weight.element_size()
+    size = model.lm_head.weight.element_size()
     return int(c.num_hidden_layers * per_layer * size)
 
 
@@ -233,8 +233,13 @@ def generic_selected_logprobs(
     builtin path (`head_logprobs`) at the selected positions only. Right padding needs no attention mask:
     every layer is causal (attention and the linear-attention recurrences alike), so padding after a row's
     last token never reaches its selected positions. `checkpoint_layers` turns on transformers' own
-    gradient checkpointing of the decoder layers."""
+    gradient checkpointing of the decoder layers; None decides as for the builtin path (the same
+    `activation_bytes` estimate over the rows' whole length)."""
     decoder = model.model
+    if checkpoint_layers is None:
+        checkpoint_layers = (
+            activation_bytes(model, tokens.shape[0], tokens.shape[1], 0) > CHECKPOINT_ABOVE_BYTES
+        )
     wants = bool(checkpoint_layers) and decoder.training
     if wants != bool(getattr(decoder, "is_gradient_checkpointing", False)):
         if wants:
