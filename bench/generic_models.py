@@ -7,10 +7,11 @@ Llama on both paths):
 - trainer vs transformers: the trainer's logprobs against transformers' own whole-model forward;
 - MoE: how often the top-k experts of a token differ between the engine's and the trainer's pass.
 On the SmolLM2-shaped model (30 layers, hidden 576, random weights: timing does not depend on them),
-both paths: decode tok/s (4 sequences, 32 steps, the model's decode entry point, F.linear on both), and
-one PPO update (4 rows x 160 tokens), as ratios to the builtin path in the same run.
+both paths: decode tok/s (1 and 4 sequences, 16 steps, the model's decode entry point, F.linear on
+both), and one PPO update (4 rows x 160 tokens), in alternating rounds in one process, medians, and
+the transformers path's figures as ratios to the builtin path's.
 
-    PYTHONPATH=src:. python bench/generic_models.py [--threads 2] [--part all|exactness|speed]
+    PYTHONPATH=src:. python bench/generic_models.py [--threads 1] [--rounds 3] [--part all|exactness|speed]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -155,22 +157,37 @@ def load_as(folder: Path, impl: str) -> Any:
         os.environ.pop(MODEL_IMPL_ENV, None)
 
 
-def decode_tok_s(model: Any, batch: int = 4, steps: int = 32) -> float:
-    """Decode throughput over `batch` sequences of a 64-token prompt (tokens / second)."""
+class Clock:
+    """Wall and CPU seconds (this process, all threads) of the block inside."""
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def decode_rates(model: Any, batch: int, steps: int = 16) -> dict[str, float]:
+    """Decode throughput over `batch` sequences of a 64-token prompt: tokens per wall second and per
+    CPU second."""
     cache = model.new_cache(batch, 64 + steps + 1)
     prompts = [torch.arange(100 + 64 * i, 164 + 64 * i) for i in range(batch)]
     with torch.no_grad():
         model.prefill_many([(p, i, 0) for i, p in enumerate(prompts)], cache)
         tokens = torch.full((batch,), 5)
-        t0 = time.perf_counter()
-        for s in range(steps):
-            logits = model.decode(tokens, cache, torch.full((batch,), 64 + s))
-            tokens = logits.argmax(-1)
-    return batch * steps / (time.perf_counter() - t0)
+        with Clock() as c:
+            for s in range(steps):
+                logits = model.decode(tokens, cache, torch.full((batch,), 64 + s))
+                tokens = logits.argmax(-1)
+    return {
+        f"decode_tok_per_cpu_s_{batch}": batch * steps / c.cpu,
+        f"decode_tok_s_{batch}": batch * steps / c.wall,
+    }
 
 
-def update_seconds(model: Any) -> float:
-    """Seconds of one PPO update over 4 rows of 160 tokens (96 trainable)."""
+def update_seconds(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Wall and CPU seconds of one PPO update over 4 rows of 160 tokens (96 trainable)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for i in range(4):
@@ -178,47 +195,96 @@ def update_seconds(model: Any) -> float:
         mask = [0] * 64 + [1] * 96
         rows.append(Row(f"r{i // 2}", tokens, mask, [-2.0 * m for m in mask], 1.0))
     batch = Batch(rows, [1.0, -1.0, 0.5, -0.5], loss_weights(rows, LossMode.ROLLOUT_TOKEN_MEAN), {})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    ppo_update(model, optimizer, batch, PPOConfig())  # warm-up (optimizer state allocated)
-    t0 = time.perf_counter()
-    ppo_update(model, optimizer, batch, PPOConfig())
-    return time.perf_counter() - t0
+    with Clock() as c:
+        ppo_update(model, optimizer, batch, PPOConfig())
+    return {"update_cpu_s": c.cpu, "update_s": c.wall}
 
 
-def speed(folder: Path) -> dict[str, Any]:
-    """Decode tok/s and update seconds of both paths on the same folder, and their ratios. The folder's
-    weights are drawn as the builtin init draws them (std 0.02): the wide test weights overflow over 30
-    layers, and subnormal/inf arithmetic made both paths ~100x slower than they are."""
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def speed(folder: Path, rounds: int) -> dict[str, Any]:
+    """Decode rates (1 and 4 sequences) and update seconds of both paths on the same folder, in
+    alternating rounds in one process (builtin, transformers, builtin, ...), medians and their ratios.
+    CPU seconds (`time.process_time`, one torch thread) are the work each path does, whatever share of
+    a shared CPU the process got; wall seconds are kept beside them. The folder's weights are drawn as
+    the builtin init draws them (std 0.02), not the wide test weights (which overflow over 30 layers
+    into inf/subnormal arithmetic)."""
     torch.set_flush_denormal(True)
     model = CausalLM(load_model(folder).config)
     model.init_weights(0)
     save_model(model, folder)
-    out: dict[str, Any] = {}
-    for impl in ("builtin", "transformers"):
-        model = load_as(folder, impl)
-        out[impl] = {"decode_tok_s": decode_tok_s(model), "update_s": update_seconds(model)}
-        print(f"smollm2-shaped {impl:12} {out[impl]}")
-        del model
-    out["transformers_decode_vs_builtin"] = (
-        out["transformers"]["decode_tok_s"] / out["builtin"]["decode_tok_s"]
-    )
-    out["transformers_update_vs_builtin"] = out["transformers"]["update_s"] / out["builtin"]["update_s"]
+    models = {impl: load_as(folder, impl) for impl in ("builtin", "transformers")}
+    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-6) for k, m in models.items()}
+    runs: dict[str, dict[str, list[float]]] = {k: {} for k in models}
+    for k, m in models.items():  # warm-up: first calls, optimizer state allocated
+        decode_rates(m, 1, 2)
+        update_seconds(m, optims[k])
+    for r in range(rounds):
+        for k, m in models.items():
+            got = {**decode_rates(m, 1), **decode_rates(m, 4), **update_seconds(m, optims[k])}
+            for name, value in got.items():
+                runs[k].setdefault(name, []).append(value)
+            shown = {n: round(v, 2) for n, v in got.items()}
+            print(f"round {r} {k:12} {shown} load {os.getloadavg()[0]:.1f}", flush=True)
+    out: dict[str, Any] = {k: {n: _median(v) for n, v in d.items()} | {"runs": d} for k, d in runs.items()}
+    b, t = out["builtin"], out["transformers"]
+    out["transformers_vs_builtin"] = {n: t[n] / b[n] for n in runs["builtin"]}
+    print(out["transformers_vs_builtin"])
     return out
+
+
+def threads_probe(repeat: int = 500) -> dict[str, Any]:
+    """Wall and CPU ms of one decode-sized product (4 x 576 by 576 x 1536, F.linear) with 1 and 2 torch
+    threads, alternated: what the thread count does to the small products of a decode step on this CPU
+    as loaded now (a 2-thread OpenMP team waits at each product for a worker the kernel has descheduled)."""
+    x, w = torch.randn(4, 576), torch.randn(1536, 576) * 0.02
+    before = torch.get_num_threads()
+    out: dict[str, list[float]] = {}
+    try:
+        for _ in range(3):
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                torch.nn.functional.linear(x, w)
+                with Clock() as c:
+                    for _ in range(repeat):
+                        torch.nn.functional.linear(x, w)
+                out.setdefault(f"wall_ms_{n}_threads", []).append(1000 * c.wall / repeat)
+                out.setdefault(f"cpu_ms_{n}_threads", []).append(1000 * c.cpu / repeat)
+    finally:
+        torch.set_num_threads(before)
+    result: dict[str, Any] = {k: _median(v) for k, v in out.items()} | {
+        "runs": out,
+        "load_avg_1m": os.getloadavg()[0],
+    }
+    result["wall_2_vs_1"] = result["wall_ms_2_threads"] / result["wall_ms_1_threads"]
+    result["cpu_2_vs_1"] = result["cpu_ms_2_threads"] / result["cpu_ms_1_threads"]
+    print("threads probe", {k: round(v, 3) for k, v in result.items() if k != "runs"})
+    return result
 
 
 def main() -> None:
     """Run every measurement, print them and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 by default: on a shared, busy CPU a 2-thread OpenMP team "
+        "waits at every parallel region for a descheduled worker (10-20x slower)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="alternating speed rounds (medians)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/generic_models.json"))
-    parser.add_argument("--part", choices=["all", "exactness", "speed"], default="all",
+    parser.add_argument("--part", choices=["all", "exactness", "speed", "threads"], default="all",
                         help="run one part only (its results replace that part of --out's)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="bench-generic-"))
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    smol = smollm2_shaped(root)
-    if args.part in ("all", "exactness"):
+    load_before = os.getloadavg()[0]
+    smol = smollm2_shaped(root) if args.part in ("all", "exactness", "speed") else None
+    if smol is not None and args.part in ("all", "exactness"):
         results["exactness"] = {
             name: exactness(name, generic_dir(name)) for name in ("qwen3_5", "gemma4", "qwen3_moe")
         }
@@ -226,11 +292,15 @@ def main() -> None:
             os.environ[MODEL_IMPL_ENV] = impl
             results["exactness"][f"smollm2_shaped_{impl}"] = exactness(f"smollm2_shaped_{impl}", smol)
             os.environ.pop(MODEL_IMPL_ENV, None)
-    if args.part in ("all", "speed"):
-        results["speed_smollm2_shaped"] = speed(smol)
-    results["machine"] = {
+    if args.part in ("all", "threads"):
+        results["threads_probe"] = threads_probe()
+    if smol is not None and args.part in ("all", "speed"):
+        results["speed_smollm2_shaped"] = speed(smol, args.rounds)
+    results.setdefault("machine_by_part", {})[args.part] = {
         "threads": args.threads, "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "load_avg_1m": os.getloadavg()[0],
+        "torch": torch.__version__, "load_avg_1m_start": load_before,
+        "load_avg_1m_end": os.getloadavg()[0], "rounds": args.rounds,
+        "command": "python bench/generic_models.py " + " ".join(sys.argv[1:]),
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
