@@ -12,7 +12,7 @@ import torch
 from harnessrl.adapter import Batch, Row, loss_weights
 from harnessrl.adapter.loss_weights import LossMode
 from harnessrl.modeling.loading import load_model
-from harnessrl.trainer.moe_aux import router_aux
+from harnessrl.trainer.moe_aux import check_moe_aux, router_aux
 from harnessrl.trainer.ppo import PPOConfig, micro_batch_loss
 from tests.support.generic_families import generic_dir
 
@@ -59,6 +59,11 @@ def test_moe_aux_loss_matches_transformers_and_enters_the_gradient_only_when_set
 
 
 def test_a_nonzero_coefficient_on_a_dense_model_is_a_clear_error(tiny_model_dir: Path) -> None:
-    model = load_model(tiny_model_dir)
-    with pytest.raises(ValueError, match="moe_aux_loss_coef"), router_aux(model, 0.1, [4]):
+    builtin, dense = load_model(tiny_model_dir), load_model(generic_dir("qwen3_5"))
+    for model in (builtin, dense):
+        with pytest.raises(ValueError, match="moe_aux_loss_coef"):
+            check_moe_aux(model, 0.1)  # as the trainer loads the policy
+        check_moe_aux(model, 0.0)
+    with pytest.raises(ValueError, match="moe_aux_loss_coef"), router_aux(builtin, 0.1, [4]):
         pass
+    check_moe_aux(load_model(generic_dir("qwen3_moe")), 0.1)

@@ -29,6 +29,7 @@ from harnessrl.services.stack import ServiceStack, vllm_restarter
 from harnessrl.trainer.fsdp import meta_model
 from harnessrl.trainer.loop import Progress, TrainContext
 from harnessrl.trainer.metrics import MetricsLogger
+from harnessrl.trainer.moe_aux import check_moe_aux
 from harnessrl.trainer.policies import PolicyState
 from harnessrl.trainer.ppo import lr_lambda
 from harnessrl.trainer.precision import make_optimizer, torch_dtype
@@ -113,6 +114,7 @@ def build_trainer(
             else use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
         )
     log.info("event=trainer_matmul path=%r", matmul)
+    check_moe_aux(model, tc.moe_aux_loss_coef)
     schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
     if cfg.policies:  # one adapter, optimizer and schedule per policy (trainer.policies)
         return _policies_trainer(cfg, run_dir, model, model_dir, parts, heldout, progress, notify, schedule)

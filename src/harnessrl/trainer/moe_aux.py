@@ -76,6 +76,22 @@ def _balancing(model: Any) -> tuple[Any, int, int]:
     return fn, int(experts), int(top_k)
 
 
+def check_moe_aux(model: Any, coef: float) -> None:
+    """Refuse `train.moe_aux_loss_coef` > 0 for a model without a router and a transformers
+    load-balancing loss, when the trainer loads it (not at the first update)."""
+    if coef > 0:
+        if not getattr(model, "generic", False):
+            raise ValueError(_DENSE)
+        _router_recorder(model)
+        _balancing(model)
+
+
+_DENSE = (
+    "train.moe_aux_loss_coef > 0 needs an MoE model on the transformers path; the builtin families are "
+    "dense (set train.moe_aux_loss_coef: 0)"
+)
+
+
 @contextmanager
 def router_aux(model: Any, coef: float, lengths: list[int]) -> Iterator[RouterAux]:
     """Record the router logits of the forward run inside (when `coef` > 0) for `RouterAux.loss`;
@@ -85,10 +101,7 @@ def router_aux(model: Any, coef: float, lengths: list[int]) -> Iterator[RouterAu
         yield rec
         return
     if not getattr(model, "generic", False):
-        raise ValueError(
-            "train.moe_aux_loss_coef > 0 needs an MoE model on the transformers path; the builtin "
-            "families are dense (set train.moe_aux_loss_coef: 0)"
-        )
+        raise ValueError(_DENSE)
     cls, index = _router_recorder(model)
     hooks = [
         m.register_forward_hook(
