@@ -299,6 +299,9 @@ def main() -> None:
     out.update({"bench": "distill", "args": {k: v for k, v in vars(args).items() if k != "out"},
                 "status": "smoke: a tiny-scale check that the bench runs, not a measurement" if args.smoke
                 else "measurement", "results": out.get("results", []),
+                "scale": f"{len(args.seeds)} seeds x {len(args.arms)} arms, {args.steps} RL steps each, "
+                         f"{args.n_heldout} held-out tasks at T=0 and T=1, traces of {args.trace_groups} tasks x 2, "
+                         f"SFT {args.sft_epochs} epoch(s); overrides: {' '.join(args.override) or 'none'}",
                 "before_note": "every arm starts from the same base student: its held-out (student) is measured "
                                "once by harnessrl eval and is every arm's before; runs skip it (eval.before=false)"})  # fmt: skip
     if not out.get("teacher"):
