@@ -4,8 +4,9 @@ a client sends, the answer is never a server error, and nothing is recorded half
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -20,10 +21,13 @@ schema = schemathesis.openapi.from_dict(gateway_openapi()).exclude(path_regex=r"
 
 
 @pytest.fixture
-def fuzz_gateway(make_gateway: Callable[..., GatewayHandle]) -> tuple[GatewayHandle, str]:
+def fuzz_gateway(
+    make_gateway: Callable[..., GatewayHandle],
+) -> Iterator[tuple[GatewayHandle, str, httpx.Client]]:
     gw = make_gateway(pause_wait_s=0.05, max_body_bytes=200_000)
     _, key = gw.new_rollout(sampling={"max_tokens": 2})  # valid model calls stay cheap
-    return gw, key
+    with gw.admin() as admin:  # one client for all of an operation's examples (hundreds with coverage)
+        yield gw, key, admin
 
 
 # Deterministic in the suite (same examples every run); HARNESSRL_FUZZ_EXAMPLES=500 for a deep random run.
@@ -35,9 +39,9 @@ _DEEP = int(os.environ.get("HARNESSRL_FUZZ_EXAMPLES", "0"))
     max_examples=_DEEP or 8, derandomize=not _DEEP, deadline=None, suppress_health_check=list(HealthCheck)
 )
 def test_no_route_answers_with_a_server_error(
-    case: schemathesis.Case, fuzz_gateway: tuple[GatewayHandle, str]
+    case: schemathesis.Case, fuzz_gateway: tuple[GatewayHandle, str, httpx.Client]
 ) -> None:
-    gw, key = fuzz_gateway
+    gw, key, admin = fuzz_gateway
     token = gw.admin_key if case.path.startswith("/control") else key
     response = case.call(base_url=gw.url, headers={"Authorization": f"Bearer {token}"})
     case.validate_response(response, checks=[not_a_server_error])
@@ -45,8 +49,7 @@ def test_no_route_answers_with_a_server_error(
     if response.status_code >= 400:
         body = response.json()
         assert ("error" in body) and body["error"]["message"]
-    with gw.admin() as c:
-        c.post("/control/resume", json={})  # a fuzzed pause must not starve later examples
+    admin.post("/control/resume", json={})  # a fuzzed pause must not starve later examples
     for ro in gw.store.list_rollouts(limit=1000)[0]:
         for call in gw.store.calls(ro.rollout_id):
             complete = call.status == CallStatus.OK and call.response is not None and call.completion_ids

@@ -40,6 +40,7 @@ from harnessrl.controller.factory import make_runner
 from harnessrl.controller.isolation import protect_run_dir, unreachable
 from harnessrl.controller.runner import AttemptResult, AttemptSpec
 from harnessrl.services import Service, free_port, start_gateway
+from tests.support.gateway import loopback_tls
 
 ROOT = os.geteuid() == 0
 # An interpreter an unprivileged uid can run: this one, unless it lives under a 0700 directory (this
@@ -163,7 +164,7 @@ class Run:
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.gateway.url, headers={"Authorization": f"Bearer {self.admin_key}"},
-                            timeout=60)  # fmt: skip
+                            timeout=60, verify=loopback_tls())  # fmt: skip
 
     def new_rollout(self) -> tuple[str, str]:
         """A rollout with a started attempt: (rollout_id, key)."""
