@@ -3,6 +3,7 @@ when the weights change, dropped cleanly, and `auto` falls back to F.linear when
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import httpx
@@ -12,6 +13,8 @@ import torch
 import harnessrl.modeling.packed as packed_mod
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_model
+from harnessrl.modeling.lora import LoraSpec, attach
+from harnessrl.modeling.lora_swap import Adapter, LoraSwap, add_terms_
 from harnessrl.modeling.packed import PackedLinears, choose_matmul, onednn_available, use_onednn_for_training
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
@@ -120,3 +123,38 @@ def test_training_through_onednn_matches_f_linear_and_follows_each_step(engine_t
     bf16 = load_model(engine_tiny_dir, dtype=torch.bfloat16)
     assert use_onednn_for_training(bf16, "auto", torch.device("cpu")).startswith("aten (auto uses oneDNN")
     assert use_onednn_for_training(plain, "aten", torch.device("cpu")) == "aten (aten asked)"
+
+
+def _adapter(model_dir: Path, seed: int, targets: tuple[str, ...]) -> tuple[LlamaForCausalLM, Adapter]:
+    """A trainer-side model with a trained-like adapter (random B) on `targets`, and its PEFT tensors."""
+    model = _model(model_dir)
+    lora = attach(model, LoraSpec(r=2, target_modules=targets), seed=seed)
+    with torch.no_grad():
+        for b in lora.lora_B:
+            b.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(seed))
+    return model, (lora.spec, {k: v.detach().clone() for k, v in lora.peft_tensors().items()})
+
+
+def test_lora_swap_repacks_only_the_products_it_changes(engine_tiny_dir: Path) -> None:
+    """An engine-like model (packed, originals released) swaps adapters in place: the products of
+    untargeted layers keep their packed copies, and its logprobs follow the trainer's (adapter hooks)."""
+    served = _model(engine_tiny_dir)
+    packed = PackedLinears(served)
+    packed.refresh()
+    packed.release_originals()
+    layer = served.model.layers[0]
+    untouched = (layer.mlp.fused_gate_up, layer.self_attn.o_proj.forward)
+    old = None
+    for seed in (1, 2):  # the second swap takes the first adapter out
+        trainer, new = _adapter(engine_tiny_dir, seed, ("q_proj", "down_proj"))
+        swap = LoraSwap(new, old)
+        shapes = {k: v.shape for k, v in served.state_dict(keep_vars=True).items()}
+        change = {k: functools.partial(add_terms_, terms=t) for k, t in swap.check(shapes).items()}
+        assert packed.update(change) == 2 * len(served.model.layers)  # fused q/k/v and down, per layer
+        assert (layer.mlp.fused_gate_up, layer.self_attn.o_proj.forward) == untouched
+        want = torch.log_softmax(_logits(trainer), -1)
+        assert (torch.log_softmax(_logits(served), -1) - want).abs().max() < 1e-4
+        old = new
+    with pytest.raises(ValueError, match=r"lora_B \(64, 2\) @ lora_A"):
+        bad = {k: v[:, :1] if k.endswith("lora_A.weight") else v for k, v in new[1].items()}
+        LoraSwap((new[0], bad), None).check(shapes)

@@ -27,7 +27,8 @@ from harnessrl.modeling.loading import (
     read_weights,
     resolve_model,
 )
-from harnessrl.modeling.lora import LoraSpec, is_peft_dir, merge_peft_dir, read_peft, remerge
+from harnessrl.modeling.lora import LoraSpec, is_peft_dir, merge_peft_dir, read_peft
+from harnessrl.modeling.lora_swap import LoraSwap
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import choose_matmul
 from harnessrl.modeling.served_lora import ServedAdapters
@@ -232,27 +233,28 @@ class Engine:
             return None
         return model
 
-    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
-        """(scheduler thread, nothing running) The state dict to swap in: a model folder's weights, or
-        for a LoRA adapter folder (a few MB) the weights held now with the adapter merged before replaced
-        by this one (`remerge`: the base is not read again). Only when a level-2 sleep discarded the
-        weights is the base read from disk once, with the adapter merged into it."""
+    def _read_weights(self, path: str) -> dict[str, torch.Tensor] | LoraSwap:
+        """(scheduler thread, nothing running) What to swap in: a model folder's weights, or for a LoRA
+        adapter folder (a few MB) a `LoraSwap` that replaces the adapter merged into the weights held by
+        this one, in place (the base is not read again, only the targeted layers change). Only when a
+        level-2 sleep discarded the weights is the base read from disk once, with the adapter merged."""
         p = Path(path)
         if not p.exists():
             raise EngineError(f"weights path {path} does not exist", "path")
         dtype = self.model.lm_head.weight.dtype
         try:
             if is_generic(self.model):  # transformers' loading: the folder's names are its business
-                state = read_weights(self.model, p)
-            elif is_peft_dir(p):
+                return check_state_dict(self.model, read_weights(self.model, p))
+            if is_peft_dir(p):
                 adapter = read_peft(p)
                 if not self.scheduler.state.needs_weights:
-                    held = self.packed.state_dict() if self.packed is not None else self.model.state_dict()
-                    state = remerge({k: v.detach() for k, v in held.items()}, adapter, self.merged_adapter)
+                    swap = LoraSwap(adapter, self.merged_adapter)
+                    swap.check({k: v.shape for k, v in self.model.state_dict(keep_vars=True).items()})
                     log.info("event=lora_adapter_merged path=%s r=%d alpha=%g layers=%d from=memory",
                              p, adapter[0].r, adapter[0].alpha, len(adapter[1]) // 2)  # fmt: skip
-                else:
-                    state = merge_peft_dir(load_state_dict_file(self.model_dir, dtype), p)
+                    self.merged_adapter = adapter
+                    return swap
+                state = merge_peft_dir(load_state_dict_file(self.model_dir, dtype), p)
                 self.merged_adapter = adapter
             else:
                 state = load_state_dict_file(p, dtype)

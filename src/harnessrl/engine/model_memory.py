@@ -5,6 +5,7 @@ scheduler runs these on its own thread while no sequence is running (a mixin of 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -16,6 +17,7 @@ from harnessrl.engine.state import EngineOp, EngineState, InvalidEngineTransitio
 from harnessrl.modeling.cache import KVCache
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_weights_into
+from harnessrl.modeling.lora_swap import LoraSwap, add_terms_
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import PackedLinears
 from harnessrl.modeling.served_lora import ServedAdapters
@@ -137,11 +139,30 @@ class ModelMemory:
         self.stats.weight_loads += 1
         load.on_done(load.version)
 
-    def _swap_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy (or pack) `state` into the model, then give the read copy's memory back to the OS."""
+    def _swap_weights(self, state: dict[str, torch.Tensor] | LoraSwap) -> None:
+        """Copy (or pack) `state` into the model, then give the read copy's memory back to the OS; a
+        `LoraSwap` changes the targeted weights in place instead (`_swap_lora`)."""
+        if isinstance(state, LoraSwap):
+            self._swap_lora(state)
+            return
         if self.packed is not None:
             self.packed.load(state)
         else:
             load_weights_into(self.model, state)
         state.clear()
         release_freed_memory()
+
+    def _swap_lora(self, swap: LoraSwap) -> None:
+        """Replace the adapter merged into the weights held by the next one, in place: only the targeted
+        weights change, and on the packed path only the products computing them are repacked."""
+        shapes = {name: t.shape for name, t in self.model.state_dict(keep_vars=True).items()}
+        change = {
+            name: functools.partial(add_terms_, terms=terms) for name, terms in swap.check(shapes).items()
+        }
+        if self.packed is not None:
+            repacked = self.packed.update(change)
+        else:
+            for name, fn in change.items():
+                fn(self.model.get_parameter(name))
+            repacked = 0
+        log.info("event=lora_swapped layers=%d repacked=%d", len(change), repacked)

@@ -13,6 +13,7 @@ import torch
 from harnessrl.engine.detok import StopChecker, TokenText
 from harnessrl.engine.sampling import SamplingParams, make_generator
 from harnessrl.modeling.lora import LoraSpec
+from harnessrl.modeling.lora_swap import LoraSwap
 
 
 @dataclass
@@ -71,9 +72,10 @@ class EngineSequence:
 
 @dataclass
 class WeightLoad:
-    """A queued weight swap, applied when no sequence is running: `read` returns the state dict then."""
+    """A queued weight swap, applied when no sequence is running: `read` returns the state dict then (or
+    a `LoraSwap`: the adapter merged into the weights held is replaced in place)."""
 
-    read: Callable[[], dict[str, torch.Tensor]]
+    read: Callable[[], dict[str, torch.Tensor] | LoraSwap]
     version: int
     on_done: Callable[[int | BaseException], None]
 

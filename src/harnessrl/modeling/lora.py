@@ -209,32 +209,6 @@ def merge_into(
     return out
 
 
-def remerge(
-    state: Mapping[str, Tensor],
-    new: tuple[LoraSpec, Mapping[str, Tensor]],
-    old: tuple[LoraSpec, Mapping[str, Tensor]] | None,
-) -> dict[str, Tensor]:
-    """Weights that hold the adapter `old` merged (W + s·B_old A_old), with `new` in its place:
-    W' = W + s·B_new A_new − s·B_old A_old per targeted layer, in fp32, stored in W's dtype; the other
-    tensors are shared. The base is never read again (an engine's sync moves the adapter only); each
-    swap rounds W' once to its dtype (fp32: ~1e-7 relative, negligible over thousands of syncs)."""
-    out = dict(state)
-    deltas: dict[str, Tensor] = {}
-    for sign, (spec, tensors) in ((1.0, new), (-1.0, old)) if old is not None else ((1.0, new),):
-        for key, a in tensors.items():
-            if not key.endswith(".lora_A.weight"):
-                continue
-            module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-            b = tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"]
-            if f"{module}.weight" not in state:
-                raise ValueError(f"adapter layer {module} is not a weight of this model")
-            acc = deltas.setdefault(module, state[f"{module}.weight"].float().clone())
-            acc.addmm_(b.float(), a.float(), alpha=sign * spec.scale)
-    for module, w in deltas.items():
-        out[f"{module}.weight"] = w.to(state[f"{module}.weight"].dtype)
-    return out
-
-
 def merged_state(model: nn.Module, adapter: LoraAdapter) -> dict[str, Tensor]:
     """The model's state dict with the adapter merged into the targeted weights (detached)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}

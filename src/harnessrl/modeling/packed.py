@@ -159,6 +159,36 @@ class PackedLinears:
                     param.copy_(full[name])
         self.refresh(full)
 
+    def update(self, change: Mapping[str, Callable[[Tensor], None]]) -> int:
+        """Change the weights named in `change` (HF names) in place and repack only the products that
+        compute one of them: each callable gets its weight as a dense tensor to modify (the parameter,
+        or for a released weight its unpacked copy). Other products keep their packed copies; a named
+        weight no product packs (a biased layer) is its parameter, changed in place. Returns the number
+        of products repacked."""
+        if not self.active:
+            raise RuntimeError("no packed copies to update: load or refresh the weights first")
+        names, todo, repacked = self._names(), dict(change), 0
+        with torch.no_grad():
+            for owner, attr, lins in self._plan():
+                if not any(names[id(lin)] in todo for lin in lins):
+                    continue
+                released = [names[id(lin)] in self.released for lin in lins]
+                dense = getattr(owner, attr).packed.to_dense() if any(released) else None
+                parts = list(dense.split([lin.out_features for lin in lins])) if dense is not None else []
+                weights = [
+                    parts[i] if rel else lin.weight
+                    for i, (lin, rel) in enumerate(zip(lins, released, strict=True))
+                ]
+                for lin, w in zip(lins, weights, strict=True):
+                    if names[id(lin)] in todo:
+                        todo.pop(names[id(lin)])(w)
+                # all released: the unpacked copy is packed as it is (no concatenation)
+                setattr(owner, attr, _pack(dense) if dense is not None and all(released) else _pack(*weights))
+                repacked += 1
+            for name, fn in todo.items():
+                fn(self.model.get_parameter(name))
+        return repacked
+
     def state_dict(self) -> dict[str, Tensor]:
         """The model's state dict with released weights unpacked from their packed copies (exact)."""
         out = dict(self.model.state_dict())
