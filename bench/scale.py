@@ -216,7 +216,7 @@ def main() -> int:
         "--skip-bf16", action="store_true", help="skip train.dtype bfloat16 vs float32 (scale_bf16.py)"
     )
     p.add_argument("--bf16-model", default=None, help="the bf16 part's model (default: --model)")
-    p.add_argument("--bf16-rows", type=int, default=8, help="rows of the bf16 vs fp32 updates (1 group)")
+    p.add_argument("--bf16-rows", type=int, default=4, help="rows of the bf16 vs fp32 update (1 group)")
     p.add_argument(
         "--skip-load", action="store_true", help="skip the FSDP load, 2 ranks vs 1 (scale_load.py)"
     )
@@ -246,7 +246,7 @@ def main() -> int:
     if not args.skip_bf16:
         from bench.scale_bf16 import bench_bf16
 
-        result["bf16"] = bench_bf16(args.bf16_model or args.model, 1, args.bf16_rows, 2)
+        result["bf16"] = bench_bf16(args.bf16_model or args.model, 1, args.bf16_rows, 1)
         result["bf16"].update(command=result["command"], load_avg_at_end=os.getloadavg())
         print(json.dumps(result["bf16"], indent=2), flush=True)
     if not args.skip_load:

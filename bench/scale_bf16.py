@@ -1,26 +1,26 @@
 """`train.dtype: bfloat16` against float32 on the same rows: part of `make bench-scale` (`bench/scale.py`), or
 alone (each phase in a fresh process, so a peak is its own):
 
-    python bench/scale_bf16.py --model smollm2 --groups 1 --rows 4 --out bench/results/scale_bf16.json
+    python bench/scale_bf16.py --model smollm2 --groups 1 --rows 4 --updates 1 --skip-fsdp --out bench/results/scale_bf16.json
 
 - `update_peak_mb_ratio_vs_fp32`: the trainer process's peak RSS (VmHWM, reset after loading) over
   `--updates` PPO updates of the same rows, bf16 (MasterAdamW: bf16 weights and gradients, int16 low
-  halves, fp32 moments) over fp32 (AdamW). Layers are not checkpointed here (`checkpoint_layers=False`),
-  so the activations, which bf16 halves, are part of the peak as in a long-row update; with the default
-  checkpointing the state dominates and the ratio is nearer 14/16.
+  halves, fp32 moments) over fp32 (AdamW). The optimizer state is made first (one step with zero
+  gradients, which leaves every weight as it is), so the update measured holds it throughout, as every
+  update after a run's first does. Layers are not checkpointed here (`checkpoint_layers=False`), so the
+  activations, which bf16 halves, are part of the peak as in a long-row update; the state alone is
+  14 bytes a parameter against 16, so the fewer the tokens the nearer the ratio is to 14/16.
 - `logprob_max_diff_vs_fp32` / `logprob_mean_diff_vs_fp32`: |bf16 − fp32| of the trainer's logprobs of
   every trainable token of the rows, before any update.
-- `fsdp_2rank_vs_1rank_max_weight_diff`: 2 FSDP ranks (fp32 shards, bf16 compute, fp32 reduction) against
-  1 process in bf16 (MasterAdamW), one update of the same rows: the largest difference of the fp32 master
-  weights; `fp32_step_max_change` is how far one fp32 step moved any weight (the scale to read it by).
+- `fsdp_2rank_vs_1rank_max_weight_diff` (not with `--skip-fsdp`): 2 FSDP ranks (fp32 shards, bf16 compute,
+  fp32 reduction) against 1 process in bf16 (MasterAdamW), one update of the same rows: the largest
+  difference of the fp32 master weights; `fp32_step_max_change` is how far one fp32 step moved any weight.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,15 +30,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.scale
 
-
-def _kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+from bench.scale_common import finish, reset_peak, run_json, status_mb
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+def _make_state(model: Any, optimizer: Any) -> None:
+    """The optimizer's state (moments; a bf16 parameter's low half), as after a first update: one step
+    with zero gradients (Adam's step is then 0 and no weight decays), the gradients freed again."""
+    import torch
+
+    from harnessrl.modeling.memory import release_freed_memory
+
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    release_freed_memory()
 
 
 def phase_update(model_name: str, dtype_name: str, groups: int, rows: int, updates: int) -> dict[str, Any]:
@@ -58,15 +64,15 @@ def phase_update(model_name: str, dtype_name: str, groups: int, rows: int, updat
     with torch.no_grad():
         lp = selected_logprobs(model, packed.tokens, packed.select, packed.temps, packed.prefix).logprobs
     optimizer = make_optimizer(model.parameters(), dtype, lr=1e-5, weight_decay=0.0)
+    _make_state(model, optimizer)
     cfg = PPOConfig(micro_batch_tokens=1 << 20)  # the whole batch one micro-batch
-    rss_before = _kb("VmRSS")
-    _reset_peak()
+    rss_before = status_mb("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     for _ in range(updates):
         ppo_update(model, optimizer, batch, cfg, checkpoint_layers=False)
-    peak = _kb("VmHWM")
-    return {"dtype": dtype_name, "rss_before_mb": rss_before // 1024, "peak_mb": peak // 1024,
-            "update_mb": (peak - rss_before) // 1024,
+    peak = status_mb("VmHWM")
+    return {"dtype": dtype_name, "rss_before_mb": rss_before, "peak_mb": peak, "update_mb": peak - rss_before,
             "seconds": round(time.perf_counter() - t0, 1), "logprobs": [float(x) for x in lp],
             "rows": len(batch.rows), "tokens": sum(len(r.tokens) for r in batch.rows)}  # fmt: skip
 
@@ -112,14 +118,7 @@ def phase_fsdp(model_name: str, groups: int, rows: int) -> dict[str, Any]:
 
 
 def _child(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--phase", *args], capture_output=True, text=True, env=env
-    )
-    if proc.returncode:
-        raise RuntimeError(f"phase {args} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return run_json(__file__, "--phase", *args)
 
 
 def bench_bf16(model: str, groups: int, rows: int, updates: int, fsdp: bool = True) -> dict[str, Any]:
@@ -151,27 +150,17 @@ def main() -> int:
             res = phase_update(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
         else:
             res = phase_fsdp(rest[0], int(rest[1]), int(rest[2]))
-        sys.stdout.write(json.dumps(res) + "\n")
+        print(json.dumps(res))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--rows", type=int, default=4)
-    p.add_argument("--updates", type=int, default=2)
+    p.add_argument("--updates", type=int, default=1)
     p.add_argument("--skip-fsdp", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    res = bench_bf16(args.model, args.groups, args.rows, args.updates, not args.skip_fsdp)
-    res["command"] = "python " + " ".join(sys.argv)
-    res["note"] = (
-        "measured on a shared 2-core machine with other work running beside it: ratios within this run"
-    )
-    res["load_avg_at_end"] = os.getloadavg()
-    text = json.dumps(res, indent=2)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return finish(bench_bf16(args.model, args.groups, args.rows, args.updates, not args.skip_fsdp), args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.scale_common
+
+from bench.scale_common import finish, run_json, status_mb
 
 SHAPE = {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960, "vocab": 49152}
 
@@ -68,11 +70,6 @@ def write_model(out: Path) -> Path:
     return out
 
 
-def _peak_mb() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) // 1024
-
-
 def rank_main(rank: int, world: int, port: int, model_dir: str) -> dict[str, Any]:
     """One rank: meta model, sharded, filled with its own rows; its peak RSS and parameter bytes."""
     import torch
@@ -87,7 +84,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str) -> dict[str, Any
     fill_shards(model, model_dir, torch.device("cpu"))
     held = local_state_bytes(model, torch.optim.SGD(model.parameters(), lr=0.0))["params"]
     dist.destroy_process_group()
-    return {"rank": rank, "peak_mb": _peak_mb(), "param_mb": held // 2**20}
+    return {"rank": rank, "peak_mb": status_mb("VmHWM"), "param_mb": held // 2**20}
 
 
 def whole_main(model_dir: str) -> dict[str, Any]:
@@ -95,7 +92,7 @@ def whole_main(model_dir: str) -> dict[str, Any]:
     from harnessrl.modeling.loading import load_model
 
     model = load_model(model_dir)
-    return {"peak_mb": _peak_mb(), "params": sum(p.numel() for p in model.parameters())}
+    return {"peak_mb": status_mb("VmHWM"), "params": sum(p.numel() for p in model.parameters())}
 
 
 def _run(world: int, model_dir: Path) -> list[dict[str, Any]]:
@@ -114,14 +111,10 @@ def bench_load(model_dir: Path) -> dict[str, Any]:
     """The figures of the module docstring."""
     one = _run(1, model_dir)
     two = _run(2, model_dir)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--whole", str(model_dir)], capture_output=True, text=True
-    )
-    whole = (
-        json.loads(proc.stdout.strip().splitlines()[-1])
-        if proc.returncode == 0
-        else {"error": proc.stderr[-500:]}
-    )
+    try:
+        whole = run_json(__file__, "--whole", str(model_dir))
+    except RuntimeError as exc:  # the whole fp32 model may not fit where the shards do
+        whole = {"error": str(exc)[-500:]}
     return {"shape": SHAPE, "one_rank": one, "two_ranks": two, "load_model_whole": whole,
             "fsdp_load_rank_peak_mb_ratio": round(max(r["peak_mb"] for r in two) / one[0]["peak_mb"], 3)}  # fmt: skip
 
@@ -139,17 +132,7 @@ def main() -> int:
     p.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "harnessrl-1.5b-shaped")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    res = bench_load(write_model(args.model_dir))
-    res["command"] = "python " + " ".join(sys.argv)
-    res["note"] = (
-        "measured on a shared 2-core machine with other work running beside it: ratios within this run"
-    )
-    res["load_avg_at_end"] = os.getloadavg()
-    text = json.dumps(res, indent=2)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    print(text)
-    return 0
+    return finish(bench_load(write_model(args.model_dir)), args.out)
 
 
 if __name__ == "__main__":

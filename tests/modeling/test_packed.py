@@ -3,7 +3,6 @@ when the weights change, dropped cleanly, and `auto` falls back to F.linear when
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,7 @@ import harnessrl.modeling.packed as packed_mod
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import load_model
 from harnessrl.modeling.lora import LoraSpec, attach
-from harnessrl.modeling.lora_swap import Adapter, LoraSwap, add_terms_
+from harnessrl.modeling.lora_swap import Adapter, LoraSwap, adapter_terms
 from harnessrl.modeling.packed import PackedLinears, choose_matmul, onednn_available, use_onednn_for_training
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
@@ -135,26 +134,40 @@ def _adapter(model_dir: Path, seed: int, targets: tuple[str, ...]) -> tuple[Llam
     return model, (lora.spec, {k: v.detach().clone() for k, v in lora.peft_tensors().items()})
 
 
-def test_lora_swap_repacks_only_the_products_it_changes(engine_tiny_dir: Path) -> None:
-    """An engine-like model (packed, originals released) swaps adapters in place: the products of
-    untargeted layers keep their packed copies, and its logprobs follow the trainer's (adapter hooks)."""
+def test_lora_swap_serves_the_adapter_unmerged_without_touching_packed_weights(engine_tiny_dir: Path) -> None:
+    """An engine-like model (packed, originals released) swaps adapters: the packed weights stay the same
+    tensors (nothing unpacked or repacked), the products of untargeted layers get no term, and the
+    logprobs follow the trainer's (adapter hooks) each time."""
     served = _model(engine_tiny_dir)
     packed = PackedLinears(served)
     packed.refresh()
     packed.release_originals()
     layer = served.model.layers[0]
-    untouched = (layer.mlp.fused_gate_up, layer.self_attn.o_proj.forward)
+    weights = [
+        layer.self_attn.fused_qkv.packed,
+        layer.mlp.fused_gate_up.packed,
+        layer.mlp.down_proj.forward.packed,
+    ]
+    shapes = {k: v.shape for k, v in served.state_dict(keep_vars=True).items()}
     old = None
-    for seed in (1, 2):  # the second swap takes the first adapter out
+    for seed in (1, 2):  # the second swap replaces the first adapter
         trainer, new = _adapter(engine_tiny_dir, seed, ("q_proj", "down_proj"))
         swap = LoraSwap(new, old)
-        shapes = {k: v.shape for k, v in served.state_dict(keep_vars=True).items()}
-        change = {k: functools.partial(add_terms_, terms=t) for k, t in swap.check(shapes).items()}
-        assert packed.update(change) == 2 * len(served.model.layers)  # fused q/k/v and down, per layer
-        assert (layer.mlp.fused_gate_up, layer.self_attn.o_proj.forward) == untouched
+        swap.check(shapes)
+        terms = {n: t for n, t in adapter_terms(swap.new).items() if n in packed.lora_names()}
+        assert len(terms) == 2 * len(served.model.layers)
+        assert packed.set_lora(terms) == 2 * len(served.model.layers)  # fused q/k/v and down, per layer
+        assert layer.mlp.fused_gate_up.lora is None and layer.self_attn.fused_qkv.lora is not None
+        now = [
+            layer.self_attn.fused_qkv.packed,
+            layer.mlp.fused_gate_up.packed,
+            layer.mlp.down_proj.forward.packed,
+        ]
+        assert all(a is b for a, b in zip(now, weights, strict=True))
         want = torch.log_softmax(_logits(trainer), -1)
         assert (torch.log_softmax(_logits(served), -1) - want).abs().max() < 1e-4
         old = new
+    assert packed.set_lora({}) == 0 and layer.self_attn.fused_qkv.lora is None  # back to the base
     with pytest.raises(ValueError, match=r"lora_B \(64, 2\) @ lora_A"):
         bad = {k: v[:, :1] if k.endswith("lora_A.weight") else v for k, v in new[1].items()}
         LoraSwap((new[0], bad), None).check(shapes)

@@ -101,6 +101,31 @@ def test_engine_serves_the_published_adapter_with_the_trainers_logprobs(
     assert not (tmp_path / "weights" / "v1").exists()
 
 
+def test_after_a_level_2_sleep_the_adapter_is_served_on_the_base_read_again(
+    lora_server: ServerThread, engine_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Weights discarded (sleep level 2): the next sync reads the base once and serves the adapter on it;
+    the sync after that swaps from memory again, with the trainer's logprobs both times."""
+
+    async def sleep_wake() -> None:
+        admin = EngineAdmin(lora_server.url)
+        try:
+            await admin.sleep(2)
+            await admin.wake_up()
+        finally:
+            await admin.aclose()
+
+    asyncio.run(sleep_wake())
+    for version, seed in ((11, 31), (12, 32)):
+        model, adapter = _trained(engine_tiny_dir, seed)
+        asyncio.run(_publish(lora_server.url, model, tmp_path / "weights", version, adapter))
+        res = _generate(lora_server.url)
+        choice = res["choices"][0]
+        ours = _trainer_logprobs(model, res["prompt_token_ids"], choice["token_ids"])
+        assert res["weight_version"] == version
+        assert (torch.tensor(choice["logprobs"]["token_logprobs"]) - ours).abs().max() < 1e-4
+
+
 def test_checkpoint_keeps_the_adapter_and_the_base_name(engine_tiny_dir: Path, tmp_path: Path) -> None:
     """A LoRA checkpoint holds the adapter and names the base folder (no merged copy of the model);
     export-model merges it into that base; resuming restores the adapter and its optimizer state."""

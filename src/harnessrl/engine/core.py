@@ -27,7 +27,7 @@ from harnessrl.modeling.loading import (
     read_weights,
     resolve_model,
 )
-from harnessrl.modeling.lora import LoraSpec, is_peft_dir, merge_peft_dir, read_peft
+from harnessrl.modeling.lora import LoraSpec, is_peft_dir, read_peft
 from harnessrl.modeling.lora_swap import LoraSwap
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import choose_matmul
@@ -235,9 +235,10 @@ class Engine:
 
     def _read_weights(self, path: str) -> dict[str, torch.Tensor] | LoraSwap:
         """(scheduler thread, nothing running) What to swap in: a model folder's weights, or for a LoRA
-        adapter folder (a few MB) a `LoraSwap` that replaces the adapter merged into the weights held by
-        this one, in place (the base is not read again, only the targeted layers change). Only when a
-        level-2 sleep discarded the weights is the base read from disk once, with the adapter merged."""
+        adapter folder (a few MB) a `LoraSwap` that serves it in place of the adapter served until now
+        (modeling/lora_swap.py: the base is not read again, only what the adapters touch changes). Only
+        when a level-2 sleep discarded the weights is the base read from disk once, the adapter then
+        served on it."""
         p = Path(path)
         if not p.exists():
             raise EngineError(f"weights path {path} does not exist", "path")
@@ -254,8 +255,12 @@ class Engine:
                              p, adapter[0].r, adapter[0].alpha, len(adapter[1]) // 2)  # fmt: skip
                     self.merged_adapter = adapter
                     return swap
-                state = merge_peft_dir(load_state_dict_file(self.model_dir, dtype), p)
-                self.merged_adapter = adapter
+                self.merged_adapter = adapter  # served on the base read again, as a sync from memory would
+                return LoraSwap(
+                    adapter,
+                    None,
+                    base=check_state_dict(self.model, load_state_dict_file(self.model_dir, dtype)),
+                )
             else:
                 state = load_state_dict_file(p, dtype)
                 self.merged_adapter = None

@@ -17,7 +17,7 @@ from harnessrl.engine.state import EngineOp, EngineState, InvalidEngineTransitio
 from harnessrl.modeling.cache import KVCache
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_weights_into
-from harnessrl.modeling.lora_swap import LoraSwap, add_terms_
+from harnessrl.modeling.lora_swap import LoraSwap, adapter_terms, add_terms_
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import PackedLinears
 from harnessrl.modeling.served_lora import ServedAdapters
@@ -141,8 +141,10 @@ class ModelMemory:
 
     def _swap_weights(self, state: dict[str, torch.Tensor] | LoraSwap) -> None:
         """Copy (or pack) `state` into the model, then give the read copy's memory back to the OS; a
-        `LoraSwap` changes the targeted weights in place instead (`_swap_lora`)."""
+        `LoraSwap` changes only what the adapters touch (`_swap_lora`), after loading its base if any."""
         if isinstance(state, LoraSwap):
+            if state.base is not None:
+                self._swap_weights(state.base)
             self._swap_lora(state)
             return
         if self.packed is not None:
@@ -153,16 +155,19 @@ class ModelMemory:
         release_freed_memory()
 
     def _swap_lora(self, swap: LoraSwap) -> None:
-        """Replace the adapter merged into the weights held by the next one, in place: only the targeted
-        weights change, and on the packed path only the products computing them are repacked."""
+        """Serve `swap.new` in place of `swap.old` (modeling/lora_swap.py): unmerged on the packed products
+        (their weights untouched), merged in place into every other targeted weight."""
         shapes = {name: t.shape for name, t in self.model.state_dict(keep_vars=True).items()}
-        change = {
-            name: functools.partial(add_terms_, terms=terms) for name, terms in swap.check(shapes).items()
-        }
-        if self.packed is not None:
-            repacked = self.packed.update(change)
-        else:
-            for name, fn in change.items():
-                fn(self.model.get_parameter(name))
-            repacked = 0
-        log.info("event=lora_swapped layers=%d repacked=%d", len(change), repacked)
+        terms = swap.check(shapes)
+        if self.packed is None:
+            for name, items in terms.items():
+                add_terms_(self.model.get_parameter(name), items)
+            log.info("event=lora_swapped merged=%d unmerged=0", len(terms))
+            return
+        unmerged = self.packed.lora_names()
+        given = self.packed.set_lora({n: t for n, t in adapter_terms(swap.new).items() if n in unmerged})
+        merged = {n: functools.partial(add_terms_, terms=t) for n, t in terms.items() if n not in unmerged}
+        repacked = self.packed.update(merged)
+        log.info(
+            "event=lora_swapped merged=%d repacked=%d unmerged_products=%d", len(merged), repacked, given
+        )

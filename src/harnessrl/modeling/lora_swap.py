@@ -1,12 +1,16 @@
-"""Swapping the LoRA adapter merged into weights held in memory, in place (the builtin engine's LoRA sync).
+"""Swapping the LoRA adapter an engine serves for the next one, from memory (the builtin engine's LoRA sync).
 
-An engine serving merged weights holds W + s·B_old A_old for every targeted layer. A sync brings the
-next adapter (a few MB); `LoraSwap` turns the pair into per-weight low-rank terms, and `add_terms_`
-adds W' = W + s·B_new A_new − s·B_old A_old to each targeted weight in place, in fp32, rounded once to
-W's dtype (fp32: ~1e-7 relative per swap, negligible over thousands of syncs). Nothing else is copied
-or re-read: on the oneDNN-packed path (modeling/packed.py) only the products that compute a targeted
-layer are unpacked and repacked (`PackedLinears.update`), the embeddings, norms and untargeted layers
-stay as they are.
+A sync brings the next adapter (a few MB), never the base. `LoraSwap` pairs it with the adapter served
+until now and turns both into per-weight low-rank terms s·B A. The engine then changes only what the
+adapter touches (`ModelMemory._swap_lora`):
+
+- on the oneDNN-packed CPU path (modeling/packed.py) the adapter is served unmerged, y = W x + s·B (A x),
+  on the packed products (`PackedLinears.set_lora`): the packed base weights are not touched at all, so a
+  swap costs the adapter's few MB instead of unpacking and repacking every targeted layer (which costs
+  about what a full-weight load does);
+- a targeted weight held as a parameter (`F.linear`, an accelerator, a biased layer) is merged in place:
+  W' = W + s·B_new A_new − s·B_old A_old, computed in fp32 and rounded once to W's dtype (`add_terms_`;
+  fp32: ~1e-7 relative per swap, negligible over thousands of syncs).
 """
 
 from __future__ import annotations
@@ -24,28 +28,37 @@ Adapter = tuple[LoraSpec, Mapping[str, Tensor]]
 Term = tuple[float, Tensor, Tensor]
 
 
+def adapter_terms(adapter: Adapter, sign: float = 1.0) -> dict[str, Term]:
+    """Per targeted weight (HF name, `<module>.weight`), the adapter's term (sign · s, B, A)."""
+    spec, tensors = adapter
+    out: dict[str, Term] = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b = tensors.get(f"{PEFT_PREFIX}{module}.lora_B.weight")
+        if b is None:
+            raise ValueError(f"adapter layer {module} has lora_A but no lora_B tensor")
+        out[f"{module}.weight"] = (sign * spec.scale, b, a)
+    return out
+
+
 @dataclass(frozen=True)
 class LoraSwap:
-    """A weight load that replaces the adapter merged into the weights held: `new` goes in, `old` comes
-    out (None: the weights held are the base's)."""
+    """A weight load that replaces the adapter served by `new`; `old` is the one served until now (None:
+    the weights held are the base's)."""
 
     new: Adapter
     old: Adapter | None
+    # the base weights to load first (read from disk after a level-2 sleep discarded the weights held)
+    base: dict[str, Tensor] | None = None
 
     def terms(self) -> dict[str, list[Term]]:
-        """Per targeted weight (HF name, `<module>.weight`), the products to add: the new adapter's
-        (+s) first, then the old one's (−s)."""
-        out: dict[str, list[Term]] = {}
-        pairs = ((1.0, self.new), (-1.0, self.old)) if self.old is not None else ((1.0, self.new),)
-        for sign, (spec, tensors) in pairs:
-            for key, a in tensors.items():
-                if not key.endswith(".lora_A.weight"):
-                    continue
-                module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-                b = tensors.get(f"{PEFT_PREFIX}{module}.lora_B.weight")
-                if b is None:
-                    raise ValueError(f"adapter layer {module} has lora_A but no lora_B tensor")
-                out.setdefault(f"{module}.weight", []).append((sign * spec.scale, b, a))
+        """Per targeted weight, what merging in place adds: the new adapter's term (+s) first, then the old
+        one's (−s)."""
+        out = {name: [term] for name, term in adapter_terms(self.new).items()}
+        for name, term in adapter_terms(self.old, -1.0).items() if self.old is not None else ():
+            out.setdefault(name, []).append(term)
         return out
 
     def check(self, shapes: Mapping[str, torch.Size]) -> dict[str, list[Term]]:

@@ -57,13 +57,19 @@ def onednn_available() -> bool:
 
 
 class _PackedForward:
-    """The replacement `forward` of one linear layer: x @ W.T through oneDNN with a prepacked W."""
+    """The replacement `forward` of one linear layer: x @ W.T through oneDNN with a prepacked W, plus an
+    unmerged LoRA term (x @ down) @ up when one is set (`PackedLinears.set_lora`)."""
 
     def __init__(self, packed: Tensor) -> None:
         self.packed = packed
+        self.lora: tuple[Tensor, Tensor] | None = None  # (down [in, R], up [R, out]): s · B A, unmerged
 
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.lora is not None:
+            down, up = self.lora
+            y.add_((x @ down) @ up)
+        return y
 
 
 def _pack(*weights: Tensor) -> _PackedForward:
@@ -189,8 +195,35 @@ class PackedLinears:
                 fn(self.model.get_parameter(name))
         return repacked
 
+    def lora_names(self) -> set[str]:
+        """The weights an adapter is served unmerged on (`set_lora`): those of products whose weights all
+        live only in their packed copies (released)."""
+        names = self._names()
+        return {names[id(lin)] for _, _, lins in self._plan() if all(names[id(x)] in self.released for x in lins)
+                for lin in lins}  # fmt: skip
+
+    def set_lora(self, terms: Mapping[str, tuple[float, Tensor, Tensor]]) -> int:
+        """Serve an adapter unmerged on the packed products: y = W x + Σ s·B (A x) for each weight named
+        in `terms` (HF names -> (s, B [out, r], A [r, in]); all in `lora_names()`); every other product's
+        term is removed. The packed weights are not touched. A fused product (q/k/v, gate/up) gets one
+        term: its layers' A stacked, their s·B placed block-diagonally. Returns the products given one."""
+        if not self.active:
+            raise RuntimeError("no packed products to serve an adapter on: load the weights first")
+        names, given = self._names(), 0
+        for owner, attr, lins in self._plan():
+            fwd = getattr(owner, attr)
+            if not isinstance(fwd, _PackedForward):
+                continue
+            fwd.lora = None
+            hit = [(lin, terms[names[id(lin)]]) for lin in lins if names[id(lin)] in terms]
+            if hit:
+                fwd.lora = _lora_factors(lins, hit, fwd.packed.dtype)
+                given += 1
+        return given
+
     def state_dict(self) -> dict[str, Tensor]:
-        """The model's state dict with released weights unpacked from their packed copies (exact)."""
+        """The model's state dict with released weights unpacked from their packed copies (exact; an
+        adapter served unmerged, `set_lora`, is not in it)."""
         out = dict(self.model.state_dict())
         names = self._names()
         for owner, attr, lins in self._plan():
@@ -227,6 +260,21 @@ class PackedLinears:
             if isinstance(lin.__dict__.get("forward"), _PackedForward):
                 del lin.forward
         self.active = False
+
+
+def _lora_factors(
+    lins: list[nn.Linear], hit: list[tuple[nn.Linear, tuple[float, Tensor, Tensor]]], dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """(down [in, R], up [R, out]) with (x @ down) @ up = Σ s·B (A x) over the `hit` layers of a product
+    computing `lins` side by side (R = the hit layers' ranks summed; up is zero off their blocks)."""
+    rows = {id(lin): sum(x.out_features for x in lins[:i]) for i, lin in enumerate(lins)}
+    down = torch.cat([a.float() for _, (_, _, a) in hit]).t()
+    up = torch.zeros(down.shape[1], sum(lin.out_features for lin in lins))
+    col = 0
+    for lin, (s, b, a) in hit:
+        up[col : col + a.shape[0], rows[id(lin)] : rows[id(lin)] + lin.out_features] = b.float().t() * s
+        col += a.shape[0]
+    return down.to(dtype).contiguous(), up.to(dtype)
 
 
 def _bias_free_linears(model: nn.Module) -> list[nn.Linear]:
