@@ -8,8 +8,9 @@ Phases:
 - sync: a live builtin engine on SmolLM2 gets new weights through `publish_weights` (what the run does
   after every update): bytes written, seconds (write + engine load), and the engine-vs-trainer logprob
   gap on 32 sampled tokens — the full model vs an adapter with random (trained-like) B;
-- decode: serving an adapter merged into the weights (what the engine does) vs applied per request
-  (forward hooks over F.linear): ms per batched decode step of 8 sequences;
+- decode: serving an adapter merged into the packed weights, unmerged on them (what the engine does
+  after a LoRA sync: `PackedLinears.set_lora`), merged over F.linear, and applied per request (forward
+  hooks over F.linear): ms per batched decode step;
 - big: one LoRA update of a Qwen2.5-1.5B-shaped Llama (random weights, bf16 base, fp32 adapters) with
   its peak RSS; full fine-tuning of it is not attempted (its AdamW state alone would not fit), its
   memory is estimated from the parameter count.
@@ -197,21 +198,29 @@ def phase_decode(steps: int = 8, batch: int = 4) -> dict[str, Any]:
 
     from harnessrl.modeling.loading import load_model, load_weights_into, resolve_model
     from harnessrl.modeling.lora import merged_state
+    from harnessrl.modeling.lora_swap import adapter_terms
     from harnessrl.modeling.packed import choose_matmul
 
     out: dict[str, Any] = {"batch": batch, "steps": steps}
-    for variant in ("merged_onednn", "merged_aten", "per_request_hooks"):
+    for variant in ("merged_onednn", "unmerged_onednn", "merged_aten", "per_request_hooks"):
         model = load_model(resolve_model("smollm2"))
         adapter = _attach(model, seed=2, random_b=True)
-        if variant != "per_request_hooks":
+        if variant.startswith("merged"):
             state = merged_state(model, adapter)
             adapter.detach_hooks()
             load_weights_into(model, state)
-        if variant == "merged_onednn":
-            out["onednn"] = choose_matmul(model, "onednn", torch.device("cpu"))[1]
+        if variant.endswith("onednn"):
+            packed, out["onednn"] = choose_matmul(model, "onednn", torch.device("cpu"))
+        if variant == "unmerged_onednn":  # what the engine serves after a LoRA sync (PackedLinears.set_lora)
+            adapter.detach_hooks()
+            assert packed is not None
+            packed.release_originals()
+            terms = adapter_terms((adapter.spec, adapter.peft_tensors()))
+            packed.set_lora({n: t for n, t in terms.items() if n in packed.lora_names()})
         out[variant + "_ms"] = round(_decode_ms(model, steps, batch), 2)
         del model, adapter
     out["per_request_over_merged_aten"] = round(out["per_request_hooks_ms"] / out["merged_aten_ms"], 3)
+    out["unmerged_over_merged_onednn"] = round(out["unmerged_onednn_ms"] / out["merged_onednn_ms"], 3)
     return out
 
 
@@ -323,8 +332,9 @@ def table(res: dict[str, Any]) -> str:
     ):  # fmt: skip
         lines.append(f"{label:36} {a:>12.4g} {b:>12.4g} {b / a if a else float('nan'):>10.3f}")
     d = res["decode"]
-    lines.append(f"decode ms/step (batch {d['batch']}): merged onednn {d['merged_onednn_ms']}, merged aten "
-                 f"{d['merged_aten_ms']}, per-request hooks {d['per_request_hooks_ms']}")  # fmt: skip
+    lines.append(f"decode ms/step (batch {d['batch']}): merged onednn {d['merged_onednn_ms']}, unmerged onednn "
+                 f"{d.get('unmerged_onednn_ms')}, merged aten {d['merged_aten_ms']}, per-request hooks "
+                 f"{d['per_request_hooks_ms']}")  # fmt: skip
     if "big" in res:
         b = res["big"]
         lines.append(f"Qwen2.5-1.5B-shaped bf16, LoRA r8, {b['tokens']} tokens: update {b['updates'][0]['seconds']} s, "
