@@ -202,7 +202,8 @@ def test_pause_holds_calls_then_429_and_resume_records_the_version(
     assert len(gw.store.calls(rid)) == 1
 
 
-@pytest.mark.parametrize("http", ["gateway", "h11"])
+# uvicorn's own h11 protocol behaves the same; its run is in `pytest -m slow` (the suite's 15 minutes)
+@pytest.mark.parametrize("http", ["gateway", pytest.param("h11", marks=pytest.mark.slow)])
 def test_preempting_pause_cuts_a_generation_and_resends_it_after_resume(
     make_gateway: Callable[..., GatewayHandle], http: str
 ) -> None:

@@ -36,7 +36,10 @@ async def _together(server: ServerThread, bodies: list[dict[str, Any]]) -> list[
     return [r.json() for r in responses]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Llama 3.0 is Llama 3.2's architecture without its rope scaling: its run is in `pytest -m slow`
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f == "llama3" else f for f in FAMILIES]
+)
 def test_engine_logprobs_equal_the_trainer(tmp_path_factory: pytest.TempPathFactory, family: str) -> None:
     d = tiny_family_dir(family, tmp_path_factory.getbasetemp() / "families")
     trainer = load_model(d)

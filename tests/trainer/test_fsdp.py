@@ -120,6 +120,7 @@ def test_two_sharded_ranks_give_the_single_process_update(tiny_model_dir: Path, 
     assert peaks1[-1]["grads"] == peaks1[-1]["params"] and peaks1[-1]["optimizer"] > 2 * peaks1[-1]["params"]
 
 
+@pytest.mark.slow  # bf16 with its reference: tests/trainer/test_precision.py; sharding: the fp32 test above
 def test_bf16_sharded_ranks_with_a_sharded_bf16_reference(tiny_model_dir: Path, tmp_path: Path) -> None:
     """train.dtype bfloat16 on 2 FSDP ranks: fp32 shards computing in bf16, the KL reference loaded in
     bf16 and sharded too (k3 exactly 0 before the first step); the step lands near the 1-process bf16 one
