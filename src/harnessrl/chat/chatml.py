@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +205,29 @@ class ParsedCompletion:
     content: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     reasoning_content: str | None = None
+
+
+def cut_blocks(
+    text: str, open_: str, close: str, read_call: Callable[[str], dict[str, Any] | None]
+) -> ParsedCompletion:
+    """`text` with its closed `open_ ... close` blocks that `read_call` reads as a tool call cut out, and
+    those calls in order; a block it cannot read (None) stays part of the content."""
+    parts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    pos = search = 0
+    while (start := text.find(open_, search)) >= 0:
+        end = text.find(close, start + len(open_))
+        if end < 0:
+            break
+        search = end + len(close)
+        call = read_call(text[start + len(open_) : end])
+        if call is None:
+            continue
+        parts.append(text[pos:start])
+        calls.append(call)
+        pos = search
+    parts.append(text[pos:])
+    return ParsedCompletion(content="".join(parts), tool_calls=calls)
 
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

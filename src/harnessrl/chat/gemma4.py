@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from harnessrl.chat.chatml import ParsedCompletion, openai_tool_call
+from harnessrl.chat.chatml import ParsedCompletion, cut_blocks, openai_tool_call
 from harnessrl.chat.markers import opener_hold
 
 QUOTE = '<|"|>'
@@ -124,22 +124,7 @@ class Gemma4ToolParser:
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
         """Content with the well-formed blocks cut out, and their calls in order."""
-        parts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        pos = search = 0
-        while (start := text.find(self.open, search)) >= 0:
-            end = text.find(self.close, start + len(self.open))
-            if end < 0:
-                break
-            search = end + len(self.close)
-            call = parse_call_body(text[start + len(self.open) : end])
-            if call is None:
-                continue
-            parts.append(text[pos:start])
-            calls.append(call)
-            pos = search
-        parts.append(text[pos:])
-        return ParsedCompletion(content="".join(parts), tool_calls=calls)
+        return cut_blocks(text, self.open, self.close, parse_call_body)
 
     def hold(self, text: str) -> tuple[int, bool]:
         """Content up to the first `<|tool_call>` (then blocked), or all but a tail that may become one."""

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from harnessrl.chat.chatml import ParsedCompletion, call_from_json
+from harnessrl.chat.chatml import ParsedCompletion, call_from_json, cut_blocks
 from harnessrl.chat.gemma4 import Gemma4ToolParser
 from harnessrl.chat.markers import opener_hold, partial_tail
 from harnessrl.chat.pythonic import PythonicToolParser, parse_pythonic
@@ -76,22 +76,9 @@ class HermesParser:
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
         """Content with the well-formed blocks cut out, and their calls in order."""
-        parts: list[str] = []
-        calls: list[dict[str, Any]] = []
-        pos = search = 0
-        while (start := text.find(self.open, search)) >= 0:
-            end = text.find(self.close, start + len(self.open))
-            if end < 0:
-                break
-            call = call_from_json(text[start + len(self.open) : end], ("arguments", "parameters"))
-            search = end + len(self.close)
-            if call is None:
-                continue  # not a valid call: it remains part of the content
-            parts.append(text[pos:start])
-            calls.append(call)
-            pos = search
-        parts.append(text[pos:])
-        return ParsedCompletion(content="".join(parts), tool_calls=calls)
+        return cut_blocks(
+            text, self.open, self.close, lambda b: call_from_json(b, ("arguments", "parameters"))
+        )
 
     def hold(self, text: str) -> tuple[int, bool]:
         """Content up to the first opener (then blocked), or all but a tail that may become one."""
