@@ -32,6 +32,7 @@ from torch.optim.adamw import adamw
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOW_KEY = "master_low"  # the int16 low half of a bf16 parameter's fp32 master weight (optimizer state)
 FP32_STATE = ("exp_avg", "exp_avg_sq")
+CHUNK = 1 << 20  # elements of a bf16 parameter stepped at a time (`MasterAdamW._step_bf16`)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -74,7 +75,6 @@ class MasterAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -85,16 +85,30 @@ class MasterAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                     if p.dtype == torch.bfloat16:
                         state[LOW_KEY] = torch.zeros_like(p, dtype=torch.int16)
-                bf16 = p.dtype == torch.bfloat16
-                master = join_master(p, state[LOW_KEY]) if bf16 else p
-                adamw([master], [p.grad.float()], [state["exp_avg"]], [state["exp_avg_sq"]], [],
-                      [state["step"]], foreach=False, amsgrad=False, beta1=beta1, beta2=beta2,
-                      lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                      maximize=False)  # fmt: skip
-                if bf16:
-                    high, state[LOW_KEY] = split_master(master)
-                    p.copy_(high)
+                if p.dtype == torch.bfloat16:
+                    self._step_bf16(p, state, group)
+                else:
+                    _adamw(p, p.grad, state, state["step"], group)
         return loss
+
+    @staticmethod
+    def _step_bf16(p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """Step a bf16 parameter CHUNK elements at a time: its fp32 master and gradient and the int64
+        bit arithmetic of `join_master`/`split_master` are built for one chunk, not the whole tensor
+        (for a 28M-parameter embedding that was ~1 GB of temporaries at the step's peak). AdamW is
+        elementwise, so every chunk steps with the same step count and the result is the same."""
+        assert p.grad is not None  # step() skips parameters without one
+        parts = (p, p.grad, state[LOW_KEY], state["exp_avg"], state["exp_avg_sq"])
+        flat = [t.view(-1) for t in parts] if all(t.is_contiguous() for t in parts) else list(parts)
+        size = CHUNK if flat[0].dim() == 1 else flat[0].numel()
+        for start in range(0, p.numel(), size):
+            w, grad, low, exp_avg, exp_avg_sq = (t[start : start + size] if t.dim() == 1 else t for t in flat)
+            master = join_master(w, low)
+            _adamw(master, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, state["step"].clone(), group)
+            high, new_low = split_master(master)
+            w.copy_(high)
+            low.copy_(new_low)
+        state["step"].add_(1)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As `Optimizer.load_state_dict`, but the moments stay fp32 and the low halves int16 (the base
@@ -107,6 +121,14 @@ class MasterAdamW(torch.optim.AdamW):
             p = ids[int(i)]
             for k, v in tensors.items():
                 self.state[p][k] = v.to(p.device)
+
+
+def _adamw(param: Tensor, grad: Tensor, state: dict[str, Any], step: Tensor, group: dict[str, Any]) -> None:
+    """torch's own single-tensor AdamW on one fp32 tensor (`step` is incremented, then used)."""
+    beta1, beta2 = group["betas"]
+    adamw([param], [grad.float()], [state["exp_avg"]], [state["exp_avg_sq"]], [], [step], foreach=False,
+          amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+          eps=group["eps"], maximize=False)  # fmt: skip
 
 
 def master_weights(optimizer: torch.optim.Optimizer, param: Tensor) -> Tensor:
