@@ -56,3 +56,26 @@ def test_prompt_ids_as_transformers_and_streamed_equals_unstreamed(served: tuple
     assert [c["function"] for c in streamed_calls] == [
         c["function"] for c in whole["message"].get("tool_calls") or []
     ]
+
+
+def test_a_request_that_turns_thinking_on_gets_its_text_as_reasoning(
+    served: tuple[ServerThread, Path],
+) -> None:
+    # This Qwen3.5 template closes the thinking block in the prompt unless `enable_thinking` is true; a
+    # request that sets it gets `<think>` opened, so what the model writes before `</think>` is reasoning,
+    # streamed or not (the parser follows the request's kwargs, not the engine's).
+    srv, _ = served
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.0,
+            "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    prompt = httpx.post(srv.url + "/tokenize", json=body, timeout=60).json()["tokens"]
+    closed = httpx.post(srv.url + "/tokenize", json={**body, "chat_template_kwargs": {}}, timeout=60).json()
+    assert prompt != closed["tokens"]  # the kwarg did change the prompt
+    whole = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    reasoning = whole["message"].get("reasoning_content")
+    assert reasoning and "</think>" not in reasoning and not (whole["message"]["content"] or "").strip()
+    with httpx.stream(
+        "POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
+        deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in r.iter_lines() if x.startswith("data: {")]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert not "".join(d.get("content") or "" for d in deltas).strip()

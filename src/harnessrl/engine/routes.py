@@ -172,13 +172,14 @@ class EngineRoutes:
         max_tokens = engine.check_length(len(prompt_ids), req.max_completion_tokens or req.max_tokens, param)
         top = (req.top_logprobs or 0) if req.logprobs else 0
         params = _sampling(req, max_tokens, top, engine.adapter_for(req.model))
+        chat = engine.chat.for_request(req.chat_template_kwargs)  # did this prompt open the thinking block?
         if req.stream:
-            events = chat_events(engine, prompt_ids, params, self.name, bool(req.logprobs), req.tools)
+            events = chat_events(engine, prompt_ids, params, self.name, bool(req.logprobs), req.tools, chat)
             return StreamingResponse(events, media_type="text/event-stream")
         result = await _generate(request, engine, prompt_ids, params)
         if result.finish_reason == "abort":
             return _aborted()
-        return JSONResponse(chat_response(result, self.name, engine.text, req, engine.chat))
+        return JSONResponse(chat_response(result, self.name, engine.text, req, chat))
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: text or chat messages (+ tools) to the exact prompt ids."""

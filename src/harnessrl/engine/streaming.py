@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from harnessrl.chat.format import ChatFormat
 from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
 from harnessrl.engine.sequence import GenerationResult
@@ -130,13 +131,15 @@ async def completion_events(engine: Any, prompt_ids: list[int], params: Sampling
 
 
 async def chat_events(engine: Any, prompt_ids: list[int], params: SamplingParams, model: str,
-                      want_logprobs: bool, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:  # fmt: skip
+                      want_logprobs: bool, tools: list[dict[str, Any]] | None = None,
+                      chat: ChatFormat | None = None) -> AsyncIterator[str]:  # fmt: skip
     """SSE frames of a streamed `/v1/chat/completions` answer (content streams, tool calls at the end,
-    their arguments typed by the request's `tools` where the format writes them as text, as unstreamed)."""
+    their arguments typed by the request's `tools` where the format writes them as text, as unstreamed;
+    `chat`: the format for this request's template kwargs, the engine's by default)."""
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model}  # fmt: skip
     releaser = TextReleaser(engine.text, params, frozenset(engine.eos_ids))
-    parser = engine.chat.streaming_parser(tools)
+    parser = (chat or engine.chat).streaming_parser(tools)
 
     def chunk(
         delta: dict[str, Any], tokens: list[int], lps: list[dict[str, Any]] | None, finish: str | None = None
