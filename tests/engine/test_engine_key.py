@@ -14,6 +14,8 @@ import pytest
 
 from harnessrl.gateway.app import create_app
 from harnessrl.gateway.state import GatewayConfig
+from harnessrl.modeling.loading import load_model
+from harnessrl.modeling.weight_stream import MEDIA_TYPE, sync_state
 from harnessrl.services import Service, free_port, start_engine
 from harnessrl.store import SQLiteStore
 from harnessrl.trainer.weights import engine_admin
@@ -45,11 +47,15 @@ def test_every_route_but_health_needs_the_key(keyed_engine: Service) -> None:
     for method, path in [("POST", "/admin/load_weights"), ("POST", "/admin/pause"), ("GET", "/admin/stats"),
                          ("GET", "/v1/models"), ("POST", "/tokenize")]:  # fmt: skip
         assert httpx.request(method, f"{url}{path}", json={}).status_code == 401, path
+    weights = {"Content-Type": MEDIA_TYPE}  # the trainer's memory sync: refused before the body is read
+    assert httpx.post(f"{url}/admin/load_weights?version=1", content=b"x", headers=weights).status_code == 401
     r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
 
 
-def test_the_gateway_and_the_admin_client_send_the_key(keyed_engine: Service, tmp_path: Path) -> None:
+def test_the_gateway_and_the_admin_client_send_the_key(
+    keyed_engine: Service, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     store = SQLiteStore(tmp_path / "s.sqlite")
     cfg = GatewayConfig(
         admin_key="admin-" + secrets.token_hex(8), upstream_url=keyed_engine.url, upstream_key=KEY
@@ -73,6 +79,7 @@ def test_the_gateway_and_the_admin_client_send_the_key(keyed_engine: Service, tm
         keyless = engine_admin("builtin", keyed_engine.url)
         try:
             v = await admin.weight_version()
+            assert await admin.push_weights(sync_state(load_model(tiny_model_dir)), v) == v  # same weights
             try:
                 await keyless.weight_version()
             except Exception as e:

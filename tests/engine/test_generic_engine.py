@@ -20,7 +20,9 @@ from harnessrl.engine.core import Engine
 from harnessrl.engine.server import EngineConfig, ServerThread
 from harnessrl.modeling.loading import load_model, save_model
 from harnessrl.modeling.logprobs import next_token_logprobs
+from harnessrl.modeling.weight_stream import sync_state
 from harnessrl.trainer.ppo import PPOConfig, ppo_update
+from harnessrl.trainer.weights import EngineAdmin
 from tests.support.generic_families import GENERIC, generic_dir
 
 pytest.importorskip("transformers")
@@ -94,6 +96,22 @@ def test_streaming_and_a_weight_reload(qwen35_engine: ServerThread, tmp_path: Pa
     after = complete(url, prompt)["choices"][0]
     assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
     assert torch.equal(engine.model.state_dict()["model.norm.weight"], state["model.norm.weight"])
+    # the memory sync (no folder): the text model's own tensors, checked by the same names
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)  # type: ignore[operator]
+    assert asyncio.run(_push(url, sync_state(model), 2)) == 2
+    assert torch.equal(
+        engine.model.state_dict()["model.norm.weight"], model.state_dict()["model.norm.weight"]
+    )
+    assert complete(url, prompt)["choices"][0]["logprobs"] != after["logprobs"]
+
+
+async def _push(url: str, state: dict[str, torch.Tensor], version: int) -> int:
+    admin = EngineAdmin(url)
+    try:
+        return await admin.push_weights(state, version)
+    finally:
+        await admin.aclose()
 
 
 @pytest.mark.parametrize("name", list(GENERIC))

@@ -67,6 +67,11 @@ class EngineSection(_Section):
     # vLLM weight sync after each update: "reload" (in place, through /collective_rpc reload_weights;
     # a managed server is restarted if that fails) or "restart" (managed only: a new server each time)
     vllm_sync: Literal["reload", "restart"] = "reload"
+    # how a full model reaches the engine after each update: "memory" (builtin engine only: streamed over
+    # its admin socket in the model's dtype, no file; the default there) or "file" (a safetensors folder
+    # under the run's weights/ the engine reads; vLLM and SGLang always). None: the kind's default.
+    # LoRA syncs move the adapter folder either way; checkpoints are files either way (docs/scale.md).
+    weight_sync: Literal["memory", "file"] | None = None
     vllm_kv_cache_gb: int = Field(default=1, ge=1)  # managed vLLM on CPU: KV cache GB
     vllm_enforce_eager: bool = False  # managed vLLM: no torch.compile (starts sooner, decodes slower)
     vllm_args: list[str] = Field(default_factory=list)  # managed vLLM: more command-line arguments
@@ -79,6 +84,11 @@ class EngineSection(_Section):
         if self.vllm_sync == "restart" and (self.kind != "vllm" or self.url):
             raise ValueError(
                 "engine.vllm_sync=restart needs a managed vLLM (engine.kind=vllm, no engine.url)"
+            )
+        if self.weight_sync == "memory" and self.kind != "builtin":
+            raise ValueError(
+                f"engine.weight_sync=memory needs the builtin engine; a {self.kind} server loads a folder "
+                "(set engine.weight_sync=file or leave it unset)"
             )
         _check_device(self.device, "engine.device")
         return self

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from harnessrl.engine.detok import TokenText
 from harnessrl.engine.sampling import SamplingParams
 from harnessrl.engine.scheduler import Scheduler
 from harnessrl.engine.sequence import AdapterLoad, EngineSequence, GenerationResult, Maintenance, WeightLoad
-from harnessrl.engine.state import EngineOp, EngineState
+from harnessrl.engine.state import EngineOp, EngineState, engine_transition
 from harnessrl.modeling.hf_generic import generic_prefill_chunk, is_generic
 from harnessrl.modeling.loading import (
     check_state_dict,
@@ -32,6 +32,7 @@ from harnessrl.modeling.lora_swap import LoraSwap
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import choose_matmul
 from harnessrl.modeling.served_lora import ServedAdapters
+from harnessrl.modeling.weight_stream import Entry, StreamReceiver
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class Engine:
         # the LoRA adapter merged into the weights served (None: they are a full load's, e.g. the base);
         # a LoRA sync swaps it for the new one in memory (`_read_weights`)
         self.merged_adapter: tuple[LoraSpec, dict[str, torch.Tensor]] | None = None
+        self._upload = asyncio.Lock()  # one weights body received at a time: at most one copy held
         self.tokenizer = load_tokenizer(self.model_dir)
         self.text = TokenText(self.tokenizer)
         self.served_model_name = config.served_model_name or config.model
@@ -226,6 +228,37 @@ class Engine:
         else:
             self.scheduler.queue_weight_load(WeightLoad(lambda: self._read_weights(path), version, on_done))
         return int(await fut)
+
+    async def load_weights_stream(self, body: AsyncIterator[bytes], version: int, length: int | None) -> int:
+        """Swap in the weights of a safetensors-format `body` (the trainer's memory sync, no file) as
+        `version`, as `load_weights` swaps a folder's. The header is checked against the model before
+        any tensor is kept (a wrong name or shape: 400); the tensors are received while the old weights
+        keep serving, converted one by one to the engine's dtype, and queued for the swap only once the
+        body is whole, so a body that ends early or runs long leaves the old weights untouched. Extra
+        memory: the tensors received (one model in the engine's dtype) plus one tensor as sent."""
+        engine_transition(self.scheduler.state, EngineOp.LOAD_WEIGHTS)  # asleep at level 2: 409 now
+        async with self._upload:
+            receiver = StreamReceiver(self._check_sent, self.model.lm_head.weight.dtype, length)
+            try:
+                async for chunk in body:
+                    receiver.feed(chunk)
+                state = receiver.finish()
+            except ValueError as exc:  # StreamError, or check_state_dict's name/shape mismatch
+                raise EngineError(f"weights body: {exc}", "body") from exc
+        fut, on_done = self._future()
+        self.scheduler.queue_weight_load(WeightLoad(lambda: self._full_state(state), version, on_done))
+        log.info("event=weights_received version=%d bytes=%d tensors=%d", version, receiver.total, len(state))
+        return int(await fut)
+
+    def _check_sent(self, entries: list[Entry]) -> None:
+        """A weights body's header against the model: the names and shapes `check_state_dict` wants."""
+        sent = {name: torch.empty(shape, device="meta") for name, _, shape, _ in entries}
+        check_state_dict(self.model, sent)
+
+    def _full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """(scheduler thread) A full state received whole: no LoRA adapter is merged in it any more."""
+        self.merged_adapter = None
+        return check_state_dict(self.model, state)
 
     def adapter_for(self, model: str | None) -> str | None:
         """The served adapter a request's `model` names (None: the base weights serve it)."""

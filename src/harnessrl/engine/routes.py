@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -38,6 +38,7 @@ from harnessrl.engine.sampling import SamplingParams
 from harnessrl.engine.sequence import GenerationResult
 from harnessrl.engine.state import InvalidEngineTransition
 from harnessrl.engine.streaming import chat_events, completion_events
+from harnessrl.modeling.weight_stream import MEDIA_TYPE as WEIGHTS_MEDIA_TYPE
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -228,7 +229,11 @@ class EngineRoutes:
         return JSONResponse({"paused": False})
 
     async def load_weights(self, request: Request) -> Response:
-        """POST /admin/load_weights: returns after the swap, with the new version."""
+        """POST /admin/load_weights: returns after the swap, with the new version. A JSON body names a
+        folder (`path`); a body of type `application/vnd.safetensors` is the weights themselves, with
+        `?version=N` (`_load_weights_body`)."""
+        if request.headers.get("content-type", "").split(";")[0].strip() == WEIGHTS_MEDIA_TYPE:
+            return await self._load_weights_body(request)
         req = await _parse(request, LoadWeightsRequest)
         try:
             version = await self.engine.load_weights(req.path, req.version, req.adapter)
@@ -236,6 +241,23 @@ class EngineRoutes:
             if isinstance(exc, EngineError):
                 raise
             raise EngineError(f"cannot load adapter {req.adapter!r} from {req.path}: {exc}", "path") from exc
+        return JSONResponse({"weight_version": version})
+
+    async def _load_weights_body(self, request: Request) -> Response:
+        """The trainer's memory sync: the body is a safetensors stream, received chunk by chunk
+        (`Engine.load_weights_stream`); a body that is not what its header says is refused whole."""
+        raw = request.query_params.get("version", "")
+        if not raw.isdigit():
+            raise EngineError(
+                f"version: send the weight version as ?version=N (an integer), not {raw!r}", "version"
+            )
+        length = request.headers.get("content-length")
+        try:
+            version = await self.engine.load_weights_stream(
+                request.stream(), int(raw), int(length) if length and length.isdigit() else None
+            )
+        except ClientDisconnect as exc:
+            raise EngineError("the weights body was cut off (client disconnected)", "body") from exc
         return JSONResponse({"weight_version": version})
 
     async def weight_version(self, request: Request) -> Response:

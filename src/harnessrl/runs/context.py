@@ -79,6 +79,7 @@ def connect(cfg: RunConfig, run_dir: Path, project: Project, stack: ServiceStack
         restart=restart,
         sync=cfg.engine.vllm_sync,
         api_key=stack.engine_key,
+        weight_sync=cfg.engine.weight_sync,
     )
     c = cfg.controller
     controller = Controller(

@@ -1,4 +1,5 @@
-"""Pushing new weights to the engine: write a safetensors directory, ask the engine to load it."""
+"""Pushing new weights to the engine: stream them to the builtin engine's admin socket in the model's
+dtype (`weight_sync: memory`, no file), or write a safetensors directory and ask the engine to load it."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from torch import Tensor
 
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import save_model
 from harnessrl.modeling.lora import LoraAdapter, save_peft
+from harnessrl.modeling.weight_stream import MEDIA_TYPE, WeightStream, sync_state
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +27,25 @@ class EngineAdmin:
 
     `VLLMAdmin` and `SGLangAdmin` speak the same interface to those servers' admin routes, so the
     trainer's loop does not care which engine serves the model (`engine_admin` picks one by kind).
+    `weight_sync`: how `publish_weights` moves a full model — "memory" (`push_weights`: streamed over
+    this connection, no file) or "file" (a folder the engine reads).
     """
 
     kind = "builtin"
+    weight_syncs: tuple[str, ...] = ("memory", "file")
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        weight_sync: str | None = None,
+    ) -> None:
+        weight_sync = weight_sync or self.weight_syncs[0]
+        if weight_sync not in self.weight_syncs:
+            raise ValueError(f"engine.weight_sync for a {self.kind} engine must be one of "
+                             f"{list(self.weight_syncs)}, not {weight_sync!r}")  # fmt: skip
+        self.weight_sync = weight_sync
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
 
@@ -49,6 +66,22 @@ class EngineAdmin:
         resp = await self._call("POST", "/admin/load_weights", json=body)
         data: dict[str, Any] = resp.json()
         return int(data["weight_version"])
+
+    async def push_weights(self, state: dict[str, Tensor], version: int) -> int:
+        """Stream `state` (tensors in the model's dtype) to the engine as one safetensors-format body,
+        a chunk at a time (no file, no second copy here), to serve as `version`; returns the version it
+        reports once it has swapped them in."""
+        stream = WeightStream(state)
+
+        async def body() -> Any:
+            for chunk in stream:
+                yield chunk
+
+        headers = {"Content-Type": MEDIA_TYPE, "Content-Length": str(len(stream))}
+        resp = await self._call(
+            "POST", "/admin/load_weights", params={"version": version}, content=body(), headers=headers
+        )
+        return int(resp.json()["weight_version"])
 
     async def weight_version(self) -> int:
         """The version the engine serves now."""
@@ -100,6 +133,7 @@ class VLLMAdmin(EngineAdmin):
     """
 
     kind = "vllm"
+    weight_syncs = ("file",)
 
     def __init__(
         self,
@@ -108,8 +142,9 @@ class VLLMAdmin(EngineAdmin):
         restart: Callable[[Path], Awaitable[float]] | None = None,
         sync: str = "reload",
         api_key: str | None = None,
+        weight_sync: str | None = None,
     ) -> None:
-        super().__init__(base_url, timeout_s, api_key)
+        super().__init__(base_url, timeout_s, api_key, weight_sync)
         if sync not in ("reload", "restart") or (sync == "restart" and restart is None):
             raise ValueError(
                 f"vllm weight sync must be 'reload' or (managed vLLM only) 'restart', not {sync!r}"
@@ -194,6 +229,7 @@ class SGLangAdmin(EngineAdmin):
     `/resume_memory_occupation` for sleep and wake-up."""
 
     kind = "sglang"
+    weight_syncs = ("file",)
 
     async def load_weights(self, path: Path, version: int, adapter: str | None = None) -> int:
         """Load from disk as `version`; SGLang answers `{"success": bool, "message": str}`."""
@@ -236,15 +272,19 @@ def engine_admin(
     restart: Callable[[Path], Awaitable[float]] | None = None,
     sync: str = "reload",
     api_key: str | None = None,
+    weight_sync: str | None = None,
 ) -> EngineAdmin:
     """The admin client for an engine kind: "builtin", "vllm" or "sglang" (`restart` and `sync`: vLLM's
-    weight sync, see `VLLMAdmin`; `api_key`: the engine's key, sent with every request)."""
+    weight sync, see `VLLMAdmin`; `api_key`: the engine's key, sent with every request; `weight_sync`:
+    "memory" or "file", None for the kind's default: memory for the builtin engine, else file)."""
     kinds: dict[str, type[EngineAdmin]] = {"builtin": EngineAdmin, "vllm": VLLMAdmin, "sglang": SGLangAdmin}
     if kind not in kinds:
         raise ValueError(f"engine kind must be one of {sorted(kinds)}, not {kind!r}")
     if kind == "vllm":
-        return VLLMAdmin(base_url, timeout_s, restart=restart, sync=sync, api_key=api_key)
-    return kinds[kind](base_url, timeout_s, api_key)
+        return VLLMAdmin(
+            base_url, timeout_s, restart=restart, sync=sync, api_key=api_key, weight_sync=weight_sync
+        )
+    return kinds[kind](base_url, timeout_s, api_key, weight_sync)
 
 
 async def publish_weights(
@@ -254,20 +294,26 @@ async def publish_weights(
     version: int,
     lora: LoraAdapter | None = None,
 ) -> float:
-    """Save `model` (with `lora`: only the adapter, as a PEFT folder the engine merges into the base it
-    holds) as `version` and load it into the engine; old versions are deleted. Returns seconds."""
+    """Make the engine serve `model` as `version`: streamed from memory in the model's dtype when
+    `engine.weight_sync` is "memory" (nothing written), else saved under `weights_dir` (with `lora`:
+    only the adapter, as a PEFT folder the engine merges into the base it holds) and loaded from there;
+    old versions are deleted. Returns seconds."""
     t0 = time.perf_counter()
     target = weights_dir / f"v{version}"
-    if lora is not None:
-        save_peft(lora, target, lora.base_model, version)
+    if lora is None and engine.weight_sync == "memory":
+        loaded = await engine.push_weights(sync_state(model), version)
     else:
-        save_model(model, target)
-    loaded = await engine.load_weights(target, version)
+        if lora is not None:
+            save_peft(lora, target, lora.base_model, version)
+        else:
+            save_model(model, target)
+        loaded = await engine.load_weights(target, version)
     if loaded != version:
         raise RuntimeError(f"engine reports weight version {loaded} after loading {version}")
     for old in weights_dir.glob("v*"):
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     seconds = time.perf_counter() - t0
-    log.info("event=weights_published version=%d lora=%s seconds=%.2f", version, lora is not None, seconds)
+    log.info("event=weights_published version=%d lora=%s sync=%s seconds=%.2f",
+             version, lora is not None, "file" if lora is not None else engine.weight_sync, seconds)  # fmt: skip
     return seconds
