@@ -47,18 +47,22 @@ def _make_state(model: Any, optimizer: Any) -> None:
     release_freed_memory()
 
 
-def phase_update(model_name: str, dtype_name: str, groups: int, rows: int, updates: int) -> dict[str, Any]:
+def phase_update(
+    model_name: str, dtype_name: str, groups: int, rows: int, updates: int, matmul: str = "aten"
+) -> dict[str, Any]:
     """`updates` PPO updates of one dtype: peak RSS, the logprobs before the first, seconds."""
     import torch
     from bench.scale import demo_batch
 
     from harnessrl.modeling.loading import load_model
+    from harnessrl.modeling.packed import use_onednn_for_training
     from harnessrl.trainer.forward import selected_logprobs
     from harnessrl.trainer.ppo import PPOConfig, _pack, ppo_update
     from harnessrl.trainer.precision import make_optimizer, torch_dtype
 
     dtype = torch_dtype(dtype_name)
     model = load_model(model_name, dtype=dtype)
+    matmul_path = use_onednn_for_training(model, matmul, torch.device("cpu"))  # as a run's train.matmul
     batch = demo_batch(groups, rows)
     packed = _pack(batch, list(range(len(batch.rows))), torch.device("cpu"))
     with torch.no_grad():
@@ -72,7 +76,7 @@ def phase_update(model_name: str, dtype_name: str, groups: int, rows: int, updat
     for _ in range(updates):
         ppo_update(model, optimizer, batch, cfg, checkpoint_layers=False)
     peak = status_mb("VmHWM")
-    return {"dtype": dtype_name, "rss_before_mb": rss_before, "peak_mb": peak, "update_mb": peak - rss_before,
+    return {"dtype": dtype_name, "matmul": matmul_path, "rss_before_mb": rss_before, "peak_mb": peak, "update_mb": peak - rss_before,
             "seconds": round(time.perf_counter() - t0, 1), "logprobs": [float(x) for x in lp],
             "rows": len(batch.rows), "tokens": sum(len(r.tokens) for r in batch.rows)}  # fmt: skip
 
@@ -121,13 +125,15 @@ def _child(*args: str) -> dict[str, Any]:
     return run_json(__file__, "--phase", *args)
 
 
-def bench_bf16(model: str, groups: int, rows: int, updates: int, fsdp: bool = True) -> dict[str, Any]:
+def bench_bf16(
+    model: str, groups: int, rows: int, updates: int, fsdp: bool = True, matmul: str = "aten"
+) -> dict[str, Any]:
     """The figures of the module docstring (`model`: a name, a folder, or small-random as in scale_fsdp)."""
     from bench.scale_fsdp import _model_dir
 
     model = str(_model_dir(model))
-    f32 = _child("update", model, "float32", str(groups), str(rows), str(updates))
-    b16 = _child("update", model, "bfloat16", str(groups), str(rows), str(updates))
+    f32 = _child("update", model, "float32", str(groups), str(rows), str(updates), matmul)
+    b16 = _child("update", model, "bfloat16", str(groups), str(rows), str(updates), matmul)
     diffs = [abs(a - b) for a, b in zip(f32.pop("logprobs"), b16.pop("logprobs"), strict=True)]
     out: dict[str, Any] = {
         "model": model, "updates": updates, "fp32": f32, "bf16": b16,
@@ -147,7 +153,7 @@ def main() -> int:
     if sys.argv[1:2] == ["--phase"]:
         name, *rest = sys.argv[2:]
         if name == "update":
-            res = phase_update(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
+            res = phase_update(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]), rest[5])
         else:
             res = phase_fsdp(rest[0], int(rest[1]), int(rest[2]))
         print(json.dumps(res))
@@ -158,9 +164,13 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--updates", type=int, default=1)
     p.add_argument("--skip-fsdp", action="store_true")
+    p.add_argument("--matmul", choices=["aten", "auto"], default="aten",
+                   help="the linear layers' path as train.matmul; auto: bf16 through fp32 products on a CPU "
+                   "without fast bf16 ones (modeling/upcast.py), fp32 through oneDNN when its probe agrees")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    return finish(bench_bf16(args.model, args.groups, args.rows, args.updates, not args.skip_fsdp), args.out)
+    res = bench_bf16(args.model, args.groups, args.rows, args.updates, not args.skip_fsdp, args.matmul)
+    return finish(res, args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ import torch
 
 from harnessrl.adapter import Batch, Row
 from harnessrl.modeling.loading import load_model
+from harnessrl.modeling.packed import use_onednn_for_training
 from harnessrl.modeling.reference import reference_model
+from harnessrl.modeling.upcast import install_upcast, needs_upcast, uses_upcast
 from harnessrl.trainer.forward import selected_logprobs
 from harnessrl.trainer.ppo import PPOConfig, _pack, ppo_update
 from harnessrl.trainer.precision import (
@@ -108,3 +110,59 @@ def test_bf16_update_with_a_bf16_reference(tiny_model_dir: Path) -> None:
     ]
     assert max(moved) < 2e-2  # the same step up to bf16 rounding of weights and gradients
     assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+
+
+def test_upcast_linear_is_the_fp32_product_rounded_to_bf16() -> None:
+    """modeling/upcast.py: forward and backward of a bf16 linear layer through fp32 products equal the fp32
+    products of the same bf16 values, rounded once to bf16 (what a GPU's bf16 GEMM returns)."""
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(40, 24, bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 7, 40, generator=g).bfloat16().requires_grad_(True)
+    grad = torch.randn(2, 7, 24, generator=g).bfloat16()
+    x32 = x.detach().float().requires_grad_(True)
+    w32, b32 = (t.detach().float().requires_grad_(True) for t in (lin.weight, lin.bias))
+    y32 = torch.nn.functional.linear(x32, w32, b32)
+    y32.backward(grad.float())
+    assert install_upcast(lin) == 1 and uses_upcast(lin)
+    y = lin(x)
+    y.backward(grad)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y32.detach().bfloat16())
+    assert x.grad is not None and lin.weight.grad is not None and lin.bias.grad is not None
+    for got, want in ((x.grad, x32.grad), (lin.weight.grad, w32.grad), (lin.bias.grad, b32.grad)):
+        assert got.dtype == torch.bfloat16 and torch.allclose(
+            got.float(), want.bfloat16().float(), rtol=0, atol=0
+        )
+
+
+def test_auto_matmul_upcasts_bf16_where_the_cpu_has_no_fast_bf16(tiny_model_dir: Path) -> None:
+    """`train.matmul: auto` on bf16 weights: fp32 products exactly where `needs_upcast` says so; the
+    logprobs stay as close to fp32's as bf16 products' are; the bf16 reference follows the policy."""
+    fp32 = load_model(tiny_model_dir)
+    batch = _engine_batch(fp32, seed=7)
+    packed = _pack(batch, list(range(len(batch.rows))), torch.device("cpu"))
+
+    def logprobs(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return selected_logprobs(
+                model, packed.tokens, packed.select, packed.temps, packed.prefix
+            ).logprobs  # type: ignore[arg-type]
+
+    plain = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    routed = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    reason = use_onednn_for_training(routed, "auto", torch.device("cpu"))
+    upcast = needs_upcast(torch.bfloat16, torch.device("cpu"))
+    assert reason.startswith("fp32 products") == upcast == uses_upcast(routed)
+    if not upcast:  # this CPU has fast bf16 products: route by hand to check the values all the same
+        install_upcast(routed)
+    ref = reference_model(routed, tiny_model_dir, "cpu", None, torch.bfloat16)
+    assert uses_upcast(ref) and not uses_upcast(
+        reference_model(plain, tiny_model_dir, "cpu", None, torch.bfloat16)
+    )
+    want = logprobs(fp32)
+    gap_plain = float((logprobs(plain).float() - want).abs().max())
+    gap_routed = float((logprobs(routed).float() - want).abs().max())
+    assert 0 < gap_routed <= 1.5 * gap_plain + 1e-3
+    assert torch.equal(logprobs(ref), logprobs(routed))  # k3 KL exactly 0 before the first step
+    m = ppo_update(routed, make_optimizer(routed.parameters(), torch.bfloat16, lr=1e-3, weight_decay=0.0), batch,
+                   PPOConfig(kl_coef=0.05), ref_model=ref)  # fmt: skip
+    assert m["kl"] == 0.0 and m["grad_norm"] > 0

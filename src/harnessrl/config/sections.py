@@ -266,7 +266,8 @@ class TrainSection(_Section):
     # optimizer state sharded over the ranks); gloo on CPU, NCCL with one GPU per rank (train.device: cuda)
     parallel: Literal["ddp", "fsdp"] = "ddp"
     # linear layers of the policy on CPU: oneDNN-packed (forward and input gradient), F.linear, or auto
-    # (oneDNN when its probe logprobs are within 1e-4 of F.linear's; see modeling/packed.py)
+    # (oneDNN when its probe logprobs are within 1e-4 of F.linear's; see modeling/packed.py; bf16 weights
+    # on a CPU without fast bf16 products: fp32 products rounded to bf16, modeling/upcast.py)
     matmul: Literal["auto", "onednn", "aten"] = "auto"
     # LoRA: train adapters only (base frozen, optimizer state for the adapters alone; the engine gets
     # the adapter, a few MB, after each update); None: full fine-tuning

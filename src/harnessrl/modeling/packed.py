@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.transformer import MLP, Attention
+from harnessrl.modeling.upcast import install_upcast, needs_upcast
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +381,8 @@ class _TrainPackedForward:
 def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device) -> str:
     """Route a trainable model's linear layers through oneDNN (forward and the input gradient) when `want`
     is "onednn", or "auto" and the probe accepts it (as `choose_matmul`); returns the reason for the log.
-    The weight gradient stays an ordinary matrix product."""
+    The weight gradient stays an ordinary matrix product. "auto" on bf16 weights where the CPU has no fast
+    bf16 product routes them through fp32 products instead (modeling/upcast.py)."""
     if want == "aten":
         return "aten (aten asked)"
     if device.type != "cpu" or not onednn_available():
@@ -388,6 +390,9 @@ def use_onednn_for_training(model: nn.Module, want: Matmul, device: torch.device
             raise ValueError("matmul 'onednn' needs a CPU trainer and a torch build with oneDNN")
         return f"aten (oneDNN is for CPU; device {device.type})"
     dtype = next(model.parameters()).dtype
+    if want == "auto" and needs_upcast(dtype, device):  # modeling/upcast.py
+        n = install_upcast(model)
+        return f"fp32 products ({n} bf16 linear layers; this CPU has no fast bf16 product)"
     if want == "auto" and dtype != torch.float32:
         return f"aten (auto uses oneDNN for float32 weights only; these are {dtype})"
 

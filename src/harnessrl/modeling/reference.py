@@ -13,6 +13,7 @@ from torch import nn
 
 from harnessrl.modeling.loading import load_model
 from harnessrl.modeling.lora import LoraAdapter, base_view
+from harnessrl.modeling.upcast import install_upcast, uses_upcast
 
 
 def reference_model(
@@ -27,4 +28,7 @@ def reference_model(
     `model_dir`."""
     if adapter is not None:
         return base_view(model, adapter)
-    return load_model(model_dir, dtype=dtype, device=device).requires_grad_(False)
+    ref = load_model(model_dir, dtype=dtype, device=device).requires_grad_(False)
+    if uses_upcast(model):  # the policy's bf16 products run in fp32 (modeling/upcast.py): the same values
+        install_upcast(ref)
+    return ref

@@ -366,6 +366,8 @@ def worker(rank: int, spec: dict[str, Any]) -> None:
     )
     if str(spec["matmul"]).startswith("onednn") and not fsdp:
         use_onednn_for_training(model, "onednn", device)
+    elif str(spec["matmul"]).startswith("fp32 products") and not fsdp:  # as rank 0 (modeling/upcast.py)
+        use_onednn_for_training(model, "auto", device)
     cls = _optimizer_class(spec["optimizer"])
     accepted = inspect.signature(cls).parameters
     defaults = {
