@@ -5,9 +5,11 @@ Phases:
   them, AdamW): `--rows` rows shaped like the calc example's (bench/memory_update.py), `--updates` PPO
   updates; update seconds, trainer peak RSS (VmHWM) during the updates, trainable parameters and
   optimizer-state MB — full fine-tuning vs `train.lora` (r 8, every linear projection);
-- sync: a live builtin engine on SmolLM2 gets new weights through `publish_weights` (what the run does
-  after every update): bytes written, seconds (write + engine load), and the engine-vs-trainer logprob
-  gap on 32 sampled tokens — the full model vs an adapter with random (trained-like) B;
+- sync (bench/sync_phase.py): a live builtin engine process on SmolLM2 gets new weights through
+  `publish_weights` (what the run does after every update): bytes moved, seconds, CPU seconds, engine and
+  trainer peak RSS above their RSS before, and the engine-vs-trainer logprob gap on 4 x 48 sampled tokens
+  — the full model by file (`engine.weight_sync: file`) and from memory (`memory`, the default), each
+  from an fp32 and a bf16 trainer, and an adapter with random (trained-like) B;
 - decode: serving an adapter merged into the packed weights, unmerged on them (what the engine does
   after a LoRA sync: `PackedLinears.set_lora`), merged over F.linear, and applied per request (forward
   hooks over F.linear): ms per batched decode step;
@@ -21,13 +23,10 @@ Phases:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -110,86 +109,6 @@ def _updates(model: Any, trained: list[Any], batch: Any, updates: int, out: dict
                                "rss_peak_mb": round(_kb("VmHWM") / 1024), "grad_norm": round(m["grad_norm"], 4)})  # fmt: skip
     out["optimizer_state_mb"] = _state_mb(opt)
     return out
-
-
-def phase_sync(mode: str, syncs: int = 3) -> dict[str, Any]:
-    """Publish new weights (full) or an adapter (LoRA) to a live builtin engine on SmolLM2, `syncs`
-    times: median wall and CPU seconds (write + engine load)."""
-    import torch
-
-    from harnessrl.engine.config import EngineConfig
-    from harnessrl.engine.core import Engine
-    from harnessrl.engine.server import ServerThread
-    from harnessrl.modeling.loading import load_model, resolve_model
-    from harnessrl.trainer.weights import EngineAdmin, publish_weights
-
-    model_dir = resolve_model("smollm2")
-    server = ServerThread(Engine(EngineConfig(model=str(model_dir), max_batch=2, max_model_len=512))).start()
-    model = load_model(model_dir)
-    adapter = _attach(model, seed=1, random_b=True) if mode == "lora" else None
-    if adapter is None:  # a trained-like change of every weight
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(1.001)
-    with tempfile.TemporaryDirectory() as tmp:
-
-        async def publish(version: int) -> float:
-            admin = EngineAdmin(server.url)
-            try:
-                return await publish_weights(model, admin, Path(tmp), version, adapter)
-            finally:
-                await admin.aclose()
-
-        walls, cpus = [], []
-        for _ in range(syncs):
-            c0 = time.process_time()  # trainer and engine share this process: CPU time of both
-            walls.append(asyncio.run(publish(len(walls) + 1)))
-            cpus.append(time.process_time() - c0)
-        last = Path(tmp) / f"v{syncs}"
-        nbytes = sum(p.stat().st_size for p in last.iterdir())
-        tensor_bytes = _tensor_bytes(last)  # what the sync carries, read back from its safetensors file
-    gaps, version = _gaps(server.url, model)
-    server.stop()
-    # the state trained: the adapter's A and B, or every weight of the model
-    trained = sum(p.numel() * p.element_size() for p in (adapter or model).parameters())
-    return {"bytes": nbytes, "tensor_bytes": tensor_bytes, "trained_bytes": trained,
-            "seconds": round(statistics.median(walls), 3), "cpu_seconds": round(statistics.median(cpus), 3),
-            "syncs": syncs, "weight_version": version, "logprob_gap_max": max(gaps),
-            "logprob_gap_mean": sum(gaps) / len(gaps), "sampled_tokens": len(gaps)}  # fmt: skip
-
-
-def _tensor_bytes(folder: Path) -> int:
-    """Bytes of the tensors in a folder's safetensors files (headers and config left out)."""
-    from safetensors import safe_open
-
-    total = 0
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - not a dict
-                t = f.get_tensor(name)
-                total += t.numel() * t.element_size()
-    return total
-
-
-def _gaps(url: str, model: Any, prompts: int = 4, tokens: int = 48) -> tuple[list[float], int]:
-    """|engine logprob - trainer logprob| of every token sampled (T = 1) for `prompts` prompts."""
-    import httpx
-    import torch
-
-    from harnessrl.modeling.logprobs import next_token_logprobs
-
-    gaps: list[float] = []
-    version = -1
-    for i in range(prompts):
-        body = {"prompt": [1, 4093, 198, 2683 + 7 * i, 314, 253, 1345], "max_tokens": tokens, "temperature": 1.0,
-                "seed": i, "ignore_eos": True, "logprobs": 0}  # fmt: skip
-        res = httpx.post(f"{url}/v1/completions", json=body, timeout=1800).json()  # a loaded machine
-        choice, version = res["choices"][0], res["weight_version"]
-        ids = torch.tensor([res["prompt_token_ids"] + choice["token_ids"]])
-        with torch.no_grad():
-            ours = next_token_logprobs(model(ids), ids, 1.0)[0, len(res["prompt_token_ids"]) - 1 :]
-        gaps += (torch.tensor(choice["logprobs"]["token_logprobs"]) - ours).abs().tolist()
-    return gaps, version
 
 
 def phase_decode(steps: int = 8, batch: int = 4) -> dict[str, Any]:
@@ -304,7 +223,9 @@ def _phase(argv: list[str]) -> dict[str, Any]:
     if name == "update":
         return phase_update(rest[0], int(rest[1]), int(rest[2]))
     if name == "sync":
-        return phase_sync(rest[0])
+        from sync_phase import phase_sync
+
+        return phase_sync(rest[0], _attach)
     if name == "decode":
         return phase_decode()
     if name == "big":
@@ -327,10 +248,9 @@ def table(res: dict[str, Any]) -> str:
         ("weight sync bytes", sf["bytes"], sl["bytes"]),
         ("weight sync seconds (median)", sf["seconds"], sl["seconds"]),
         ("weight sync CPU seconds (median)", sf["cpu_seconds"], sl["cpu_seconds"]),
-        ("engine-trainer logprob gap, max", sf["logprob_gap_max"], sl["logprob_gap_max"]),
-        ("engine-trainer logprob gap, mean", sf["logprob_gap_mean"], sl["logprob_gap_mean"]),
     ):  # fmt: skip
         lines.append(f"{label:36} {a:>12.4g} {b:>12.4g} {b / a if a else float('nan'):>10.3f}")
+    lines.append(sync_table(res["sync"]))
     d = res["decode"]
     lines.append(f"decode ms/step (batch {d['batch']}): merged onednn {d['merged_onednn_ms']}, unmerged onednn "
                  f"{d.get('unmerged_onednn_ms')}, merged aten {d['merged_aten_ms']}, per-request hooks "
@@ -339,6 +259,22 @@ def table(res: dict[str, Any]) -> str:
         b = res["big"]
         lines.append(f"Qwen2.5-1.5B-shaped bf16, LoRA r8, {b['tokens']} tokens: update {b['updates'][0]['seconds']} s, "
                      f"peak RSS {b['updates'][0]['rss_peak_mb']} MB; full FT estimate {b['full_ft_estimate_gb']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def sync_table(sync: dict[str, Any]) -> str:
+    """Every way of syncing side by side ("full" is the file sync; shm the default for the builtin engine)."""
+    ways = ("full", "shm", "socket", "file_bf16", "shm_bf16", "socket_bf16", "lora")
+    rows = [("bytes moved", "bytes", "{:.4g}"), ("seconds (median)", "seconds", "{:.3g}"),
+            ("CPU seconds, trainer + engine", "cpu_seconds", "{:.3g}"),
+            ("engine peak RSS above before, MB", "engine_peak_extra_mb", "{:.0f}"),
+            ("trainer peak RSS above before, MB", "trainer_peak_extra_mb", "{:.0f}"),
+            ("files written", "files_written", "{}")]  # fmt: skip
+    lines = [f"{'weight sync, SmolLM2 -> fp32 engine':36}" + "".join(f"{m:>12}" for m in ways)]
+    for label, key, fmt in rows:
+        lines.append(f"{label:36}" + "".join(f"{fmt.format(sync[m][key]):>12}" for m in ways))
+    lines.append(f"memory / file seconds: shm {sync['shm_vs_file_seconds']} (bf16 {sync['shm_vs_file_seconds_bf16']}), "
+                 f"socket {sync['socket_vs_file_seconds']} (bf16 {sync['socket_vs_file_seconds_bf16']})")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -370,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ("full", "lora"):
         if "update" in args.phases:
             res.setdefault("update", {})[mode] = _child("update", mode, str(args.rows), str(args.updates))
-        if "sync" in args.phases:
-            res.setdefault("sync", {})[mode] = _child("sync", mode)
+    if "sync" in args.phases:  # full: file (what main does), shm and socket, fp32 and bf16, interleaved
+        full = _child("sync", "full")
+        res["sync"] = {"full": full.pop("file"), **full, "lora": _child("sync", "lora")}
     if "decode" in args.phases:
         res["decode"] = _child("decode")
     if "big" in args.phases and not args.skip_big:
@@ -384,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         res["sync"]["lora_bytes_equal_adapter"] = (
             res["sync"]["lora"]["tensor_bytes"] == res["sync"]["lora"]["trained_bytes"]
         )
+        s = res["sync"]
+        for way in ("shm", "socket"):  # memory / file, paired in one run
+            s[f"{way}_vs_file_seconds"] = round(s[way]["seconds"] / s["full"]["seconds"], 3)
+            s[f"{way}_vs_file_seconds_bf16"] = round(
+                s[f"{way}_bf16"]["seconds"] / s["file_bf16"]["seconds"], 3
+            )
+            s[f"{way}_vs_file_cpu_seconds"] = round(s[way]["cpu_seconds"] / s["full"]["cpu_seconds"], 3)
     res["note"] = (
         "measured on a shared 2-core machine with other work running beside it: compare the ratios "
         "within one run, not absolute seconds across runs"

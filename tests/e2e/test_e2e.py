@@ -74,8 +74,8 @@ def test_demo_loop_runs_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert versions_by_step == {0: {0}, 1: {1}}
     engine_log = next((run_dir / "logs").glob("engine*.log")).read_text()
     assert engine_log.count("event=engine_sleep_level_2") == engine_log.count("event=engine_wake") == 2
-    # each update's weights went over the engine's socket from memory (engine.weight_sync: memory)
-    assert engine_log.count("event=weights_received") == 2 and not (run_dir / "weights").exists()
+    # each update's weights went from memory, through shared memory (engine.weight_sync: memory): no folder
+    assert engine_log.count("event=weights_mapped") == 2 and not (run_dir / "weights").exists()
     harness_runs = list((run_dir / "rollouts").glob("*/attempt-0/output/answer.json"))
     # every rollout ran the real harness: training, evaluations before and after (2 temperatures),
     # the one after step 1, and the preflight attempt before anything else

@@ -1,11 +1,13 @@
-"""The full-weight sync from memory (`engine.weight_sync: memory`): the trainer streams its tensors in
-the model's dtype to the builtin engine's /admin/load_weights as a safetensors body, no folder is
-written, the engine serves the trainer's logprobs at the new version; a bad body is refused with a 400
-naming it and the old weights keep serving; asleep at level 2 the load waits for wake-up (409)."""
+"""The full-weight sync from memory (`engine.weight_sync: memory`): the trainer sends its tensors in the
+model's dtype through a shared-memory segment (same machine) or as a safetensors body on the builtin
+engine's /admin/load_weights; no folder is written, no segment is left, the engine serves the trainer's
+logprobs at the new version; a bad body or segment is refused with a 400 naming it and the old weights
+keep serving; an engine that cannot see the segment gets the body; asleep at level 2: 409."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from harnessrl.config import load_config
 from harnessrl.engine.server import ServerThread
 from harnessrl.errors import ConfigError
 from harnessrl.modeling.loading import load_model
+from harnessrl.modeling.weight_shm import SHM_DIR, shared_weights
 from harnessrl.modeling.weight_stream import MEDIA_TYPE, WeightStream, sync_state
 from harnessrl.trainer.weights import EngineAdmin, EngineAdminError, engine_admin, publish_weights
 from tests.support.engine_server import full_forward_logprobs, start_server
@@ -60,12 +63,21 @@ def _gap(model: torch.nn.Module, res: dict[str, Any]) -> float:
     return float((torch.tensor(choice["logprobs"]["token_logprobs"]) - ours).abs().max())
 
 
-async def _publish(url: str, model: torch.nn.Module, weights: Path, version: int, **kw: Any) -> None:
+async def _publish(
+    url: str, model: torch.nn.Module, weights: Path, version: int, shm: bool = True, **kw: Any
+) -> str:
+    """publish_weights as the run calls it; returns the transport a memory sync took."""
     admin = EngineAdmin(url, **kw)
+    admin.shared_memory = admin.shared_memory and shm
     try:
         await publish_weights(model, admin, weights, version)  # type: ignore[arg-type]
+        return admin.transport
     finally:
         await admin.aclose()
+
+
+def _segments() -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob("harnessrl-weights-*"))
 
 
 def test_the_body_is_safetensors_in_the_models_dtype(engine_tiny_dir: Path) -> None:
@@ -79,14 +91,26 @@ def test_the_body_is_safetensors_in_the_models_dtype(engine_tiny_dir: Path) -> N
     assert len(bodies["bf16"]) - tensor_bytes < 4096 and len(bodies["f32"]) > 1.9 * len(bodies["bf16"])
 
 
-@pytest.mark.parametrize(("version", "dtype"), [(1, torch.float32), (2, torch.bfloat16)])
+@pytest.mark.parametrize(  # (the socket with fp32: test_an_engine_that_cannot_see_the_segment_gets_the_body)
+    ("version", "dtype", "transport"),
+    [(1, torch.float32, "shm"), (2, torch.bfloat16, "shm"), (3, torch.bfloat16, "socket")],
+)
 def test_a_memory_sync_serves_the_trainers_logprobs_and_writes_no_file(
-    server: ServerThread, engine_tiny_dir: Path, tmp_path: Path, version: int, dtype: torch.dtype
+    server: ServerThread,
+    engine_tiny_dir: Path,
+    tmp_path: Path,
+    version: int,
+    dtype: torch.dtype,
+    transport: str,
 ) -> None:
-    """fp32 and bf16 trainers (train.dtype): the engine (fp32) serves exactly the weights sent."""
+    """fp32 and bf16 trainers (train.dtype), both transports: the engine (fp32) serves the weights sent."""
     model = _trained(engine_tiny_dir, dtype, 1.0 + 0.05 * version)
-    asyncio.run(_publish(server.url, model, tmp_path / "weights", version))
-    assert not (tmp_path / "weights").exists()
+    before = _segments()
+    assert (
+        asyncio.run(_publish(server.url, model, tmp_path / "weights", version, shm=transport == "shm"))
+        == transport
+    )
+    assert not (tmp_path / "weights").exists() and _segments() == before
     res = _generate(server.url)
     assert res["weight_version"] == version
     assert httpx.get(f"{server.url}/admin/weight_version").json() == {"weight_version": version}
@@ -94,12 +118,39 @@ def test_a_memory_sync_serves_the_trainers_logprobs_and_writes_no_file(
     assert _gap(load_model(engine_tiny_dir), res) > 1e-3  # not the weights it started with
 
 
+def test_an_engine_that_cannot_see_the_segment_gets_the_body(
+    server: ServerThread, engine_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As an engine in another container would: it looks in a /dev/shm of its own (here an empty folder)."""
+    from harnessrl.modeling import weight_shm
+
+    def elsewhere(name: str, check: Any) -> Any:
+        return weight_shm.read_shared(name, check, shm_dir=tmp_path / "other-shm")
+
+    monkeypatch.setattr("harnessrl.engine.core.read_shared", elsewhere)
+    model = _trained(engine_tiny_dir, torch.float32, 0.9)
+
+    async def two_syncs() -> tuple[str, bool, str]:
+        admin = EngineAdmin(server.url)
+        try:
+            await publish_weights(model, admin, tmp_path / "weights", 5)  # type: ignore[arg-type]
+            first, shm_after = admin.transport, admin.shared_memory
+            await publish_weights(model, admin, tmp_path / "weights", 6)  # type: ignore[arg-type]
+            return first, shm_after, admin.transport
+        finally:
+            await admin.aclose()
+
+    assert asyncio.run(two_syncs()) == ("socket", False, "socket")
+    res = _generate(server.url)
+    assert res["weight_version"] == 6 and _gap(model, res) < 1e-4
+
+
 def test_the_file_sync_stays_available(server: ServerThread, engine_tiny_dir: Path, tmp_path: Path) -> None:
     model = _trained(engine_tiny_dir, torch.float32, 0.97)
-    asyncio.run(_publish(server.url, model, tmp_path / "weights", 3, weight_sync="file"))
-    assert (tmp_path / "weights" / "v3" / "model.safetensors").is_file()
+    asyncio.run(_publish(server.url, model, tmp_path / "weights", 7, weight_sync="file"))
+    assert (tmp_path / "weights" / "v7" / "model.safetensors").is_file()
     res = _generate(server.url)
-    assert res["weight_version"] == 3 and _gap(model, res) < 1e-4
+    assert res["weight_version"] == 7 and _gap(model, res) < 1e-4
 
 
 def _post(url: str, body: Any, version: str | None = "9", chunked: bool = False) -> httpx.Response:
@@ -138,6 +189,38 @@ def test_a_bad_body_is_refused_and_the_old_weights_keep_serving(
     assert after["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
 
 
+def _post_shm(url: str, name: str) -> httpx.Response:
+    return httpx.post(f"{url}/admin/load_weights", json={"shm": name, "version": 9}, timeout=60)
+
+
+def test_a_bad_segment_is_refused_and_the_old_weights_keep_serving(
+    server: ServerThread, engine_tiny_dir: Path
+) -> None:
+    before = _generate(server.url)
+    state = sync_state(_trained(engine_tiny_dir, torch.float32, 1.3))
+    wrong_shape = {**state, "model.norm.weight": torch.ones(65)}
+    with shared_weights(WeightStream(wrong_shape), "harnessrl-weights-test-shape") as name:
+        r = _post_shm(server.url, name)
+        assert r.status_code == 400 and "model.norm.weight: shape (65,)" in r.json()["error"]["message"]
+    with shared_weights(WeightStream(state), "harnessrl-weights-test-short") as name:
+        os.truncate(SHM_DIR / name, len(WeightStream(state)) - 100)  # cut short after it was written
+        r = _post_shm(server.url, name)
+        assert r.status_code == 400 and "but its header describes" in r.json()["error"]["message"]
+    for name, message in (
+        ("harnessrl-weights-gone", "no shared-memory segment"),
+        ("../etc/passwd", "must match"),
+    ):
+        r = _post_shm(server.url, name)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "shm"
+    both = {"shm": "harnessrl-weights-x", "path": str(engine_tiny_dir), "version": 9}
+    r = httpx.post(f"{server.url}/admin/load_weights", json=both, timeout=60)
+    assert r.status_code == 400 and "either 'path'" in r.json()["error"]["message"]
+    after = _generate(server.url)
+    assert after["weight_version"] == before["weight_version"]
+    assert after["choices"][0]["logprobs"] == before["choices"][0]["logprobs"]
+
+
 def test_asleep_at_level_2_the_body_waits_for_wake_up(
     server: ServerThread, engine_tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -148,7 +231,7 @@ def test_asleep_at_level_2_the_body_waits_for_wake_up(
         try:
             await admin.sleep(2)
             try:
-                await admin.push_weights(sync_state(model), 20)
+                await admin.push_weights(sync_state(model), 20)  # by shared memory: refused before reading it
                 refused = ""
             except EngineAdminError as exc:
                 refused = str(exc)

@@ -67,9 +67,10 @@ class EngineSection(_Section):
     # vLLM weight sync after each update: "reload" (in place, through /collective_rpc reload_weights;
     # a managed server is restarted if that fails) or "restart" (managed only: a new server each time)
     vllm_sync: Literal["reload", "restart"] = "reload"
-    # how a full model reaches the engine after each update: "memory" (builtin engine only: streamed over
-    # its admin socket in the model's dtype, no file; the default there) or "file" (a safetensors folder
-    # under the run's weights/ the engine reads; vLLM and SGLang always). None: the kind's default.
+    # how a full model reaches the engine after each update: "memory" (builtin engine only, the default
+    # there: in the model's dtype through a shared-memory segment on one machine, else streamed over its
+    # admin socket; no file) or "file" (a safetensors folder under the run's weights/ the engine reads;
+    # vLLM and SGLang always). None: the kind's default.
     # LoRA syncs move the adapter folder either way; checkpoints are files either way (docs/scale.md).
     weight_sync: Literal["memory", "file"] | None = None
     vllm_kv_cache_gb: int = Field(default=1, ge=1)  # managed vLLM on CPU: KV cache GB

@@ -32,7 +32,8 @@ from harnessrl.modeling.lora_swap import LoraSwap
 from harnessrl.modeling.memory import release_freed_memory
 from harnessrl.modeling.packed import choose_matmul
 from harnessrl.modeling.served_lora import ServedAdapters
-from harnessrl.modeling.weight_stream import Entry, StreamReceiver
+from harnessrl.modeling.weight_shm import read_shared
+from harnessrl.modeling.weight_stream import MEDIA_TYPE, Entry, StreamReceiver
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,29 @@ class Engine:
         fut, on_done = self._future()
         self.scheduler.queue_weight_load(WeightLoad(lambda: self._full_state(state), version, on_done))
         log.info("event=weights_received version=%d bytes=%d tensors=%d", version, receiver.total, len(state))
+        return int(await fut)
+
+    async def load_weights_shared(self, name: str, version: int) -> int:
+        """Swap in the weights the trainer wrote into the shared-memory segment `name` (same machine) as
+        `version`: its header is checked against the model, its tensors are read as views of the
+        segment (no copy here unless the engine's dtype differs: then one tensor at a time, on the
+        scheduler thread) and swapped as `load_weights` swaps a folder's."""
+        engine_transition(self.scheduler.state, EngineOp.LOAD_WEIGHTS)  # asleep at level 2: 409 now
+        try:
+            sent = read_shared(name, self._check_sent)
+        except FileNotFoundError as exc:
+            raise EngineError(f"no shared-memory segment {name!r} on the engine's machine; send the weights "
+                              f"as the body instead (Content-Type {MEDIA_TYPE})", "shm") from exc  # fmt: skip
+        except ValueError as exc:  # StreamError, or check_state_dict's name/shape mismatch
+            raise EngineError(f"shared-memory segment {name!r}: {exc}", "shm") from exc
+        dtype = self.model.lm_head.weight.dtype
+
+        def read() -> dict[str, torch.Tensor]:  # popped as converted: no view outlives the swap
+            return self._full_state({k: sent.pop(k).to(dtype) for k in list(sent)})
+
+        fut, on_done = self._future()
+        self.scheduler.queue_weight_load(WeightLoad(read, version, on_done))
+        log.info("event=weights_mapped version=%d shm=%s tensors=%d", version, name, len(sent))
         return int(await fut)
 
     def _check_sent(self, entries: list[Entry]) -> None:

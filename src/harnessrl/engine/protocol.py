@@ -81,9 +81,11 @@ class DetokenizeRequest(BaseModel):
 
 
 class LoadWeightsRequest(BaseModel):
-    """POST /admin/load_weights: a directory with model.safetensors, or a .safetensors file."""
+    """POST /admin/load_weights: a directory with model.safetensors, or a .safetensors file (`path`);
+    or a shared-memory segment the trainer wrote the weights into (`shm`, modeling/weight_shm.py)."""
 
-    path: str
+    path: str | None = None
+    shm: str | None = None
     version: int
     # a served LoRA adapter's name (an engine started with --lora-adapters): `path` is its PEFT folder
     adapter: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

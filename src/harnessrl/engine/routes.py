@@ -235,6 +235,17 @@ class EngineRoutes:
         if request.headers.get("content-type", "").split(";")[0].strip() == WEIGHTS_MEDIA_TYPE:
             return await self._load_weights_body(request)
         req = await _parse(request, LoadWeightsRequest)
+        if (req.path is None) == (req.shm is None):
+            raise EngineError(
+                "send either 'path' (a folder or file) or 'shm' (a shared-memory segment)", "path"
+            )
+        if req.shm is not None:
+            if req.adapter is not None:
+                raise EngineError("an adapter is loaded from a folder ('path'), not from 'shm'", "shm")
+            return JSONResponse(
+                {"weight_version": await self.engine.load_weights_shared(req.shm, req.version)}
+            )
+        assert req.path is not None
         try:
             version = await self.engine.load_weights(req.path, req.version, req.adapter)
         except (ValueError, OSError) as exc:  # an adapter that does not fit this model, or unreadable

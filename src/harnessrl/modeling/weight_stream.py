@@ -1,5 +1,6 @@
 """Weights as one safetensors-format byte stream, written and read a chunk at a time: the full-weight
-sync from the trainer to the builtin engine over its admin socket, with no file in between.
+sync from the trainer to the builtin engine over its admin socket, with no file in between (on one
+machine the same bytes go through a shared-memory segment instead: modeling/weight_shm.py).
 
 The body is exactly what `safetensors.torch.save` would produce (an 8-byte little-endian header length,
 a JSON header naming every tensor's dtype, shape and byte range, then the tensors' bytes back to back),
@@ -69,11 +70,14 @@ class WeightStream:
     def __len__(self) -> int:
         return len(self.header) + self.data_bytes
 
-    def __iter__(self) -> Iterator[bytes]:
-        yield self.header
+    def buffers(self) -> Iterator[memoryview]:
+        """The header, then each tensor's bytes as a view of its own memory (no copy on the CPU)."""
+        yield memoryview(self.header)
         for t in self.state.values():
-            flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-            view = flat.data  # the tensor's own memory, no copy
+            yield t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
+
+    def __iter__(self) -> Iterator[bytes]:
+        for view in self.buffers():
             for start in range(0, len(view), self.chunk_bytes):
                 yield bytes(view[start : start + self.chunk_bytes])
 

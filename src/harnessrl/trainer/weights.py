@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from torch import Tensor
@@ -17,7 +20,10 @@ from torch import Tensor
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import save_model
 from harnessrl.modeling.lora import LoraAdapter, save_peft
+from harnessrl.modeling.weight_shm import shared_weights, shm_room
 from harnessrl.modeling.weight_stream import MEDIA_TYPE, WeightStream, sync_state
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +52,15 @@ class EngineAdmin:
             raise ValueError(f"engine.weight_sync for a {self.kind} engine must be one of "
                              f"{list(self.weight_syncs)}, not {weight_sync!r}")  # fmt: skip
         self.weight_sync = weight_sync
+        # a memory sync tries shared memory first where the engine is on this machine's loopback (False:
+        # always the request body)
+        self.shared_memory = urlsplit(base_url).hostname in LOOPBACK
+        self.transport = ""  # how the last memory sync went: "shm" or "socket"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        resp = await self._http.request(method, path, **kwargs)
-        if resp.status_code >= 400:
-            raise EngineAdminError(
-                f"{self.kind} engine: {method} {path} answered {resp.status_code}: {resp.text[:300]}"
-            )
-        return resp
+        return _checked(await self._http.request(method, path, **kwargs), f"{method} {path}", self.kind)
 
     async def load_weights(self, path: Path, version: int, adapter: str | None = None) -> int:
         """Make the engine serve the weights at `path` as `version` (with `adapter`: the PEFT folder at
@@ -68,10 +73,32 @@ class EngineAdmin:
         return int(data["weight_version"])
 
     async def push_weights(self, state: dict[str, Tensor], version: int) -> int:
-        """Stream `state` (tensors in the model's dtype) to the engine as one safetensors-format body,
-        a chunk at a time (no file, no second copy here), to serve as `version`; returns the version it
-        reports once it has swapped them in."""
+        """Send `state` (tensors in the model's dtype) to the engine to serve as `version`, without a
+        file: through a shared-memory segment when the engine is on this machine and /dev/shm has room
+        (one copy there, removed once the engine answers), else as the request body, streamed a chunk at
+        a time (no copy here). Returns the version the engine reports once it has swapped them in;
+        `self.transport` says which way they went ("shm" or "socket")."""
         stream = WeightStream(state)
+        if self.shared_memory and shm_room(len(stream)):
+            name = f"harnessrl-weights-{os.getpid()}-{version}-{secrets.token_hex(4)}"
+            try:
+                with shared_weights(stream, name):
+                    resp = await self._http.post(
+                        "/admin/load_weights", json={"shm": name, "version": version}
+                    )
+            except OSError as exc:  # /dev/shm filled up meanwhile
+                log.warning("event=shm_write_failed error=%s fallback=socket", exc)
+            else:
+                if not _refused_shm(resp):
+                    self.transport = "shm"
+                    return int(_checked(resp, "POST /admin/load_weights").json()["weight_version"])
+                log.warning("event=shm_refused reply=%s fallback=socket", resp.text[:200])
+            self.shared_memory = False  # the engine cannot see this machine's segments: stream from now on
+        self.transport = "socket"
+        return await self._push_body(stream, version)
+
+    async def _push_body(self, stream: WeightStream, version: int) -> int:
+        """The weights as the request body (safetensors, chunk by chunk)."""
 
         async def body() -> Any:
             for chunk in stream:
@@ -114,6 +141,24 @@ class EngineAdmin:
 
 class EngineAdminError(RuntimeError):
     """An engine's admin route failed."""
+
+
+def _checked(resp: httpx.Response, what: str, kind: str = "builtin") -> httpx.Response:
+    """`resp`, or an EngineAdminError saying what failed."""
+    if resp.status_code >= 400:
+        raise EngineAdminError(f"{kind} engine: {what} answered {resp.status_code}: {resp.text[:300]}")
+    return resp
+
+
+def _refused_shm(resp: httpx.Response) -> bool:
+    """Whether the engine could not open a shared-memory segment (not on this machine, or no /dev/shm)."""
+    if resp.status_code != 400:
+        return False
+    try:
+        error = resp.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return bool(error.get("param") == "shm" and "no shared-memory segment" in error.get("message", ""))
 
 
 class VLLMAdmin(EngineAdmin):
@@ -314,6 +359,7 @@ async def publish_weights(
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     seconds = time.perf_counter() - t0
+    how = "file" if lora is not None or engine.weight_sync == "file" else f"memory/{engine.transport}"
     log.info("event=weights_published version=%d lora=%s sync=%s seconds=%.2f",
-             version, lora is not None, "file" if lora is not None else engine.weight_sync, seconds)  # fmt: skip
+             version, lora is not None, how, seconds)  # fmt: skip
     return seconds
