@@ -4,7 +4,7 @@ that its memory and CPU are its own.
 
 `full`: one trainer process holds SmolLM2 in fp32 and in bf16 (`train.dtype`) with every weight changed,
 and pushes them into one fp32 engine by each way in turn, `reps` rounds, interleaved so that the
-machine's load falls on all alike:
+machine's load falls on all alike (`reps` 5):
 - file: the model written to a folder and loaded by path (`engine.weight_sync: file`, what main did);
 - shm: from memory (`engine.weight_sync: memory`, the default) through a shared-memory segment, as the
   engine is on this machine;
@@ -128,7 +128,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             **{k: med(k) for k in keys}, "syncs": len(runs), "runs": runs}  # fmt: skip
 
 
-def phase_sync(kind: str, attach: Callable[..., Any], reps: int = 3) -> dict[str, Any]:
+def phase_sync(kind: str, attach: Callable[..., Any], reps: int = 5) -> dict[str, Any]:
     """`full`: every way x dtype, interleaved (module docstring); `lora`: the adapter's syncs."""
     import torch
 

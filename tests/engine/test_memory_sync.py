@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,13 @@ async def _publish(
         await admin.aclose()
 
 
-def _segments() -> list[str]:
-    return sorted(p.name for p in SHM_DIR.glob("harnessrl-weights-*"))
+def _segment_removed(version: int) -> bool:
+    """The segment this process wrote for `version` is gone (removed on a thread: give it a moment)."""
+    prefix = f"harnessrl-weights-{os.getpid()}-{version}-"
+    deadline = time.monotonic() + 10
+    while any(SHM_DIR.glob(prefix + "*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not any(SHM_DIR.glob(prefix + "*"))
 
 
 def test_the_body_is_safetensors_in_the_models_dtype(engine_tiny_dir: Path) -> None:
@@ -105,12 +111,11 @@ def test_a_memory_sync_serves_the_trainers_logprobs_and_writes_no_file(
 ) -> None:
     """fp32 and bf16 trainers (train.dtype), both transports: the engine (fp32) serves the weights sent."""
     model = _trained(engine_tiny_dir, dtype, 1.0 + 0.05 * version)
-    before = _segments()
     assert (
         asyncio.run(_publish(server.url, model, tmp_path / "weights", version, shm=transport == "shm"))
         == transport
     )
-    assert not (tmp_path / "weights").exists() and _segments() == before
+    assert not (tmp_path / "weights").exists() and _segment_removed(version)
     res = _generate(server.url)
     assert res["weight_version"] == version
     assert httpx.get(f"{server.url}/admin/weight_version").json() == {"weight_version": version}

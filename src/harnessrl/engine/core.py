@@ -246,9 +246,13 @@ class Engine:
                 state = receiver.finish()
             except ValueError as exc:  # StreamError, or check_state_dict's name/shape mismatch
                 raise EngineError(f"weights body: {exc}", "body") from exc
-        fut, on_done = self._future()
-        self.scheduler.queue_weight_load(WeightLoad(lambda: self._full_state(state), version, on_done))
         log.info("event=weights_received version=%d bytes=%d tensors=%d", version, receiver.total, len(state))
+
+        def read() -> dict[str, torch.Tensor]:  # popped: the swap frees (and trims) every tensor received
+            return self._full_state({k: state.pop(k) for k in list(state)})
+
+        fut, on_done = self._future()
+        self.scheduler.queue_weight_load(WeightLoad(read, version, on_done))
         return int(await fut)
 
     async def load_weights_shared(self, name: str, version: int) -> int:
