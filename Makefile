@@ -75,8 +75,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Two pytest-xdist workers (one torch thread each: tests/support/workers.py); the work-stealing schedule
+# keeps each worker on whole runs of a module, so a module's fixtures are mostly built once.
+# TEST_WORKERS=0: one process, as before.
+TEST_WORKERS ?= 2
 unit: $(STAMP) $(TOKENIZERS)
-	$(VENV)/bin/pytest -m "not slow and not vllm" -q --durations=25
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) -m "not slow and not vllm" -q --durations=25
 
 test: lint typecheck unit
 

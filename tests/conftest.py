@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest_plugins = [
+    "tests.support.workers",  # under pytest-xdist (make test: -n 2): one torch thread per worker
     "tests.support.skips",  # a skip not in its MAY_SKIP list fails the run (hardware/cluster/service only)
     "tests.support.engine_fixtures",
     "tests.support.store_fixtures",

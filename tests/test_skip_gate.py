@@ -12,11 +12,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _pytest(root: Path) -> subprocess.CompletedProcess[str]:
+def _pytest(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     # Only the gate's plugin: the installed ones (schemathesis, hypothesis, …) took most of each run's time.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}  # a run of its own
+    env |= {"PYTHONPATH": str(REPO), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.support.skips", "-p", "no:cacheprovider",
-            "--import-mode=importlib", "-c", os.devnull, "--rootdir", str(root), str(root / "tests")]  # fmt: skip
+            "--import-mode=importlib", "-c", os.devnull, "--rootdir", str(root), *extra, str(root / "tests")]  # fmt: skip
     return subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -38,3 +39,9 @@ def test_a_skip_for_a_missing_package_fails_the_run(tmp_path: Path) -> None:
         if line.startswith("  tests/test_lora_probe.py::test_lora")
     ]
     assert named and "could not import 'harnessrl_no_such_peft'" in named[0], failed.stdout
+
+    # `make test` runs the suite on pytest-xdist workers: the skip is reported by a worker, and the
+    # gate in the process that started them still fails the run and names it
+    workers = _pytest(tmp_path, "-p", "xdist.plugin", "-n", "2")
+    assert workers.returncode == 1, workers.stdout
+    assert f"  {named[0].strip()}" in workers.stdout.splitlines(), workers.stdout

@@ -38,6 +38,7 @@ from harnessrl.modeling.loading import make_tiny_model_dir
 from harnessrl.services import Service, free_port, start_engine
 from harnessrl.store import SQLiteStore
 from tests.support.gateway import GatewayHandle, ThreadServer
+from tests.support.workers import torch_threads
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "clients"
 CONTEXT = 12_360
@@ -91,7 +92,9 @@ def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def long_engine(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """A real engine process on that model with a CONTEXT-token context (8 slots of prefix cache)."""
-    svc = start_engine(long_model_dir, free_port(), tmp_path_factory.mktemp("long-engine"), 8, CONTEXT, 2)
+    svc = start_engine(
+        long_model_dir, free_port(), tmp_path_factory.mktemp("long-engine"), 8, CONTEXT, torch_threads()
+    )
     try:
         svc.wait_healthy(120)
         yield svc

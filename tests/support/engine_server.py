@@ -17,6 +17,7 @@ from harnessrl.engine.server import Engine, ServerThread
 from harnessrl.modeling.llama import LlamaForCausalLM
 from harnessrl.modeling.loading import make_tiny_model_dir
 from harnessrl.modeling.logprobs import next_token_logprobs
+from tests.support.workers import torch_threads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -37,7 +38,9 @@ def tiny_dir(root: Path, seed: int = 0) -> Path:
 def start_server(model_dir: Path, key: str, **overrides: object) -> ServerThread:
     """A live engine server over loopback HTTP (cached by `key`; stopped at exit)."""
     if key not in _servers:
-        cfg = EngineConfig(model=str(model_dir), max_batch=8, max_model_len=TINY_MAX_LEN, threads=2)
+        cfg = EngineConfig(
+            model=str(model_dir), max_batch=8, max_model_len=TINY_MAX_LEN, threads=torch_threads()
+        )
         for name, value in overrides.items():
             setattr(cfg, name, value)
         server = ServerThread(Engine(cfg)).start()

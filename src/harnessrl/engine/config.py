@@ -30,7 +30,7 @@ class EngineConfig:
     port: int = 8100
     max_batch: int = ENGINE_MAX_BATCH
     max_model_len: int | None = None  # prompt + completion tokens; None: the model's max_position_embeddings
-    threads: int | None = None  # torch intra-op threads; None = all cores
+    threads: int | None = None  # torch intra-op threads; None = $OMP_NUM_THREADS, else all cores
     served_model_name: str | None = None
     prefix_cache: bool = True
     weight_version: int = 0
@@ -85,7 +85,11 @@ class EngineConfig:
 
     @property
     def num_threads(self) -> int:
-        """Threads for torch: `threads`, else every core this process may use."""
+        """Threads for torch: `threads`, else $OMP_NUM_THREADS (torch's own default reads it too), else
+        every core this process may use."""
         if self.threads:
             return self.threads
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        if omp.isdigit() and int(omp) > 0:
+            return int(omp)
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="prompt + completion tokens (default: the model's max_position_embeddings)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads (default: $OMP_NUM_THREADS, else every core)")  # fmt: skip
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
     p.add_argument("--weight-version", type=int, default=d.weight_version)
