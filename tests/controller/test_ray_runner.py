@@ -193,7 +193,7 @@ async def read_pids(path: Path, timeout: float = 60) -> list[int]:
     return [int(p) for p in path.read_text().split()]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # three Ray nodes: stopped when this module is done, not kept idle
 def ray_cluster() -> Iterator[RayCluster]:
     """A head (1 CPU, {"head": 1}), a worker ({"worker": 1}) and a node to lose ({"doomed": 1})."""
     import ray
