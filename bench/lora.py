@@ -268,6 +268,8 @@ def sync_table(sync: dict[str, Any]) -> str:
     rows = [("bytes moved", "bytes", "{:.4g}"), ("seconds (median)", "seconds", "{:.3g}"),
             ("CPU seconds, trainer + engine", "cpu_seconds", "{:.3g}"),
             ("engine peak RSS above before, MB", "engine_peak_extra_mb", "{:.0f}"),
+            ("  of it the engine's own heap, MB", "engine_anon_peak_extra_mb", "{:.0f}"),
+            ("  shared memory it maps, MB", "engine_shmem_peak_mb", "{:.0f}"),
             ("trainer peak RSS above before, MB", "trainer_peak_extra_mb", "{:.0f}"),
             ("files written", "files_written", "{}")]  # fmt: skip
     lines = [f"{'weight sync, SmolLM2 -> fp32 engine':36}" + "".join(f"{m:>12}" for m in ways)]

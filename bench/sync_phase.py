@@ -15,6 +15,8 @@ machine's load falls on all alike (`reps` 5):
 Per way: bytes moved (the folder written, or the safetensors bytes sent), median wall seconds, CPU
 seconds of trainer and engine together, the engine's and the trainer's peak RSS above their RSS just
 before the sync (VmHWM after `clear_refs`; a segment the engine maps counts in its RSS as it reads it),
+the engine's peak RssAnon above before (its own heap) and peak RssShmem (the segment it maps), sampled
+every 5 ms,
 files written; then the engine-vs-trainer logprob gap on 4 x 48 sampled tokens after a last memory sync.
 """
 
@@ -25,6 +27,7 @@ import copy
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,11 +103,14 @@ class Bench:
             finally:
                 await admin.aclose()
 
-        wall = asyncio.run(publish())
+        with _Sampler(self.pid) as sampled:
+            wall = asyncio.run(publish())
         out = {"seconds": wall, "cpu_seconds": time.process_time() - c0 + _cpu_seconds(self.pid) - e0,
                "engine_rss_mb": rss["engine"] / 1024,
                "engine_peak_extra_mb": (_status_kb(self.pid, "VmHWM") - rss["engine"]) / 1024,
                "trainer_peak_extra_mb": (_status_kb("self", "VmHWM") - rss["trainer"]) / 1024,
+               "engine_anon_peak_extra_mb": (sampled.peak["RssAnon"] - sampled.before["RssAnon"]) / 1024,
+               "engine_shmem_peak_mb": sampled.peak["RssShmem"] / 1024,
                "transport": admin.transport if way != "file" else "file"}  # fmt: skip
         written = list(weights.glob("v*"))
         out["files_written"] = len(written)
@@ -121,9 +127,44 @@ class Bench:
         self.engine.stop()
 
 
+class _Sampler:
+    """The engine's RssAnon (its own heap) and RssShmem (shared memory it maps) every 5 ms while a sync
+    runs: VmHWM counts both, so this splits the peak into what the engine allocates and what it maps."""
+
+    KEYS = ("RssAnon", "RssShmem")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.before = {k: _status_kb(pid, k) for k in self.KEYS}
+        self.peak = dict(self.before)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            for k in self.KEYS:
+                self.peak[k] = max(self.peak[k], _status_kb(self.pid, k))
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     med = lambda key: round(statistics.median(r[key] for r in runs), 3)  # noqa: E731
-    keys = ("seconds", "cpu_seconds", "engine_rss_mb", "engine_peak_extra_mb", "trainer_peak_extra_mb")
+    keys = (
+        "seconds",
+        "cpu_seconds",
+        "engine_rss_mb",
+        "engine_peak_extra_mb",
+        "engine_anon_peak_extra_mb",
+        "engine_shmem_peak_mb",
+        "trainer_peak_extra_mb",
+    )
     return {**{k: runs[-1][k] for k in ("transport", "bytes", "tensor_bytes", "files_written")},
             **{k: med(k) for k in keys}, "syncs": len(runs), "runs": runs}  # fmt: skip
 
