@@ -204,10 +204,10 @@ def test_a_bad_segment_is_refused_and_the_old_weights_keep_serving(
     before = _generate(server.url)
     state = sync_state(_trained(engine_tiny_dir, torch.float32, 1.3))
     wrong_shape = {**state, "model.norm.weight": torch.ones(65)}
-    with shared_weights(WeightStream(wrong_shape), "harnessrl-weights-test-shape") as name:
+    with shared_weights(WeightStream(wrong_shape), f"harnessrl-weights-test-shape-{os.getpid()}") as name:
         r = _post_shm(server.url, name)
         assert r.status_code == 400 and "model.norm.weight: shape (65,)" in r.json()["error"]["message"]
-    with shared_weights(WeightStream(state), "harnessrl-weights-test-short") as name:
+    with shared_weights(WeightStream(state), f"harnessrl-weights-test-short-{os.getpid()}") as name:
         os.truncate(SHM_DIR / name, len(WeightStream(state)) - 100)  # cut short after it was written
         r = _post_shm(server.url, name)
         assert r.status_code == 400 and "but its header describes" in r.json()["error"]["message"]
