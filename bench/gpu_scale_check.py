@@ -14,7 +14,8 @@ It has not run on a GPU yet (no GPU was lent while it was written); on CPU it ru
   bias, no mask matrix) in bf16 with SDPA restricted to the flash and memory-efficient kernels: it must
   run (a mask would make SDPA refuse) and agree with the math kernel.
 - **LoRA sync**: a builtin engine on the GPU gets an adapter (`publish_weights` with `lora`) and the full
-  model, 3 times each: median seconds, bytes of the sync, and the engine-vs-trainer logprob gap.
+  model by file and from memory (`engine.weight_sync`), 3 times each: median seconds, bytes of the sync,
+  and the engine-vs-trainer logprob gap.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def check_lora_sync(model_dir: Path, device: str, syncs: int = 3) -> dict[str, A
     from harnessrl.engine.server import ServerThread
     from harnessrl.modeling.loading import load_model
     from harnessrl.modeling.lora import LoraSpec, attach
+    from harnessrl.modeling.weight_stream import WeightStream, sync_state
     from harnessrl.trainer.weights import EngineAdmin, publish_weights
 
     engine = Engine(EngineConfig(model=str(model_dir), max_batch=2, max_model_len=512, device=device))
@@ -131,25 +133,29 @@ def check_lora_sync(model_dir: Path, device: str, syncs: int = 3) -> dict[str, A
     out: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for mode in ("lora", "full"):
+            for k, mode in enumerate(("lora", "full", "memory")):  # full: by file; memory: the default
 
-                async def publish(version: int, lora: Any, folder: Path = Path(tmp) / mode) -> float:
-                    admin = EngineAdmin(server.url)
+                async def publish(
+                    version: int, lora: Any, folder: Path = Path(tmp) / mode, how: str = mode
+                ) -> float:
+                    admin = EngineAdmin(server.url, weight_sync="memory" if how == "memory" else "file")
                     try:
                         return await publish_weights(model, admin, folder, version, lora)
                     finally:
                         await admin.aclose()
 
-                base = 1 if mode == "lora" else syncs + 1
+                base = 1 + k * syncs
                 walls = [
                     asyncio.run(publish(base + i, adapter if mode == "lora" else None)) for i in range(syncs)
                 ]
                 last = Path(tmp) / mode / f"v{base + syncs - 1}"
+                sent = len(WeightStream(sync_state(model))) if mode == "memory" else None
                 out[mode] = {"seconds": round(statistics.median(walls), 3),
-                             "bytes": sum(f.stat().st_size for f in last.iterdir())}  # fmt: skip
+                             "bytes": sent or sum(f.stat().st_size for f in last.iterdir())}  # fmt: skip
     finally:
         server.stop()
     out["lora_vs_full_seconds"] = round(out["lora"]["seconds"] / out["full"]["seconds"], 3)
+    out["memory_vs_file_seconds"] = round(out["memory"]["seconds"] / out["full"]["seconds"], 3)
     return out
 
 
