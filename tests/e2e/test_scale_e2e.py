@@ -60,15 +60,17 @@ def test_a_run_on_gateways_it_did_not_start(
     tiny_model_dir: Path, tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`gateway.urls`: two gateways started outside the run (as a Kubernetes StatefulSet would), in front
-    of the engine the run starts on a fixed port (`engine.port`)."""
-    admin, port = secrets.token_hex(16), free_port()
+    of the engine the run starts on a fixed port (`engine.port`) with the engine key they were started
+    with ($HARNESSRL_ENGINE_KEY in theirs and the run's environment)."""
+    admin, engine_key, port = secrets.token_hex(16), secrets.token_hex(16), free_port()
     upstream = f"http://127.0.0.1:{port}"
-    gws = [start_gateway(pg_url, upstream, free_port(), admin, tmp_path / "gw-logs", 16, name=f"gateway{i}")
-           for i in range(2)]  # fmt: skip
+    gws = [start_gateway(pg_url, upstream, free_port(), admin, tmp_path / "gw-logs", 16, name=f"gateway{i}",
+                         upstream_key=engine_key) for i in range(2)]  # fmt: skip
     try:
         for g in gws:
             g.wait_healthy(60)
         monkeypatch.setenv("HARNESSRL_ADMIN_KEY", admin)
+        monkeypatch.setenv("HARNESSRL_ENGINE_KEY", engine_key)
         overrides = [
             f"run_dir={tmp_path / 'run'}", f"engine.model={tiny_model_dir}", f"store={pg_url}",
             f"engine.port={port}", "engine.max_batch=8", "engine.threads=1", "train.lr=1e-3",

@@ -58,6 +58,26 @@ def test_running_gateways_by_url_need_their_admin_key(monkeypatch: pytest.Monkey
     assert external_admin_key(load_config(None, [])) is None  # the run starts its own, with a fresh key
 
 
+def test_running_gateways_by_url_need_the_engine_key_of_the_engine_the_run_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from harnessrl.services.stack import run_engine_key
+
+    # gateways the run did not start, in front of the builtin engine, which the run starts
+    cfg = load_config(None, ["gateway.urls=[http://gateway-0.gw:8000]"])
+    monkeypatch.delenv("HARNESSRL_ENGINE_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"gateway\.urls: set HARNESSRL_ENGINE_KEY"):
+        run_engine_key(cfg)
+    own = load_config(None, [])
+    first, second = run_engine_key(own), run_engine_key(own)
+    assert first and second and first != second  # its own gateways: a fresh key per run
+    assert run_engine_key(load_config(None, ["engine.kind=vllm", "engine.url=http://vllm:8000"])) is None
+    monkeypatch.setenv("HARNESSRL_ENGINE_KEY", "e" * 16)
+    assert run_engine_key(cfg) == "e" * 16  # the key the gateways were started with
+    assert run_engine_key(own) != "e" * 16
+    assert run_engine_key(load_config(None, ["engine.kind=vllm", "engine.url=http://vllm:8000"])) == "e" * 16
+
+
 class Replicas:
     """Two gateway processes on one PostgreSQL database; `restart(i)` starts replica i again on its port."""
 

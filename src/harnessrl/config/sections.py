@@ -112,7 +112,8 @@ class GatewaySection(_Section):
     # by one of them, and moves to another if that one stops answering (docs/scale.md).
     replicas: int = Field(default=1, ge=1, le=64)
     # Gateways already running (e.g. a Kubernetes StatefulSet; the run starts none): their URLs as the
-    # controller and the harnesses reach them, the admin key in $HARNESSRL_ADMIN_KEY. Several URLs are
+    # controller and the harnesses reach them, the admin key in $HARNESSRL_ADMIN_KEY; when the run starts
+    # the engine, the engine key they were started with in $HARNESSRL_ENGINE_KEY. Several URLs are
     # replicas on one PostgreSQL store (the `store` setting names it too, for `inspect` and the index).
     urls: list[str] = Field(default_factory=list)
     # rollouts each gateway keeps in memory (keys, state; least recently used out, re-read from the

@@ -38,7 +38,7 @@ from harnessrl.runs.project import Project, resolve_project
 from harnessrl.runs.rundir import Mode, prepare
 from harnessrl.runs.summary import summarise, write_index, write_summary
 from harnessrl.schema import Task
-from harnessrl.services.stack import ServiceStack, external_admin_key, start_services
+from harnessrl.services.stack import ServiceStack, external_admin_key, run_engine_key, start_services
 from harnessrl.trainer.async_loop import run_async
 from harnessrl.trainer.loop import EvalResult, Progress, TrainContext, evaluate, run_sync
 from harnessrl.trainer.teacher import refuse_other_tokenizer
@@ -117,6 +117,7 @@ def run(
     refuse_other_tokenizer(cfg)  # a teacher must score the student's own token IDs
     project = resolve_project(cfg)  # a config error surfaces before the run directory is touched
     admin_key = external_admin_key(cfg) or secrets.token_hex(16)
+    run_engine_key(cfg)  # gateway.urls without the engine key they use: refused here, before any service
     for notice in prepare(run_dir, cfg, mode):
         (notify or log.info)(notice)
     with run_log(run_dir):

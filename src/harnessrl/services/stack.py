@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harnessrl.config import RunConfig
-from harnessrl.defaults import MODEL_IMPL_ENV
+from harnessrl.defaults import ENGINE_KEY_ENV, MODEL_IMPL_ENV
 from harnessrl.errors import ConfigError
 from harnessrl.services.builtin import start_engine, start_gateway
 from harnessrl.services.process import Service, free_port
@@ -85,7 +85,7 @@ class ServiceStack:
     gateway_urls: list[str]
     admin_key: str
     engine: EngineProcess | None = None
-    engine_key: str | None = None  # the key of the engine the run started (None: an external one)
+    engine_key: str | None = None  # the engine's key (`run_engine_key`; None: an external one without)
     gateways: list[Service] = field(default_factory=list)
 
     @property
@@ -108,12 +108,8 @@ def start_services(
     is only used) and the gateway (`gateway.replicas` processes); wait until all answer. `engine.model_impl`
     is exported to this process and its children (modeling/families.py's `model_impl` reads it)."""
     os.environ[MODEL_IMPL_ENV] = cfg.engine.model_impl
-    engine_key: str | None = secrets.token_hex(
-        16
-    )  # for an engine the run starts; an external one has its own
+    engine_key = run_engine_key(cfg)
     engine = _engine_process(cfg, run_dir, model_dir, engine_key)
-    if engine is None:
-        engine_key = None
     engine_url = engine.url if engine is not None else str(cfg.engine.url)
     stack = ServiceStack(engine_url, list(cfg.gateway.urls), admin_key, engine, engine_key)
     mode = gateway_mode(cfg)
@@ -168,6 +164,28 @@ def external_admin_key(cfg: RunConfig) -> str | None:
     if len(key) < 8:
         raise ConfigError(
             "gateway.urls: set HARNESSRL_ADMIN_KEY to the admin key those gateways were started with"
+        )
+    return key
+
+
+def starts_engine(cfg: RunConfig) -> bool:
+    """Whether the run starts its engine (the builtin one, or vLLM naming no URL) or uses a running one."""
+    return cfg.engine.kind == "builtin" or (cfg.engine.kind == "vllm" and not cfg.engine.url)
+
+
+def run_engine_key(cfg: RunConfig) -> str | None:
+    """The engine key of the run: for an engine it starts, a fresh random one, or with `gateway.urls`
+    (gateways it did not start, which must reach that engine) $HARNESSRL_ENGINE_KEY, the key those
+    gateways were started with; for a running engine, $HARNESSRL_ENGINE_KEY if set (None: no key)."""
+    key = os.environ.get(ENGINE_KEY_ENV, "")
+    if not starts_engine(cfg):
+        return key or None
+    if not cfg.gateway.urls:
+        return secrets.token_hex(16)
+    if len(key) < 8:
+        raise ConfigError(
+            f"gateway.urls: set {ENGINE_KEY_ENV} (8 characters or more) to the engine key those gateways "
+            "were started with (in their environment); the run starts the engine with it"
         )
     return key
 
