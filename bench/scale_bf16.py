@@ -14,7 +14,9 @@ alone (each phase in a fresh process, so a peak is its own):
   every trainable token of the rows, before any update.
 - `fsdp_2rank_vs_1rank_max_weight_diff` (not with `--skip-fsdp`): 2 FSDP ranks (fp32 shards, bf16 compute,
   fp32 reduction) against 1 process in bf16 (MasterAdamW), one update of the same rows: the largest
-  difference of the fp32 master weights; `fp32_step_max_change` is how far one fp32 step moved any weight.
+  difference of the fp32 master weights (which includes the bf16 rounding of the one process's starting
+  weights), `fsdp_2rank_vs_1rank_max_step_diff` the largest difference of the two steps (after − before);
+  `fp32_step_max_change` is how far one fp32 step moved any weight.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def phase_fsdp(model_name: str, groups: int, rows: int) -> dict[str, Any]:
     model_dir = resolve_model(model_name)
     batch, cfg = demo_batch(groups, rows), PPOConfig()  # (a folder, or a name)
     one = load_model(model_dir, dtype=torch.bfloat16)
+    start1 = {n: p.detach().float() for n, p in one.named_parameters()}  # the bf16 master's start
     opt1 = make_optimizer(one.parameters(), torch.bfloat16, lr=1e-5, weight_decay=0.0)
     ppo_update(one, opt1, batch, cfg)
     fp32 = load_model(model_dir)
@@ -102,6 +105,7 @@ def phase_fsdp(model_name: str, groups: int, rows: int) -> dict[str, Any]:
     change = max(float((p.detach() - start[n]).abs().max()) for n, p in fp32.named_parameters())
     del fp32, start
     model = load_model(model_dir)
+    start2 = {n: p.detach().clone() for n, p in model.named_parameters()}  # fp32 shards' start
     opt2 = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     with tempfile.TemporaryDirectory() as logs:
         dp = DataParallel(
@@ -117,8 +121,15 @@ def phase_fsdp(model_name: str, groups: int, rows: int) -> dict[str, Any]:
     gap = max(
         float((master_weights(opt1, p) - full[n].float()).abs().max()) for n, p in one.named_parameters()
     )
-    return {"fsdp_2rank_vs_1rank_max_weight_diff": gap, "fp32_step_max_change": change,
-            "fsdp_2rank_update_s": round(seconds, 1)}  # fmt: skip
+    # the steps themselves: the fp32 shards start from the folder's fp32 weights, the one bf16 process
+    # from them rounded to bf16 (its master keeps no bits it never had), so the weights differ by that
+    # rounding before any step; the updates are what the two schedules compute
+    step_gap = max(
+        float(((master_weights(opt1, p) - start1[n]) - (full[n].float() - start2[n])).abs().max())
+        for n, p in one.named_parameters()
+    )
+    return {"fsdp_2rank_vs_1rank_max_weight_diff": gap, "fsdp_2rank_vs_1rank_max_step_diff": step_gap,
+            "fp32_step_max_change": change, "fsdp_2rank_update_s": round(seconds, 1)}  # fmt: skip
 
 
 def _child(*args: str) -> dict[str, Any]:
