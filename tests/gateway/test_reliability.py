@@ -5,6 +5,7 @@ events, disconnected clients, and /metrics behind the admin key."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -21,7 +22,7 @@ import uvicorn
 from bench.reliability.fault_engine import FaultEngineThread
 
 from harnessrl.gateway.app import GatewayConfig, create_app
-from harnessrl.gateway.engine_client.upstream import Upstream, UpstreamPool
+from harnessrl.gateway.engine_client.upstream import Upstream, UpstreamFailed, UpstreamPool
 from harnessrl.schema import Call, CallStatus
 from harnessrl.services import free_port
 from harnessrl.store import SQLiteStore
@@ -227,6 +228,26 @@ def test_a_hung_engine_holds_a_call_no_longer_than_its_time_limit(fault_gateway:
     assert r.status_code == 502
     (call,) = gw.store.calls(rid)
     assert call.status == CallStatus.FAILED and call.error and "time limit" in call.error
+
+
+def test_a_retry_the_time_limit_has_no_room_for_is_blamed_on_the_limit() -> None:
+    """Deterministic form of the race above: a try runs out, the deadline is not yet reached but the next
+    backoff would pass it; the failure says the time limit stopped the retries, and counts the one try."""
+
+    async def main() -> str:
+        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, never answers
+        port = silent.sockets[0].getsockname()[1]
+        up = Upstream("e0", f"http://127.0.0.1:{port}", timeout_s=0.3, max_retries=3, backoff_s=30.0)
+        try:
+            with pytest.raises(UpstreamFailed) as caught:
+                await up.post("/v1/chat/completions", chat("hi"), deadline=time.monotonic() + 5.0)
+            return str(caught.value)
+        finally:
+            await up.aclose()
+            silent.close()
+
+    said = asyncio.run(main())
+    assert "failed after 1 try:" in said and "no answer" in said and "time limit" in said
 
 
 @pytest.mark.parametrize(

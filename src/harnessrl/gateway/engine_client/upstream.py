@@ -75,7 +75,7 @@ class Upstream:
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
             if attempt and not await _backoff(self.backoff_s * 2 ** (attempt - 1), deadline):
-                break
+                raise UpstreamFailed(self._gave_up(attempt, last, out_of_time=True))
             try:
                 status, raw = await self._http.post(path, payload, _remaining(self.timeout_s, deadline))
             except HTTPError as e:
@@ -95,7 +95,7 @@ class Upstream:
             if not isinstance(data, dict):
                 raise UpstreamFailed(f"upstream {self.name} sent JSON that is not an object")
             return data
-        raise UpstreamFailed(f"upstream {self.name} failed after {attempt + 1} tries: {last}")
+        raise UpstreamFailed(self._gave_up(self.max_retries + 1, last))
 
     async def open_stream(
         self, path: str, body: dict[str, Any], deadline: float | None = None
@@ -107,7 +107,7 @@ class Upstream:
         last = "no attempt made"
         for attempt in range(self.max_retries + 1):
             if attempt and not await _backoff(self.backoff_s * 2 ** (attempt - 1), deadline):
-                break
+                raise UpstreamFailed(self._gave_up(attempt, last, out_of_time=True))
             try:
                 status, pieces = await self._http.stream(path, payload, self.open_timeout_s, deadline)
             except HTTPError as e:
@@ -129,7 +129,12 @@ class Upstream:
             except orjson.JSONDecodeError:
                 data = raw.decode(errors="replace")
             raise UpstreamClientError(status, data)
-        raise UpstreamFailed(f"upstream {self.name} failed after {attempt + 1} tries: {last}")
+        raise UpstreamFailed(self._gave_up(self.max_retries + 1, last))
+
+    def _gave_up(self, tries: int, last: str, out_of_time: bool = False) -> str:
+        """The failure after `tries` tries; `out_of_time`: the call's time limit left no room for another."""
+        said = f"upstream {self.name} failed after {tries} {'try' if tries == 1 else 'tries'}: {last}"
+        return said + ("; the call's time limit left no time for another try" if out_of_time else "")
 
     async def aclose(self) -> None:
         """Close the connection pool."""
