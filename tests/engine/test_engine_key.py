@@ -72,7 +72,8 @@ def test_the_gateway_and_the_admin_client_send_the_key(
         _, key = GatewayHandle(srv.url, cfg.admin_key, store, keyed_engine.url).new_rollout()
         r = httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)  # fmt: skip
-        assert r.status_code >= 400  # the engine refused the gateway that has no key
+        assert r.status_code == 502, r.text  # the engine refused the gateway that has no key
+        assert "HARNESSRL_ENGINE_KEY" in r.json()["error"]["message"]
 
     async def versions() -> tuple[int, str]:
         admin = engine_admin("builtin", keyed_engine.url, api_key=KEY)
@@ -91,3 +92,32 @@ def test_the_gateway_and_the_admin_client_send_the_key(
 
     version, refused = asyncio.run(versions())
     assert version == 0 and "401" in refused
+
+
+def test_a_refused_engine_key_is_the_operators_error_not_the_callers(
+    keyed_engine: Service, tmp_path: Path
+) -> None:
+    """An engine's 401 to the gateway's key (a gateway started with another $HARNESSRL_ENGINE_KEY than the
+    engine's) reaches the harness as a 502 naming the variable, on every face, streamed or not, and the
+    call is recorded as failed; the wrong key appears nowhere in what the harness gets."""
+    wrong = "wrong-" + secrets.token_hex(8)
+    store = SQLiteStore(tmp_path / "s.sqlite")
+    cfg = GatewayConfig(admin_key="admin-" + secrets.token_hex(8), upstream_url=keyed_engine.url,
+                        upstream_key=wrong)  # fmt: skip
+    msgs = [{"role": "user", "content": "hi"}]
+    with ThreadServer(create_app(cfg, store)) as srv:
+        rid, key = GatewayHandle(srv.url, cfg.admin_key, store, keyed_engine.url).new_rollout()
+        auth = {"Authorization": f"Bearer {key}", "x-api-key": key}
+        for path, body in [
+            ("/v1/chat/completions", {"model": "gpt-4o", "messages": msgs}),
+            ("/v1/chat/completions", {"model": "gpt-4o", "messages": msgs, "stream": True}),
+            ("/v1/messages", {"model": "claude", "max_tokens": 4, "messages": msgs, "stream": True}),
+            ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}),
+        ]:
+            r = httpx.post(f"{srv.url}{path}", headers=auth, json=body, timeout=60)
+            assert r.status_code == 502, (path, body, r.text)
+            said = r.text
+            assert "refused the gateway's engine key" in said and "HARNESSRL_ENGINE_KEY" in said, said
+            assert wrong not in said and wrong[6:] not in said
+        calls = store.calls(rid)
+        assert len(calls) == 4 and all("HARNESSRL_ENGINE_KEY" in (c.error or "") for c in calls)

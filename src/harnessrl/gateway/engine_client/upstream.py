@@ -11,16 +11,19 @@ from typing import Any, TypeVar
 
 import orjson
 
+from harnessrl.defaults import ENGINE_KEY_ENV
 from harnessrl.gateway.engine_client.httpclient import HTTPError, HTTPPool
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+# The engine refused the gateway's own key: never the client's fault.
+KEY_REFUSED_STATUS = frozenset({401, 403})
 
 
 class UpstreamClientError(Exception):
-    """The engine rejected the request as invalid (4xx other than 429): the client's fault."""
+    """The engine rejected the request as invalid (4xx other than 401, 403 and 429): the client's fault."""
 
     def __init__(self, status: int, body: Any) -> None:
         super().__init__(f"upstream answered {status}")
@@ -41,6 +44,12 @@ class UpstreamClientError(Exception):
 
 class UpstreamFailed(Exception):
     """The engine could not answer after all retries."""
+
+
+class UpstreamKeyRefused(UpstreamFailed):
+    """The engine answered 401/403: it does not accept the key this gateway sends (its engine key is set
+    up wrong, an operator's error). Not retried on that replica; the message names the variable to fix and
+    says nothing of the key."""
 
 
 class Upstream:
@@ -68,6 +77,7 @@ class Upstream:
         self.timeout_s = timeout_s
         self.open_timeout_s = open_timeout_s
         self._http = HTTPPool(self.base_url, timeout_s=timeout_s, api_key=api_key)  # api_key: the engine's
+        self._keyed = bool(api_key)
 
     async def post(self, path: str, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
         """POST JSON and return the JSON answer, retrying timeouts, 429 and 5xx with backoff."""
@@ -86,6 +96,8 @@ class Upstream:
                 last = f"status {status}: {raw[:300].decode(errors='replace')}"
                 log.warning("event=upstream_retry upstream=%s attempt=%d error=%s", self.name, attempt, last)
                 continue
+            if status in KEY_REFUSED_STATUS:
+                raise self._key_refused(status)
             try:
                 data = orjson.loads(raw)
             except orjson.JSONDecodeError as e:
@@ -124,12 +136,26 @@ class Upstream:
             if status in RETRYABLE_STATUS:
                 last = f"status {status}: {raw[:300].decode(errors='replace')}"
                 continue
+            if status in KEY_REFUSED_STATUS:
+                raise self._key_refused(status)
             try:
                 data = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 data = raw.decode(errors="replace")
             raise UpstreamClientError(status, data)
         raise UpstreamFailed(self._gave_up(self.max_retries + 1, last))
+
+    def _key_refused(self, status: int) -> UpstreamKeyRefused:
+        """The engine's 401/403 as the operator's error, naming the variable that sets the key (the
+        engine's own message is left out, in case it repeats what it was sent)."""
+        log.error("event=upstream_key_refused upstream=%s status=%d keyed=%s", self.name, status, self._keyed)
+        sent = (
+            f"the key in its ${ENGINE_KEY_ENV}" if self._keyed else f"no key (its ${ENGINE_KEY_ENV} is unset)"
+        )
+        return UpstreamKeyRefused(
+            f"upstream {self.name} refused the gateway's engine key ({status}): the gateway sent {sent}; "
+            f"start the gateway with ${ENGINE_KEY_ENV} set to the key the engine was started with"
+        )
 
     def _gave_up(self, tries: int, last: str, out_of_time: bool = False) -> str:
         """The failure after `tries` tries; `out_of_time`: the call's time limit left no room for another."""
