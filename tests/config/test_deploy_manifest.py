@@ -4,6 +4,7 @@ overrides make a valid run config, and the names they use match the Services the
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from harnessrl.config import load_config
 from harnessrl.gateway.__main__ import parser as gateway_parser
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "scale.yaml"
+RANKS = MANIFEST.parent / "trainer-ranks.yaml"
 STORE = "postgresql://harnessrl:pw@harnessrl-postgres:5432/harnessrl"
 
 
@@ -22,11 +24,44 @@ def _objects() -> dict[tuple[str, str], dict[str, Any]]:
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
 
+def _secrets(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """The container's environment variables taken from a Secret: name -> (secret, key)."""
+    container = obj["spec"]["template"]["spec"]["containers"][0]
+    refs = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in container.get("env", [])}
+    return {name: (ref["name"], ref["key"]) for name, ref in refs.items() if ref}
+
+
 def _command(obj: dict[str, Any]) -> list[str]:
     container = obj["spec"]["template"]["spec"]["containers"][0]
-    env_names = {e["name"] for e in container.get("env", [])}
-    assert "HARNESSRL_ADMIN_KEY" in env_names  # both the gateways and the trainer need the admin key
+    secrets = _secrets(obj)
+    # both the gateways and the trainer need the admin key, and the engine key: the gateways send it with
+    # every engine request, the trainer's weight pushes send it (docs/scale.md, "Replicated gateways")
+    assert secrets.keys() >= {"HARNESSRL_ADMIN_KEY", "HARNESSRL_ENGINE_KEY"}, secrets
     return [str(a).replace("$(HARNESSRL_STORE)", STORE) for a in container["command"]]
+
+
+def _created_secret_keys(manifest: Path) -> set[str]:
+    """The keys the header's `kubectl create secret generic harnessrl` command puts in the Secret."""
+    return set(re.findall(r"--from-literal=([\w-]+)=", manifest.read_text().split("---")[0]))
+
+
+def test_every_key_comes_from_the_secret_the_header_creates_and_the_engine_key_is_one_key() -> None:
+    """The engine's key reaches vLLM (VLLM_API_KEY), the gateways and the trainer from one Secret entry,
+    so the key the gateways send is the one vLLM checks; every Secret entry used is one the documented
+    `kubectl create secret` makes, and no key is a plain env value."""
+    created = _created_secret_keys(MANIFEST)
+    objs = _objects()
+    pods = {k: v for k, v in objs.items() if k[0] in ("StatefulSet", "Deployment", "Job")}
+    ranks = [d for d in yaml.safe_load_all(RANKS.read_text()) if d and d["kind"] == "Job"]
+    engine_key = _secrets(objs[("Deployment", "harnessrl-vllm")])["VLLM_API_KEY"]
+    for obj in [*pods.values(), *ranks]:
+        secrets = _secrets(obj)
+        assert all(secret == "harnessrl" and key in created for secret, key in secrets.values()), secrets
+        plain = {e["name"] for e in obj["spec"]["template"]["spec"]["containers"][0].get("env", [])
+                 if "value" in e and "KEY" in e["name"]}  # fmt: skip
+        assert not plain, (obj["metadata"]["name"], plain)
+        if obj["metadata"]["name"] in ("harnessrl-gateway", "harnessrl-train"):
+            assert secrets["HARNESSRL_ENGINE_KEY"] == engine_key, obj["metadata"]["name"]
 
 
 def test_gateway_replicas_parse_and_are_addressable_one_by_one() -> None:
@@ -51,9 +86,6 @@ def test_gateway_replicas_parse_and_are_addressable_one_by_one() -> None:
         f"http://harnessrl-gateway-{i}.harnessrl-gateway:{args.port}" for i in range(replicas)
     ]
     assert cfg.store == STORE and cfg.engine.kind == "vllm" and cfg.engine.url == args.upstream
-
-
-RANKS = MANIFEST.parent / "trainer-ranks.yaml"
 
 
 def test_trainer_ranks_are_torchrun_nodes_of_one_sharded_run() -> None:
