@@ -1,5 +1,6 @@
-"""The scale path on one GPU, in one command (issue 48): a bf16 update against fp32, the flash-attention
-path of the trainer's forward, and a LoRA weight sync into a live engine against a full one.
+"""The scale path on one GPU, in one command (issue 48): a bf16 update against fp32, the same bf16 update
+through FSDP2 (one rank), the flash-attention path of the trainer's forward, and a LoRA weight sync into
+a live engine against a full one.
 
     python bench/gpu_scale_check.py --model-dir DIR --out bench/results/gpu/scale_check.json
     python bench/gpu_scale_check.py --tiny --device cpu      # a dry run of the script on CPU (no flash check)
@@ -10,6 +11,11 @@ It has not run on a GPU yet (no GPU was lent while it was written); on CPU it ru
   (MasterAdamW), peak GPU memory of each (`torch.cuda.max_memory_allocated`) and their ratio, the largest
   |bf16 − fp32| trainer logprob before the update, and the largest difference of the fp32 master weights
   after it.
+- **bf16 fsdp update**: the trainer's FSDP2 path (`trainer/fsdp.py`: fp32 shards, bf16 compute through
+  `MixedPrecisionPolicy`, fp32 gradient reduction) on a one-rank process group (NCCL on a GPU, gloo on
+  CPU; one GPU cannot hold two NCCL ranks): two updates of the same rows against the one-process bf16
+  update (`MasterAdamW`) from the same bf16 start: the largest difference of the two schedules' steps
+  (after − before), the fp32 step for scale, and the peak GPU memory of each.
 - **flash path**: the trainer's forward (shared prefix: the suffix attends through a lower-right causal
   bias, no mask matrix) in bf16 with SDPA restricted to the flash and memory-efficient kernels: it must
   run (a mask would make SDPA refuse) and agree with the math kernel.
@@ -79,6 +85,59 @@ def check_bf16_update(model_dir: Path, device: str, rows: int) -> dict[str, Any]
     out["master_weight_max_diff_vs_fp32"] = max(
         float((weights["fp32"][n] - w).abs().max()) for n, w in weights["bf16"].items()
     )
+    return out
+
+
+def check_fsdp_bf16(model_dir: Path, device: str, rows: int, updates: int = 2) -> dict[str, Any]:
+    """bf16 through FSDP2 on one rank vs the one-process bf16 update: steps, peak memory (docstring)."""
+    import socket
+
+    import torch.distributed as dist
+    from bench.scale import demo_batch
+
+    from harnessrl.modeling.loading import load_model
+    from harnessrl.trainer.distributed import rank_update
+    from harnessrl.trainer.fsdp import gather_full, shard
+    from harnessrl.trainer.ppo import PPOConfig, ppo_update
+    from harnessrl.trainer.precision import make_optimizer, master_weights
+
+    batch, cfg = demo_batch(1, rows), PPOConfig()
+    out: dict[str, Any] = {"updates": updates}
+    _peak_reset(device)
+    one = load_model(model_dir, dtype=torch.bfloat16, device=device)
+    start1 = {n: p.detach().float().cpu() for n, p in one.named_parameters()}
+    opt1 = make_optimizer(one.parameters(), torch.bfloat16, lr=1e-5, weight_decay=0.0)
+    for _ in range(updates):
+        ppo_update(one, opt1, batch, cfg)
+    out["one_process_peak_mb"] = _peak_mb(device)
+    step1 = {n: master_weights(opt1, p).cpu() - start1[n] for n, p in one.named_parameters()}
+    del one, opt1
+    with socket.socket() as s:  # a free loopback port for the one-rank group's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        _peak_reset(device)
+        # the fp32 shards start from the same bf16 numbers as the one process's master weights
+        model = load_model(model_dir, dtype=torch.bfloat16, device=device).float()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+        root = shard(model, opt, torch.bfloat16, torch.device(device))
+        t0 = time.perf_counter()
+        for _ in range(updates):
+            rank_update(root, opt, batch, cfg)
+        out["fsdp_seconds"] = round(time.perf_counter() - t0, 2)
+        out["fsdp_peak_mb"] = _peak_mb(device)
+        weights, _ = gather_full(model, opt, with_optimizer=False)
+        assert weights is not None  # rank 0 of 1
+    finally:
+        dist.destroy_process_group()
+    common = [n for n in step1 if n in weights]  # a tied lm_head is gathered once, as the embedding
+    out["tensors_compared"] = f"{len(common)} of {len(step1)}"
+    out["fsdp_vs_one_process_max_step_diff"] = max(
+        float((weights[n].float() - start1[n] - step1[n]).abs().max()) for n in common
+    )
+    out["one_process_max_step"] = max(float(d.abs().max()) for d in step1.values())
     return out
 
 
@@ -160,7 +219,7 @@ def check_lora_sync(model_dir: Path, device: str, syncs: int = 3) -> dict[str, A
 
 
 def main() -> int:
-    """Run the three checks; print and write them as JSON."""
+    """Run the four checks; print and write them as JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--tiny", action="store_true", help="a tiny random model (a dry run)")
@@ -179,6 +238,7 @@ def main() -> int:
     res: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "model_dir": str(args.model_dir),
                            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}  # fmt: skip
     for name, check in (("bf16_update", lambda: check_bf16_update(args.model_dir, args.device, args.rows)),
+                        ("fsdp_bf16_update", lambda: check_fsdp_bf16(args.model_dir, args.device, args.rows)),
                         ("flash", lambda: check_flash(args.model_dir, args.device, args.rows)),
                         ("lora_sync", lambda: check_lora_sync(args.model_dir, args.device))):  # fmt: skip
         try:
