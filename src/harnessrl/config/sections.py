@@ -221,6 +221,10 @@ class TrainSection(_Section):
     micro_batch_tokens: int = Field(
         default=4096, ge=1
     )  # tokens per forward/backward pass (gradient accumulation beyond)
+    # a micro-batch's rows packed back to back (linear layers and attention over real tokens only, each
+    # row at its own positions; on CUDA bf16 one varlen flash call) or right-padded to the longest; auto:
+    # packed when padding would be over 10% of the positions. Same values (trainer/packing.py)
+    pack_rows: Literal["auto", "on", "off"] = "auto"
     epochs: int = Field(default=1, ge=1)  # optimizer steps over each batch
     estimator: Estimator = (
         Estimator.GRPO

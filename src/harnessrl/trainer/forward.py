@@ -25,13 +25,21 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from harnessrl.modeling.causal_lm import CausalLM, softcap
 from harnessrl.modeling.logprobs import tempered_log_softmax
 from harnessrl.modeling.memory import trim_heap
-from harnessrl.modeling.transformer import DecoderLayer, Rope, window_mask
+from harnessrl.modeling.transformer import DecoderLayer, Rope
+from harnessrl.trainer.packing import (
+    PackRows,
+    RowAttention,
+    RowPlan,
+    packed_positions,
+    plan_rows,
+    suffix_mask,
+    use_packing,
+)
 
 # Logit elements materialised at once by the head (64 MB of fp32 logits: 341 tokens of a 49,152 vocab).
 LOGIT_CHUNK_ELEMENTS = 1 << 24
@@ -75,51 +83,86 @@ def selected_logprobs(
     prefix: int,
     entropy: bool = False,
     checkpoint_layers: bool | None = None,
+    pack: PackRows | str = "auto",
 ) -> Selected:
     """Logprobs of tokens[b, t+1] for every (b, t) with select[b, t] (select: [B, L-1] bool).
 
     `tokens` [B, L] is right-padded; its first `prefix` tokens are identical in every row and no
     selected position lies before `prefix`. `checkpoint_layers`: recompute each layer's activations in
     the backward pass instead of keeping them (same values); None: when `activation_bytes` exceeds
-    `CHECKPOINT_ABOVE_BYTES` (see the module docstring).
+    `CHECKPOINT_ABOVE_BYTES` (see the module docstring). `pack` (`train.pack_rows`): run the rows'
+    suffixes packed back to back instead of padded (trainer/packing.py; same values).
     """
     if getattr(model, "generic", False):  # transformers' model: its own forward (modeling/hf_generic.py)
         return generic_selected_logprobs(model, tokens, select, temps, entropy, checkpoint_layers)
-    length = tokens.shape[1]
+    row, pos = torch.nonzero(select, as_tuple=True)
+    if bool((pos < prefix).any()):
+        raise ValueError("a selected position lies inside the shared prefix")
+    plan = plan_rows(select, prefix)
+    packed = use_packing(pack, plan, tokens.shape[1] - prefix)
+    sx = packed_suffixes(model, tokens, plan) if packed else padded_suffixes(model, tokens, prefix)
     dtype = model.model.embed_tokens.weight.dtype
-    xs = model.embed(tokens[:, prefix:])
-    pos_s = torch.arange(prefix, length, device=tokens.device)
-    rope_s = model.rope(pos_s.unsqueeze(0), dtype)
-    xp = model.embed(tokens[:1, :prefix]) if prefix else None
+    xs, xp = sx.xs, model.embed(tokens[:1, :prefix]) if prefix else None
     rope_p = model.rope(torch.arange(prefix, device=tokens.device).unsqueeze(0), dtype)
-    s = length - prefix
-    masks = {w: suffix_mask(pos_s, prefix + s, w) for w in {b.self_attn.window for b in model.model.blocks}}
     if checkpoint_layers is None:
-        checkpoint_layers = activation_bytes(model, tokens.shape[0], s, prefix) > CHECKPOINT_ABOVE_BYTES
+        checkpoint_layers = layer_bytes(model, sx.positions + prefix, sx.scores) > CHECKPOINT_ABOVE_BYTES
     recompute = checkpoint_layers and torch.is_grad_enabled()
     for layer in model.model.blocks:
-        args = (layer, xs, xp, rope_s, rope_p, masks[layer.self_attn.window])
+        args = (layer, xs, xp, sx.rope, rope_p, sx.views[layer.self_attn.window])
         xs, xp = checkpoint(run_layer, *args, use_reentrant=False) if recompute else run_layer(*args)
         # after each layer's backward its recomputed activations go back to the OS (LoRA on later layers
         # only: the first layers' outputs need no gradient)
         if recompute and xs.requires_grad:
             xs.register_hook(_trim_heap_hook)
-    row, pos = torch.nonzero(select, as_tuple=True)
-    if bool((pos < prefix).any()):
-        raise ValueError("a selected position lies inside the shared prefix")
-    hidden = model.model.norm(xs[row, pos - prefix])
+    if packed:
+        starts = torch.tensor(plan.starts, device=tokens.device)
+        hidden = model.model.norm(xs[0, starts[row] + pos - prefix])
+    else:
+        hidden = model.model.norm(xs[row, pos - prefix])
     cap = model.config.final_logit_softcapping
     lp, ent = head_logprobs(model.lm_head, hidden, tokens[row, pos + 1], temps[row], entropy, cap)
     return Selected(lp, row, pos, ent)
 
 
-def suffix_mask(q_pos: Tensor, k_len: int, window: int | None) -> Tensor:
-    """The suffix's view of the prefix + suffix keys. On a GPU, without a sliding window, a lower-right
-    causal bias (no [S, P + S] matrix: SDPA can take its flash or memory-efficient kernels); otherwise
-    the boolean `window_mask`, as on CPU, where results stay exactly as they were."""
-    if window is None and q_pos.device.type == "cuda":
-        return causal_lower_right(q_pos.shape[0], k_len)
-    return window_mask(q_pos, k_len, window)
+# How the rows' suffixes see the keys in the layers of one window size: the padded rows' mask
+# [S, P + S], or the packed rows' per-row attention.
+SuffixView = Tensor | RowAttention
+
+
+@dataclass
+class Suffixes:
+    """The rows' suffixes ready for the decoder layers, padded [B, S, H] or packed [1, N, H]."""
+
+    xs: Tensor  # embedded suffix tokens
+    rope: Rope  # their RoPE (each token at its full-sequence position)
+    views: dict[int | None, SuffixView]  # per sliding window (None: global layers)
+    positions: int  # suffix positions run (B · S padded, N packed)
+    scores: int  # attention scores per head: Σ over rows of suffix × (prefix + suffix)
+
+
+def padded_suffixes(model: CausalLM, tokens: Tensor, prefix: int) -> Suffixes:
+    """The rows' suffixes right-padded to the longest, [B, L - prefix, H]."""
+    b, length = tokens.shape
+    pos_s = torch.arange(prefix, length, device=tokens.device)
+    rope = model.rope(pos_s.unsqueeze(0), model.model.embed_tokens.weight.dtype)
+    s = length - prefix
+    views: dict[int | None, SuffixView] = {w: suffix_mask(pos_s, length, w) for w in _windows(model)}
+    return Suffixes(model.embed(tokens[:, prefix:]), rope, views, b * s, b * s * length)
+
+
+def packed_suffixes(model: CausalLM, tokens: Tensor, plan: RowPlan) -> Suffixes:
+    """The rows' suffixes packed back to back, [1, Σ s_b, H] (trainer/packing.py)."""
+    rows, pos = packed_positions(plan, tokens.device)
+    rope = model.rope(pos.unsqueeze(0), model.model.embed_tokens.weight.dtype)
+    views: dict[int | None, SuffixView] = {
+        w: RowAttention.build(plan, w, tokens.device) for w in _windows(model)
+    }
+    scores = sum(n * (plan.prefix + n) for n in plan.lengths)
+    return Suffixes(model.embed(tokens[rows, pos].unsqueeze(0)), rope, views, plan.total, scores)
+
+
+def _windows(model: CausalLM) -> set[int | None]:
+    return {b.self_attn.window for b in model.model.blocks}
 
 
 def _trim_heap_hook(grad: Tensor) -> None:
@@ -127,13 +170,18 @@ def _trim_heap_hook(grad: Tensor) -> None:
 
 
 def activation_bytes(model: CausalLM, rows: int, suffix: int, prefix: int) -> int:
-    """About the bytes autograd keeps for the decoder layers of a micro-batch of `rows` suffixes of
-    `suffix` positions after a shared `prefix`: per position and layer ~8 hidden-size and 4
-    intermediate-size vectors (norms, projections, SwiGLU), plus each layer's attention weights."""
+    """About the bytes autograd keeps for the decoder layers of a micro-batch of `rows` padded suffixes
+    of `suffix` positions after a shared `prefix` (`layer_bytes`)."""
+    return layer_bytes(model, rows * suffix + prefix, rows * suffix * (prefix + suffix))
+
+
+def layer_bytes(model: CausalLM, positions: int, scores: int) -> int:
+    """About the bytes autograd keeps for the decoder layers over `positions` token positions with
+    `scores` attention scores per head: per position and layer ~8 hidden-size and 4 intermediate-size
+    vectors (norms, projections, SwiGLU), plus each layer's attention weights."""
     c = model.config
-    positions = rows * suffix + prefix
     per_layer = positions * (8 * c.hidden_size + 4 * c.intermediate_size)
-    per_layer += rows * c.num_attention_heads * suffix * (prefix + suffix)
+    per_layer += c.num_attention_heads * scores
     size = model.lm_head.weight.element_size()
     return int(c.num_hidden_layers * per_layer * size)
 
@@ -144,7 +192,7 @@ SHARDED_STEP = "sharded_step"
 
 
 def run_layer(
-    layer: DecoderLayer, xs: Tensor, xp: Tensor | None, rope_s: Rope, rope_p: Rope, mask: Tensor
+    layer: DecoderLayer, xs: Tensor, xp: Tensor | None, rope_s: Rope, rope_p: Rope, mask: SuffixView
 ) -> tuple[Tensor, Tensor | None]:
     """One decoder layer of the training forward (`layer_forward`), through the layer's FSDP step when sharded."""
     step = getattr(layer, SHARDED_STEP, None)
@@ -155,17 +203,22 @@ def run_layer(
 
 
 def layer_forward(
-    layer: DecoderLayer, xs: Tensor, xp: Tensor | None, rope_s: Rope, rope_p: Rope, mask: Tensor
+    layer: DecoderLayer, xs: Tensor, xp: Tensor | None, rope_s: Rope, rope_p: Rope, mask: SuffixView
 ) -> tuple[Tensor, Tensor | None]:
-    """One decoder layer over the rows' suffixes `xs` [B, S, H] and their shared prefix `xp` [1, P, H]
-    (run once, its keys/values broadcast to every row); returns both outputs. `mask` [S, P + S] is the
-    suffix's (causal, windowed for a sliding layer) view of the keys."""
-    b = xs.shape[0]
+    """One decoder layer over the rows' suffixes `xs` and their shared prefix `xp` [1, P, H] (run once,
+    its keys/values broadcast to every row); returns both outputs. Padded, `xs` is [B, S, H] and `mask`
+    [S, P + S] the suffix's (causal, windowed for a sliding layer) view of the keys; packed, `xs` is
+    [1, N, H] and `mask` the rows' `RowAttention`."""
     attn = layer.self_attn
     q, k, v = attn._qkv(layer.input_layernorm(xs), *rope_s[layer.kind])
+    kp = vp = None
     if xp is not None:
         qp, kp, vp = attn._qkv(layer.input_layernorm(xp), *rope_p[layer.kind])
         xp = layer.finish(xp, attn._out(attn.attend(qp, kp, vp, None)))
+    if isinstance(mask, RowAttention):
+        o = mask.attend(attn, q, k, v, kp, vp)
+    elif kp is not None and vp is not None:
+        b = xs.shape[0]
         k = torch.cat([kp.expand(b, -1, -1, -1), k], dim=2)
         v = torch.cat([vp.expand(b, -1, -1, -1), v], dim=2)
         o = attn.attend(q, k, v, mask)

@@ -56,6 +56,7 @@ class PPOConfig:
     clip_high: float = 0.2
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096
+    pack_rows: str = "auto"  # rows packed instead of padded: auto | on | off (trainer/packing.py)
     epochs: int = 1
     tis_cap: float | None = None  # None: clip against the engine's logprobs; C: decoupled clip + IS cap C
     kl_coef: float = 0.0  # β of the KL penalty to the reference model (needs `ref_model`)
@@ -165,7 +166,7 @@ def micro_batch_loss(
     p = _pack(batch, idx, next(model.parameters()).device)
     with router_aux(model, cfg.moe_aux_loss_coef, [len(batch.rows[i].tokens) for i in idx]) as aux:
         sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, entropy=True,
-                                checkpoint_layers=checkpoint_layers)  # fmt: skip
+                                checkpoint_layers=checkpoint_layers, pack=cfg.pack_rows)  # fmt: skip
     behaviour = p.old_lp[sel.row, sel.pos]
     adv = p.adv[sel.row] if p.adv.dim() == 1 else p.adv[sel.row, sel.pos]
     w = p.weights[sel.row, sel.pos]
@@ -180,7 +181,8 @@ def micro_batch_loss(
         if ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         with torch.no_grad(), gathered(ref_model):
-            ref = selected_logprobs(ref_model, p.tokens, p.select, p.temps, p.prefix).logprobs
+            ref_sel = selected_logprobs(ref_model, p.tokens, p.select, p.temps, p.prefix, pack=cfg.pack_rows)
+            ref = ref_sel.logprobs
         kl = k3_kl(ref, sel.logprobs)
         loss_t = loss_t + cfg.kl_coef * kl
         kl_sum = float(kl.detach().sum())

@@ -49,12 +49,15 @@ def _pack(rows: list[Row], weights: list[list[float]], device: torch.device) -> 
     return tokens.to(device), w[:, 1:].to(device), prefix
 
 
-def target_logprobs(model: CausalLM, rows: list[Row], weights: list[list[float]]) -> tuple[Tensor, Tensor]:
-    """log π(x_t | x_<t) at temperature 1 of every token with loss mask 1 of `rows`, and their weights."""
+def target_logprobs(
+    model: CausalLM, rows: list[Row], weights: list[list[float]], pack_rows: str = "auto"
+) -> tuple[Tensor, Tensor]:
+    """log π(x_t | x_<t) at temperature 1 of every token with loss mask 1 of `rows`, and their weights
+    (`pack_rows`: `train.pack_rows`)."""
     tokens, w, prefix = _pack(rows, weights, next(model.parameters()).device)
     select = w > 0
     temps = torch.ones(len(rows), device=tokens.device)
-    sel = selected_logprobs(model, tokens, select, temps, prefix)
+    sel = selected_logprobs(model, tokens, select, temps, prefix, pack=pack_rows)
     return sel.logprobs, w[sel.row, sel.pos]
 
 
@@ -64,7 +67,7 @@ def _groups(rows: list[Row], budget: int) -> list[list[int]]:
 
 def sft_step(
     model: CausalLM, optimizer: torch.optim.Optimizer, rows: list[Row], mode: LossMode, budget: int,
-    max_grad_norm: float,
+    max_grad_norm: float, pack_rows: str = "auto",
 ) -> dict[str, float]:  # fmt: skip
     """One optimizer step of L = Σ w_t ℓ_t over `rows`; returns loss, gradient norm, tokens and the mean
     target logprob before the step."""
@@ -73,7 +76,7 @@ def sft_step(
     optimizer.zero_grad(set_to_none=True)
     total, lp_sum, n = 0.0, 0.0, 0
     for idx in _groups(rows, budget):
-        lp, w = target_logprobs(model, [rows[i] for i in idx], [weights[i] for i in idx])
+        lp, w = target_logprobs(model, [rows[i] for i in idx], [weights[i] for i in idx], pack_rows)
         loss = -(lp * w).sum()
         loss.backward()
         total += float(loss.detach())
@@ -90,12 +93,12 @@ def sft_step(
 
 
 @torch.no_grad()
-def mean_target_logprob(model: CausalLM, rows: list[Row], budget: int) -> float:
+def mean_target_logprob(model: CausalLM, rows: list[Row], budget: int, pack_rows: str = "auto") -> float:
     """Mean log π of the trainable tokens of `rows` (every token counted once)."""
     total, n = 0.0, 0
     for idx in _groups(rows, budget):
         sub = [rows[i] for i in idx]
-        lp, _ = target_logprobs(model, sub, [[1.0] * len(r.tokens) for r in sub])
+        lp, _ = target_logprobs(model, sub, [[1.0] * len(r.tokens) for r in sub], pack_rows)
         total += float(lp.sum())
         n += lp.numel()
     return total / max(n, 1)
@@ -147,12 +150,12 @@ def run_sft(cfg: RunConfig, source: Path | None = None, fresh: bool = False) -> 
     model = load_model(model_dir, device=t.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr or t.lr, weight_decay=t.weight_decay)
     metrics = MetricsLogger(run_dir)
-    before = mean_target_logprob(model, rows, t.micro_batch_tokens)
+    before = mean_target_logprob(model, rows, t.micro_batch_tokens, t.pack_rows)
     steps = step_batches(len(rows), s.batch_rows, s.epochs, t.seed)
     try:
         for n, idx in enumerate(steps, start=1):
             m = sft_step(model, optimizer, [rows[i] for i in idx], t.loss_mode, t.micro_batch_tokens,
-                         t.max_grad_norm)  # fmt: skip
+                         t.max_grad_norm, t.pack_rows)  # fmt: skip
             metrics.log(n, m)
             log.info(
                 "event=sft_step step=%d loss=%.4f target_logprob=%.4f", n, m["loss"], m["target_logprob"]
@@ -160,7 +163,7 @@ def run_sft(cfg: RunConfig, source: Path | None = None, fresh: bool = False) -> 
     finally:
         metrics.close()
     release_memory(model, optimizer)
-    after = mean_target_logprob(model, rows, t.micro_batch_tokens)
+    after = mean_target_logprob(model, rows, t.micro_batch_tokens, t.pack_rows)
     ckpt = save_checkpoint(run_dir / "checkpoints", len(steps), model, optimizer,
                            {"sft": True, "source": str(source)})  # fmt: skip
     summary = {"source": str(source), "report": report.as_dict(), "rows": len(rows), "steps": len(steps),
