@@ -284,6 +284,44 @@ async def test_cancel_deletes_the_job(fake: tuple[FakeKube, str], tmp_path: Path
     assert name not in kube.secrets
 
 
+async def test_a_cancel_that_meets_a_job_event_still_deletes_the_job(
+    fake: tuple[FakeKube, str], tmp_path: Path
+) -> None:
+    """A cancel that arrives in the same loop turn as an event about the Job (the tracker wakes the
+    attempt's waiter, then the cancel comes) cancels the attempt. Python 3.11's `asyncio.wait_for`, once
+    the awaitable it waits on has finished, returns its result instead of raising the cancel: the attempt
+    ran on to its end and its Job was never deleted (how test_cancel_deletes_the_job failed, alone)."""
+    kube, url = fake
+    runner = make_runner(url)
+    task = asyncio.create_task(runner.run(attempt(tmp_path, sleep=30), harness()))
+    tracker, waiting, cancelled_at = runner.tracker, [False], []
+    observe, wait = tracker.observe, tracker.wait
+
+    async def wait_marked(name: str, timeout_s: float) -> None:
+        waiting[0] = True
+        try:
+            await wait(name, timeout_s)
+        finally:
+            waiting[0] = False
+
+    def observe_then_cancel(job: dict[str, Any]) -> None:
+        observe(job)  # wakes the attempt's waiter
+        if kube.procs and waiting[0] and not cancelled_at:
+            cancelled_at.append(job["metadata"]["resourceVersion"])
+            task.cancel()
+
+    tracker.observe, tracker.wait = observe_then_cancel, wait_marked  # type: ignore[method-assign]
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        await runner.aclose()
+    assert cancelled_at, "the cancel never met an event"
+    (name,) = kube.created_jobs
+    assert kube.deleted_jobs == [(name, {"propagationPolicy": "Background"})]
+    assert name not in kube.secrets
+
+
 async def test_restarted_controller_adopts_instead_of_duplicating(
     fake: tuple[FakeKube, str], tmp_path: Path
 ) -> None:

@@ -101,11 +101,14 @@ class JobTracker:
         self._events.pop(name, None)
 
     async def wait(self, name: str, timeout_s: float) -> None:
-        """Wait until the Job changes, or `timeout_s`."""
+        """Wait until the Job changes, or `timeout_s`. A cancel always propagates: `asyncio.timeout`, not
+        `asyncio.wait_for`, which on Python 3.11 returns instead when cancelled in the turn the event is
+        set (the tracker sets it on every watch event and relist), so a cancelled attempt ran to its end."""
         ev = self._events.setdefault(name, asyncio.Event())
         ev.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await ev.wait()
 
     def _wake(self, name: str) -> None:
         if name in self._events:
