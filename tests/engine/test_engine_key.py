@@ -121,3 +121,28 @@ def test_a_refused_engine_key_is_the_operators_error_not_the_callers(
             assert wrong not in said and wrong[6:] not in said
         calls = store.calls(rid)
         assert len(calls) == 4 and all("HARNESSRL_ENGINE_KEY" in (c.error or "") for c in calls)
+
+
+def test_count_tokens_names_the_engine_key_the_engine_refuses(keyed_engine: Service, tmp_path: Path) -> None:
+    """`/v1/messages/count_tokens` asks the engine's `/tokenize` (passthrough mode): a refused engine key
+    reaches the harness as the model calls' 502 does, naming the variable and not the key (it said only
+    'could not count the prompt's tokens' before); with the right key it counts."""
+    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}]}
+    for upstream_key, wrong in [("wrong-" + secrets.token_hex(8), True), (KEY, False)]:
+        store = SQLiteStore(tmp_path / f"s-{wrong}.sqlite")
+        cfg = GatewayConfig(admin_key="admin-" + secrets.token_hex(8), upstream_url=keyed_engine.url,
+                            upstream_key=upstream_key)  # fmt: skip
+        with ThreadServer(create_app(cfg, store)) as srv:
+            _, key = GatewayHandle(srv.url, cfg.admin_key, store, keyed_engine.url).new_rollout()
+            headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+            r = httpx.post(f"{srv.url}/v1/messages/count_tokens", headers=headers, json=body, timeout=60)
+        if not wrong:
+            assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+            continue
+        assert r.status_code == 502, r.text
+        said = r.json()["error"]["message"]
+        assert said.startswith("the engine could not count the prompt's tokens: upstream engine0 refused the "
+                               "gateway's engine key (401)"), said  # fmt: skip
+        assert (
+            "HARNESSRL_ENGINE_KEY" in said and upstream_key not in r.text and upstream_key[6:] not in r.text
+        )

@@ -82,7 +82,8 @@ class ContextBudget:
     async def count(
         self, up: StickyUpstream, served: str, chat: ChatCall, history: Sequence[Call]
     ) -> int | None:
-        """The prompt's exact token count: the tito prompt's IDs, or the engine's `/tokenize`."""
+        """The prompt's exact token count: the tito prompt's IDs, or the engine's `/tokenize` (None when
+        its answer has no count; an engine that fails raises `UpstreamFailed`)."""
         try:
             if self.tito is not None:
                 return len(tito_prompt(chat, self.tito, history).prompt_ids)
@@ -96,9 +97,6 @@ class ContextBudget:
             raise APIError(400, str(e)) from None
         except UpstreamClientError as e:  # the engine says the prompt itself is invalid: the client's fault
             raise APIError(400, f"the engine rejected the prompt: {e.message}") from None
-        except UpstreamFailed as e:
-            log.info("event=count_failed model=%s error=%r", served, str(e))
-            return None
         return count if isinstance(count, int) else None
 
     async def fit(self, up: StickyUpstream, served: str, chat: ChatCall, sampling: Sampling,
@@ -115,5 +113,9 @@ class ContextBudget:
             raise APIError(400, str(e)) from None
         if upper_bound + sampling.max_tokens <= context:
             return Fit(sampling)
-        n = await self.count(up, served, chat, history)
+        try:
+            n = await self.count(up, served, chat, history)
+        except UpstreamFailed as e:  # the call itself fails over, or fails and is recorded
+            log.info("event=count_failed model=%s error=%r", served, str(e))
+            return Fit(sampling)
         return Fit(sampling) if n is None else clamp(n, sampling, context, style, param)

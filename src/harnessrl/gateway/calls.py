@@ -139,10 +139,14 @@ class ModelCalls:
         history = History(g.recorder.recent, rollout.rollout_id, max(rollout.n_attempts - 1, 0))
         chat = AnthropicFace().to_chat_call(req, history)
         up = StickyUpstream(g.upstreams, rollout.rollout_id)
-        n = await g.budget.count(up, g.route(chat.model, request.path_params.get("policy"))[0], chat,
-                                 history.recent())  # fmt: skip
+        served = g.route(chat.model, request.path_params.get("policy"))[0]
+        failed = "the engine could not count the prompt's tokens"
+        try:
+            n = await g.budget.count(up, served, chat, history.recent())
+        except UpstreamFailed as e:  # says why, as a model call's 502 does (a refused engine key, ...)
+            raise APIError(502, f"{failed}: {e}", code="upstream_failed") from None
         if n is None:
-            raise APIError(502, "the engine could not count the prompt's tokens", code="upstream_failed")
+            raise APIError(502, f"{failed}: its /tokenize answer has no count", code="upstream_failed")
         return JSONResponse({"input_tokens": n})
 
     async def _whole(self, request: Request, call: Call, t0: float, make: Callable[[], Awaitable[T]]) -> T:
