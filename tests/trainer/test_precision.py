@@ -4,16 +4,22 @@ the engine/trainer gap reported per update so a precision mismatch shows."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from harnessrl.adapter import Batch, Row
+from harnessrl.config import ConfigError, load_config
+from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.loading import load_model
 from harnessrl.modeling.packed import use_onednn_for_training
 from harnessrl.modeling.reference import reference_model
 from harnessrl.modeling.upcast import install_upcast, needs_upcast, uses_upcast
+from harnessrl.trainer import precision
+from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from harnessrl.trainer.distributed import optimizer_spec, rank_optimizer
 from harnessrl.trainer.forward import selected_logprobs
 from harnessrl.trainer.ppo import PPOConfig, _pack, ppo_update
 from harnessrl.trainer.precision import (
@@ -166,3 +172,142 @@ def test_auto_matmul_upcasts_bf16_where_the_cpu_has_no_fast_bf16(tiny_model_dir:
     m = ppo_update(routed, make_optimizer(routed.parameters(), torch.bfloat16, lr=1e-3, weight_decay=0.0), batch,
                    PPOConfig(kl_coef=0.05), ref_model=ref)  # fmt: skip
     assert m["kl"] == 0.0 and m["grad_norm"] > 0
+
+
+def _steps(
+    opt: torch.optim.Optimizer, p: torch.nn.Parameter, grads: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Step `opt` once per gradient; the fp32 master weights before the first step and after each."""
+    out = [master_weights(opt, p).clone()]
+    for grad in grads:
+        p.grad = grad.clone() if p.dtype == torch.bfloat16 else grad.float()
+        opt.step()
+        out.append(master_weights(opt, p).clone())
+    return out
+
+
+def _grads(shape: tuple[int, int], n: int, seed: int) -> list[torch.Tensor]:
+    """bf16 gradients with a steady part per weight and noise (a first moment that is neither 0 nor g)."""
+    g = torch.Generator().manual_seed(seed)
+    steady = torch.randn(shape, generator=g)
+    return [(steady + torch.randn(shape, generator=g)).bfloat16() for _ in range(n)]
+
+
+def test_bf16_exp_avg_is_adamw_with_exp_avg_rounded_to_bf16_after_each_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reference: fp32 AdamW on the master weights whose exp_avg is rounded to the nearest bf16 after
+    every step, bit for bit (the parameter stepped in several chunks)."""
+    monkeypatch.setattr(precision, "CHUNK", 1000)  # 48 x 64: 4 chunks, the last one short
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    grads = _grads((48, 64), 8, seed=5)
+    p32 = torch.nn.Parameter(w.float())
+    ref = torch.optim.AdamW([p32], lr=3e-3, weight_decay=0.1)
+    p16 = torch.nn.Parameter(w.clone())
+    opt = make_optimizer([p16], torch.bfloat16, lr=3e-3, weight_decay=0.1, exp_avg_dtype="bfloat16")
+    for grad in grads:
+        p32.grad, p16.grad = grad.float(), grad.clone()
+        ref.step()
+        ref.state[p32]["exp_avg"].copy_(ref.state[p32]["exp_avg"].bfloat16())
+        opt.step()
+        st = opt.state[p16]
+        assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg_sq"].dtype == torch.float32
+        assert torch.equal(st["exp_avg"].float(), ref.state[p32]["exp_avg"])
+        assert torch.equal(st["exp_avg_sq"], ref.state[p32]["exp_avg_sq"])
+        assert torch.equal(master_weights(opt, p16), p32.detach())
+
+
+def test_bf16_exp_avg_updates_stay_within_a_percent_of_the_exact_ones() -> None:
+    """30 AdamW steps from the same weights with the same gradients: float32 (the default) is bit for bit
+    fp32 AdamW; with a bf16 first moment each step's update (after − before, weight decay included) is
+    within 1 % of the exact one in L2 (measured: 0.34 %; the worst case, every rounding adding up, is
+    2^-8 / (1 − β1) ≈ 3.9 %), and the weights after all steps within 1 % of the whole way they moved."""
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    grads = _grads((96, 64), 30, seed=7)
+    p32 = torch.nn.Parameter(w.float())
+    exact = _steps(torch.optim.AdamW([p32], lr=1e-3, weight_decay=0.01), p32, grads)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    fp32 = _steps(MasterAdamW([a], lr=1e-3, weight_decay=0.01, exp_avg_dtype="float32"), a, grads)
+    bf16 = _steps(MasterAdamW([b], lr=1e-3, weight_decay=0.01, exp_avg_dtype="bfloat16"), b, grads)
+    assert all(torch.equal(x, y) for x, y in zip(fp32, exact, strict=True))
+    errors = []
+    for t in range(1, len(exact)):
+        want, got = exact[t] - exact[t - 1], bf16[t] - bf16[t - 1]
+        errors.append(float((got - want).norm() / want.norm()))
+    assert 0 < max(errors) <= 0.01
+    assert float((bf16[-1] - exact[-1]).norm() / (exact[-1] - exact[0]).norm()) <= 0.01
+
+
+def test_bf16_exp_avg_survives_a_checkpoint_and_a_switch_of_dtype(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """save_checkpoint/load_checkpoint keep a bf16 exp_avg bf16 (and the next update equals the
+    uninterrupted one bit for bit); a resume that switches train.exp_avg_dtype converts the saved moment."""
+    batches = [random_batch(6, seed=s) for s in (21, 22)]
+    cfg = PPOConfig(micro_batch_tokens=256)
+
+    def trainer(exp_avg_dtype: str) -> tuple[CausalLM, torch.optim.Optimizer]:
+        model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+        return model, make_optimizer(model.parameters(), torch.bfloat16, 1e-3, 0.01, exp_avg_dtype)
+
+    model, opt = trainer("bfloat16")
+    ppo_update(model, opt, batches[0], cfg)
+    save_checkpoint(tmp_path, 1, model, opt, {})
+    saved = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    ppo_update(model, opt, batches[1], cfg)
+    straight = {n: master_weights(opt, p) for n, p in model.named_parameters()}
+
+    model2, opt2 = trainer("bfloat16")
+    load_checkpoint(tmp_path / "step-1", model2, opt2)
+    for n, p in model2.named_parameters():
+        st = opt2.state[p]
+        assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg_sq"].dtype == torch.float32
+        assert st[LOW_KEY].dtype == torch.int16 and torch.equal(st["exp_avg"], saved[n])
+    ppo_update(model2, opt2, batches[1], cfg)
+    for n, p in model2.named_parameters():
+        assert torch.equal(master_weights(opt2, p), straight[n]), n
+
+    model3, opt3 = trainer("float32")  # switched at the resume: the bf16 moment widened exactly
+    load_checkpoint(tmp_path / "step-1", model3, opt3)
+    for n, p in model3.named_parameters():
+        assert opt3.state[p]["exp_avg"].dtype == torch.float32
+        assert torch.equal(opt3.state[p]["exp_avg"], saved[n].float())
+
+
+def test_bf16_exp_avg_is_refused_where_it_cannot_apply() -> None:
+    with pytest.raises(ValueError, match=r"train\.exp_avg_dtype"):
+        make_optimizer([torch.nn.Parameter(torch.zeros(3))], torch.float32, 1e-3, 0.0, "bfloat16")
+    with pytest.raises(ValueError, match=r"train\.exp_avg_dtype"):
+        MasterAdamW([torch.nn.Parameter(torch.zeros(3).bfloat16())], exp_avg_dtype="float16")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["train.exp_avg_dtype=bfloat16"], "train.dtype"),
+        (["train.dtype=bfloat16", "train.exp_avg_dtype=bfloat16", "train.world_size=2", "train.parallel=fsdp"],
+         "train.parallel"),
+        (["train.dtype=bfloat16", "train.exp_avg_dtype=bfloat16", "train.lora={}"], "train.lora"),
+        (["train.dtype=bfloat16", "train.exp_avg_dtype=float16"], "exp_avg_dtype"),
+    ],
+)  # fmt: skip
+def test_config_refuses_a_bf16_exp_avg_where_it_cannot_apply(overrides: list[str], names: str) -> None:
+    with pytest.raises(ConfigError, match=names) as err:
+        load_config(None, overrides)
+    assert "exp_avg_dtype" in str(err.value)
+    cfg = load_config(None, ["train.dtype=bfloat16", "train.exp_avg_dtype=bfloat16", "train.world_size=2"])
+    assert cfg.train.exp_avg_dtype == "bfloat16" and load_config(None, []).train.exp_avg_dtype == "float32"
+
+
+def test_a_data_parallel_rank_builds_rank_0s_optimizer() -> None:
+    """The options a rank's MasterAdamW gets from rank 0's spec: all of them, the bf16 first moment too
+    (the options of a `**kwargs` constructor were dropped, so a rank stepped with AdamW's default decay)."""
+    params = [torch.nn.Parameter(torch.zeros(4).bfloat16())]
+    opt = MasterAdamW(
+        params, lr=3e-4, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, exp_avg_dtype="bfloat16"
+    )
+    spec = json.loads(json.dumps(optimizer_spec(opt)))  # as it travels to a rank started apart
+    rank = rank_optimizer(spec, [torch.nn.Parameter(torch.zeros(4).bfloat16())])
+    assert isinstance(rank, MasterAdamW) and rank.exp_avg_dtype == "bfloat16"
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        assert rank.param_groups[0][key] == opt.param_groups[0][key], key

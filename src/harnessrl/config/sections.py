@@ -265,6 +265,10 @@ class TrainSection(_Section):
     # precision of the policy and the KL reference: float32, or bfloat16 (bf16 compute, exact fp32
     # master weights and fp32 AdamW moments; trainer/precision.py, docs/scale.md)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # with dtype bfloat16: AdamW's first moment (exp_avg) in float32, or bfloat16 (2 bytes a parameter
+    # less: 12 resident instead of 14; rounded to nearest after each step, the update within a few tenths
+    # of a percent of the exact one; the second moment stays fp32; not with fsdp or lora; docs/scale.md)
+    exp_avg_dtype: Literal["float32", "bfloat16"] = "float32"
     # data-parallel trainer ranks: k > 1 starts k - 1 worker processes (or joins those torchrun started)
     # that each take a share of every update's rows; the update equals the 1-rank one (docs/scale.md)
     world_size: int = Field(default=1, ge=1)
@@ -323,6 +327,7 @@ class TrainSection(_Section):
                 f"train.device {self.device!r} with train.world_size > 1: set cpu, or cuda (each rank then "
                 "takes cuda:<LOCAL_RANK>, one GPU per rank)"
             )
+        self._check_exp_avg_dtype()
         if self.teacher is not None and (self.schedule == "async" or self.world_size > 1):
             raise ValueError("train.teacher runs with the sync schedule in one process so far")
         if self.world_size > 1 and self.lora is not None:
@@ -334,6 +339,26 @@ class TrainSection(_Section):
                     "pip install 'harnessrl[trackers]' (or remove it from train.log_to)"
                 )
         return self
+
+    def _check_exp_avg_dtype(self) -> None:
+        """A bf16 first moment applies to bf16 parameters under MasterAdamW (trainer/precision.py) only."""
+        if self.exp_avg_dtype == "float32":
+            return
+        if self.dtype != "bfloat16":
+            raise ValueError(
+                "train.exp_avg_dtype: bfloat16 applies to bf16 parameters; set train.dtype: bfloat16 "
+                "(float32 training keeps fp32 moments) or train.exp_avg_dtype: float32"
+            )
+        if self.world_size > 1 and self.parallel == "fsdp":
+            raise ValueError(
+                "train.exp_avg_dtype: bfloat16 does not apply with train.parallel: fsdp (its shards are fp32 "
+                "master weights under plain AdamW); set train.exp_avg_dtype: float32 or train.parallel: ddp"
+            )
+        if self.lora is not None:
+            raise ValueError(
+                "train.exp_avg_dtype: bfloat16 does not apply with train.lora (the adapters train in fp32 and "
+                "their state is small); set train.exp_avg_dtype: float32"
+            )
 
 
 class EvalSection(_Section):

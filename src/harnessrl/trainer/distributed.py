@@ -155,9 +155,27 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     return [float(v) for v in top.tolist()]
 
 
-def _optimizer_class(name: str) -> Any:
-    """The optimizer a rank builds, by the name rank 0 sent (`MasterAdamW`: bf16 with master weights)."""
-    return MasterAdamW if name == MasterAdamW.__name__ else getattr(torch.optim, name)
+def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a rank needs to build rank 0's optimizer: its class name and options (`rank_optimizer`)."""
+    defaults: dict[str, Any] = {
+        k: v for k, v in optimizer.defaults.items() if isinstance(v, int | float | bool | tuple)
+    }
+    if isinstance(optimizer, MasterAdamW):  # an attribute, not a param-group option
+        defaults["exp_avg_dtype"] = optimizer.exp_avg_dtype
+    return {"optimizer": type(optimizer).__name__, "defaults": defaults}
+
+
+def rank_optimizer(spec: dict[str, Any], params: Any) -> torch.optim.Optimizer:
+    """The optimizer a rank builds over `params`, by the class name and options rank 0 sent
+    (`MasterAdamW`: bf16 with master weights)."""
+    name = spec["optimizer"]
+    cls: Any = MasterAdamW if name == MasterAdamW.__name__ else getattr(torch.optim, name)
+    accepted = inspect.signature(cls).parameters
+    defaults = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in spec["defaults"].items() if k in accepted
+    }
+    optimizer: torch.optim.Optimizer = cls(params, **defaults)
+    return optimizer
 
 
 class DataParallel:
@@ -196,9 +214,8 @@ class DataParallel:
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
-        defaults = {k: v for k, v in optimizer.defaults.items() if isinstance(v, int | float | bool | tuple)}
         spec = {"world_size": world_size, "model_dir": str(model_dir), "threads": self.threads, "matmul": matmul,
-                "optimizer": type(optimizer).__name__, "defaults": defaults, "kl_coef": kl_coef,
+                **optimizer_spec(optimizer), "kl_coef": kl_coef,
                 "parallel": parallel, "device": device.split(":")[0], "dtype": dtype}  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
@@ -368,15 +385,10 @@ def worker(rank: int, spec: dict[str, Any]) -> None:
         use_onednn_for_training(model, "onednn", device)
     elif str(spec["matmul"]).startswith("fp32 products") and not fsdp:  # as rank 0 (modeling/upcast.py)
         use_onednn_for_training(model, "auto", device)
-    cls = _optimizer_class(spec["optimizer"])
-    accepted = inspect.signature(cls).parameters
-    defaults = {
-        k: tuple(v) if isinstance(v, list) else v for k, v in spec["defaults"].items() if k in accepted
-    }
     root: Root = shard(model, dtype=dtype, device=device) if fsdp else wrap(model)
     if fsdp:
         fill_shards(model, spec["model_dir"], device)
-    optimizer = cls(model.parameters(), **defaults)  # after sharding: over this rank's shards
+    optimizer = rank_optimizer(spec, model.parameters())  # after sharding: over this rank's shards
     ref = None
     if spec["kl_coef"] > 0 and fsdp:  # in the compute dtype, sharded as the policy is
         ref = load_sharded_reference(spec["model_dir"], dtype, device)

@@ -15,6 +15,20 @@ gradient) + 8 (fp32 moments) = 14 bytes a parameter instead of fp32's 16, and ac
 Gradients of several micro-batches add up in bf16 (the one place precision is given up).
 Parameters that are not bf16 (a LoRA adapter's fp32 A and B over a bf16 base) step as plain AdamW.
 
+`train.exp_avg_dtype: bfloat16` (Megatron's name) stores the first moment `exp_avg` of every bf16
+parameter in bf16: the resident state is 2 + 2 + 2 + 2 (bf16 `exp_avg`) + 4 (fp32 `exp_avg_sq`) = 12
+bytes a parameter; weight and optimizer state alone 10 against fp32 AdamW's 12. Each chunk's fp32
+`exp_avg` is rebuilt, stepped by the same AdamW arithmetic and rounded back to the nearest bf16 (ties to
+even), so the step equals fp32 AdamW whose `exp_avg` is rounded to bf16 after every step
+(`tests/trainer/test_precision.py`). The cost: each rounding is at most 2^-8 of |exp_avg|, and with
+β1 = 0.9 every past rounding decays by 0.9 a step, so the first moment, and with it the update (linear
+in it for a given second moment), is off by at most 2^-8 / (1 − β1) ≈ 4 % of its largest recent value,
+well under 1 % in practice (docs/scale.md). The second moment stays fp32: with β2 = 0.999 a step
+changes `exp_avg_sq` by 10^-3·(g² − it), and half a bf16 step is 2^-9 to 2^-8 of it, so a bf16 second
+moment would never decay and would grow only where g² is over 3 to 5 times it: it would stagnate.
+Only `train.dtype: bfloat16` in one process or DDP has bf16 parameters to apply it to; the config
+refuses it with fp32 training, FSDP (fp32 shards) and LoRA (fp32 adapters).
+
 FSDP (`train.parallel: fsdp`) keeps its sharded parameters fp32 (they are the master weights) and
 computes in bf16 through FSDP2's `MixedPrecisionPolicy` (`trainer.fsdp.mixed_precision`): the choice
 follows `train.dtype` on every device, never the device alone.
@@ -31,7 +45,8 @@ from torch.optim.adamw import adamw
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOW_KEY = "master_low"  # the int16 low half of a bf16 parameter's fp32 master weight (optimizer state)
-FP32_STATE = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+EXP_AVG_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # `train.exp_avg_dtype`
 CHUNK = 1 << 20  # elements of a bf16 parameter stepped at a time (`MasterAdamW._step_bf16`)
 
 
@@ -57,15 +72,42 @@ def join_master(high: Tensor, low: Tensor) -> Tensor:
 
 
 class MasterAdamW(torch.optim.AdamW):
-    """AdamW over bf16 parameters with exact fp32 master weights and fp32 moments (module docstring);
-    fp32 parameters step as `torch.optim.AdamW` does. Only the plain options (no amsgrad, foreach,
-    fused, capturable or maximize)."""
+    """AdamW over bf16 parameters with exact fp32 master weights and fp32 moments (module docstring),
+    the first moment in bf16 with `exp_avg_dtype="bfloat16"`; fp32 parameters step as
+    `torch.optim.AdamW` does. Only the plain options (no amsgrad, foreach, fused, capturable or
+    maximize)."""
 
-    def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        exp_avg_dtype: str = "float32",
+        **flags: Any,
+    ) -> None:
         for flag in ("amsgrad", "foreach", "fused", "capturable", "maximize", "differentiable"):
-            if kwargs.get(flag):
+            if flags.get(flag):
                 raise ValueError(f"MasterAdamW does not support {flag}=True")
-        super().__init__(params, **kwargs)
+        if exp_avg_dtype not in EXP_AVG_DTYPES:
+            raise ValueError(
+                f"train.exp_avg_dtype must be one of {sorted(EXP_AVG_DTYPES)}, not {exp_avg_dtype!r}"
+            )
+        # an attribute, not a param-group option: a resume converts the saved moments to this dtype
+        self.exp_avg_dtype = exp_avg_dtype
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
+
+    def _state_dtypes(self, p: Tensor) -> dict[str, torch.dtype]:
+        """The dtype of each optimizer-state tensor of `p` (a bf16 parameter also has its low half)."""
+        if p.dtype != torch.bfloat16:
+            return {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+        return {
+            "exp_avg": EXP_AVG_DTYPES[self.exp_avg_dtype],
+            "exp_avg_sq": torch.float32,
+            LOW_KEY: torch.int16,
+        }
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -81,10 +123,8 @@ class MasterAdamW(torch.optim.AdamW):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    if p.dtype == torch.bfloat16:
-                        state[LOW_KEY] = torch.zeros_like(p, dtype=torch.int16)
+                    for key, dtype in self._state_dtypes(p).items():
+                        state[key] = torch.zeros_like(p, dtype=dtype)
                 if p.dtype == torch.bfloat16:
                     self._step_bf16(p, state, group)
                 else:
@@ -96,7 +136,8 @@ class MasterAdamW(torch.optim.AdamW):
         """Step a bf16 parameter CHUNK elements at a time: its fp32 master and gradient and the int64
         bit arithmetic of `join_master`/`split_master` are built for one chunk, not the whole tensor
         (for a 28M-parameter embedding that was ~1 GB of temporaries at the step's peak). AdamW is
-        elementwise, so every chunk steps with the same step count and the result is the same."""
+        elementwise, so every chunk steps with the same step count and the result is the same. A bf16
+        `exp_avg` is stepped as its fp32 value and rounded back to the nearest bf16."""
         assert p.grad is not None  # step() skips parameters without one
         parts = (p, p.grad, state[LOW_KEY], state["exp_avg"], state["exp_avg_sq"])
         flat = [t.view(-1) for t in parts] if all(t.is_contiguous() for t in parts) else list(parts)
@@ -104,23 +145,30 @@ class MasterAdamW(torch.optim.AdamW):
         for start in range(0, p.numel(), size):
             w, grad, low, exp_avg, exp_avg_sq = (t[start : start + size] if t.dim() == 1 else t for t in flat)
             master = join_master(w, low)
-            _adamw(master, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, state["step"].clone(), group)
+            exp_avg32 = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
+            _adamw(
+                master, grad, {"exp_avg": exp_avg32, "exp_avg_sq": exp_avg_sq}, state["step"].clone(), group
+            )
+            if exp_avg32 is not exp_avg:
+                exp_avg.copy_(exp_avg32)  # round to nearest (ties to even)
             high, new_low = split_master(master)
             w.copy_(high)
             low.copy_(new_low)
         state["step"].add_(1)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As `Optimizer.load_state_dict`, but the moments stay fp32 and the low halves int16 (the base
-        class casts every state tensor of a parameter to the parameter's dtype)."""
-        kept = {i: {k: v for k, v in s.items() if k in (*FP32_STATE, LOW_KEY)}
+        """As `Optimizer.load_state_dict`, but every state tensor takes the dtype this optimizer keeps it
+        in (`_state_dtypes`: the base class casts them all to the parameter's dtype): the low halves int16,
+        `exp_avg_sq` fp32, `exp_avg` in `exp_avg_dtype`, so a resume may switch `train.exp_avg_dtype`."""
+        kept = {i: {k: v for k, v in s.items() if k in (*MOMENTS, LOW_KEY)}
                 for i, s in state_dict["state"].items()}  # fmt: skip
         super().load_state_dict(state_dict)
         ids = [p for g in self.param_groups for p in g["params"]]
         for i, tensors in kept.items():
             p = ids[int(i)]
+            dtypes = self._state_dtypes(p)
             for k, v in tensors.items():
-                self.state[p][k] = v.to(p.device)
+                self.state[p][k] = v.to(device=p.device, dtype=dtypes.get(k, v.dtype))
 
 
 def _adamw(param: Tensor, grad: Tensor, state: dict[str, Any], step: Tensor, group: dict[str, Any]) -> None:
@@ -139,8 +187,14 @@ def master_weights(optimizer: torch.optim.Optimizer, param: Tensor) -> Tensor:
 
 
 def make_optimizer(
-    params: Iterable[Any], dtype: torch.dtype, lr: float, weight_decay: float
+    params: Iterable[Any], dtype: torch.dtype, lr: float, weight_decay: float, exp_avg_dtype: str = "float32"
 ) -> torch.optim.Optimizer:
-    """The trainer's AdamW: `MasterAdamW` when the model trains in bf16, else `torch.optim.AdamW`."""
-    cls = MasterAdamW if dtype == torch.bfloat16 else torch.optim.AdamW
-    return cls(params, lr=lr, weight_decay=weight_decay)
+    """The trainer's AdamW: `MasterAdamW` when the model trains in bf16 (its first moment in
+    `exp_avg_dtype`), else `torch.optim.AdamW` (fp32 moments only)."""
+    if dtype == torch.bfloat16:
+        return MasterAdamW(params, lr=lr, weight_decay=weight_decay, exp_avg_dtype=exp_avg_dtype)
+    if exp_avg_dtype != "float32":
+        raise ValueError(
+            f"train.exp_avg_dtype {exp_avg_dtype!r} needs train.dtype: bfloat16 (fp32 training keeps fp32 moments)"
+        )
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
