@@ -13,6 +13,7 @@ from harnessrl.modeling.loading import load_model
 from harnessrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from harnessrl.trainer.distributed import DataParallel, shard_rows
 from harnessrl.trainer.ppo import PPOConfig, lr_lambda, ppo_update
+from harnessrl.trainer.precision import make_optimizer
 from tests.trainer.test_ppo import random_batch
 
 # Largest absolute weight difference allowed between the 2-rank and the 1-rank update. Measured on this
@@ -126,3 +127,21 @@ def test_two_ranks_sum_to_the_whole_batch_gradient(tiny_model_dir: Path) -> None
     assert any(
         float((w0 - a.detach()).abs().max()) > 1e-6 for w0, a in zip(before, single.parameters(), strict=True)
     )
+
+
+def test_two_bf16_ranks_with_a_bf16_first_moment_stay_in_lockstep(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """train.dtype bfloat16 with train.exp_avg_dtype bfloat16 on 2 ddp ranks: rank 1 builds rank 0's
+    MasterAdamW (weight decay and the bf16 first moment included), so the replicas take the same steps."""
+    cfg = PPOConfig(micro_batch_tokens=96)
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    opt = make_optimizer(model.parameters(), torch.bfloat16, 1e-2, 0.0, exp_avg_dtype="bfloat16")
+    dp = DataParallel(model, opt, tiny_model_dir, 2, threads=1, log_dir=tmp_path, dtype="bfloat16")  # type: ignore[arg-type]
+    try:
+        for seed in (31, 32, 33):
+            dp.update(random_batch(12, seed=seed), cfg)
+            assert dp.divergence() == 0.0
+    finally:
+        dp.close()
+    assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in model.parameters())
