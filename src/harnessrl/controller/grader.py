@@ -34,7 +34,8 @@ async def grade(
 ) -> RewardIn:
     """Run a grader in a worker thread with a time limit; its crash becomes `GraderError`."""
     try:
-        value = await asyncio.wait_for(asyncio.to_thread(grader, task, result), timeout=timeout_s)
+        async with asyncio.timeout(timeout_s):
+            value = await asyncio.to_thread(grader, task, result)
     except TimeoutError:
         raise GraderError(f"grader ran past {timeout_s}s") from None
     except Exception as e:

@@ -138,7 +138,8 @@ class GroupGate:
     async def _grade_once(self, task: Task, results: list[AttemptResult]) -> list[RewardIn]:
         call: Callable[[], list[RewardIn]] = lambda: self.grader.grade_group(task, results)  # noqa: E731
         try:
-            values = await asyncio.wait_for(asyncio.to_thread(call), timeout=self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                values = await asyncio.to_thread(call)
         except TimeoutError:
             raise GraderError(f"group grader ran past {self.timeout_s}s") from None
         except Exception as e:

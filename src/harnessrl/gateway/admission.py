@@ -67,7 +67,9 @@ class _Admitted:
 
 
 class Admission:
-    """Calls in flight and the pause state of one gateway (all on its event loop)."""
+    """Calls in flight and the pause state of one gateway (all on its event loop). Its waits are bounded
+    with `asyncio.timeout`, never `asyncio.wait_for`, which on Python 3.11 drops a cancel that lands as
+    the awaited event is set (a call cancelled as the gateway resumes was admitted anyway)."""
 
     def __init__(self, pause_wait_s: float) -> None:
         self.pause_wait_s = pause_wait_s
@@ -98,7 +100,8 @@ class Admission:
                 self._preempted.add(task)
                 task.cancel()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout=drain_timeout_s)
+            async with asyncio.timeout(drain_timeout_s):
+                await self._idle.wait()
         except TimeoutError:
             return False
         return True
@@ -118,7 +121,8 @@ class Admission:
     async def _admit(self) -> None:
         if not self._resumed.is_set():
             try:
-                await asyncio.wait_for(self._resumed.wait(), timeout=self.pause_wait_s)
+                async with asyncio.timeout(self.pause_wait_s):
+                    await self._resumed.wait()
             except TimeoutError:
                 raise APIError(
                     429,

@@ -4,6 +4,7 @@ rollout cache, admission (in flight, pause), the call recorder, the engine repli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from typing import Any, Literal
@@ -224,9 +225,9 @@ class Gateway:
             self._event_seq.notify_all()
 
     async def wait_events(self, timeout_s: float) -> None:
-        """Wait until `notify_events` or the timeout."""
+        """Wait until `notify_events` or the timeout (a cancel always propagates: `asyncio.timeout`, see
+        `Admission`)."""
         async with self._event_seq:
-            try:
-                await asyncio.wait_for(self._event_seq.wait(), timeout=timeout_s)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._event_seq.wait()

@@ -113,7 +113,8 @@ class ForkServerRunner(RunnerBase):
             )  # fmt: skip
             assert self._proc.stdout is not None
             try:
-                line = await asyncio.wait_for(asyncio.to_thread(self._proc.stdout.readline), START_TIMEOUT_S)
+                async with asyncio.timeout(START_TIMEOUT_S):
+                    line = await asyncio.to_thread(self._proc.stdout.readline)
             except TimeoutError:
                 line = b""
             msg = _parse(line)
@@ -182,13 +183,15 @@ class ForkServerRunner(RunnerBase):
             record_process(spec.workdir, pid)
             line = b""
             try:
-                line = await asyncio.wait_for(reader.readline(), timeout=harness.timeout_s)
+                async with asyncio.timeout(harness.timeout_s):
+                    line = await reader.readline()
             except TimeoutError:
                 timed_out = True
                 log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
                 kill_group(pid)
                 with contextlib.suppress(TimeoutError):
-                    line = await asyncio.wait_for(reader.readline(), timeout=EXIT_REPORT_TIMEOUT_S)
+                    async with asyncio.timeout(EXIT_REPORT_TIMEOUT_S):
+                        line = await reader.readline()
             ended = _parse(line)
             if not timed_out and not isinstance(ended.get("exit"), int):
                 return failed("fork server exited before the harness did")

@@ -74,7 +74,8 @@ class LocalRunner(RunnerBase):
             record_process(spec.workdir, proc.pid)
             timed_out = False
             try:
-                await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
+                async with asyncio.timeout(harness.timeout_s):
+                    await proc.wait()
             except TimeoutError:
                 timed_out = True
                 log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)

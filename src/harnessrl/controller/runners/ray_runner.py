@@ -306,7 +306,8 @@ class RayRunner(RunnerBase):
         ref = self._remote.options(**options).remote(spec, harness, rs, pack_home(spec.workdir))
         deadline = harness.timeout_s + rs.overhead_s
         try:
-            node: NodeResult = await asyncio.wait_for(ref, timeout=deadline)
+            async with asyncio.timeout(deadline):
+                node: NodeResult = await ref
         except asyncio.CancelledError:
             ray.cancel(ref, force=True)
             log.info("event=ray_attempt_cancelled rollout=%s attempt=%d", spec.rollout_id, spec.attempt)

@@ -320,7 +320,8 @@ class SandboxRunner(RunnerBase):
                 os.close(status_w)
                 status_w = -1
                 try:
-                    await asyncio.wait_for(proc.wait(), timeout=harness.timeout_s)
+                    async with asyncio.timeout(harness.timeout_s):
+                        await proc.wait()
                 except TimeoutError:
                     timed_out = True
                     log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)

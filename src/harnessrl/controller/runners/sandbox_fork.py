@@ -238,7 +238,8 @@ class SandboxedForkServerRunner(RunnerBase):
         zygote = _Zygote(proc, folder, bridge)
         assert proc.stdout is not None
         try:
-            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), START_TIMEOUT_S)
+            async with asyncio.timeout(START_TIMEOUT_S):
+                line = await asyncio.to_thread(proc.stdout.readline)
         except TimeoutError:
             line = b""
         msg = _parse(line)
@@ -304,14 +305,16 @@ class SandboxedForkServerRunner(RunnerBase):
             if not isinstance(started.get("pid"), int):
                 return started, False
             try:
-                line = await asyncio.wait_for(reader.readline(), timeout=timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    line = await reader.readline()
             except TimeoutError:
                 timed_out = True
                 log.info("event=attempt_timeout rollout=%s attempt=%d", spec.rollout_id, spec.attempt)
                 writer.write(b"kill\n")  # the zygote kills the attempt's namespace, then reports its exit
                 line = b""
                 with contextlib.suppress(TimeoutError):
-                    line = await asyncio.wait_for(reader.readline(), timeout=EXIT_REPORT_TIMEOUT_S)
+                    async with asyncio.timeout(EXIT_REPORT_TIMEOUT_S):
+                        line = await reader.readline()
             return _parse(line), timed_out
         finally:
             writer.close()  # an attempt still running (cancelled) is killed by the zygote

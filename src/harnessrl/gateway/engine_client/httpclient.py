@@ -217,9 +217,8 @@ class HTTPPool:
                 conn.transport.close()
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(_Connection, self.host, self.port), timeout=self.connect_timeout_s
-            )
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(_Connection, self.host, self.port)
         except (OSError, TimeoutError) as e:
             raise HTTPError(f"cannot connect to {self.host}:{self.port}: {e}") from e
         return conn
@@ -273,7 +272,8 @@ class HTTPPool:
         assert conn.transport is not None
         conn.transport.write(head + body)
         try:
-            status = await asyncio.wait_for(asyncio.shield(parser.head), timeout=wait_s)
+            async with asyncio.timeout(wait_s):
+                status = await parser.head
         except TimeoutError as e:
             parser.head.cancel()
             conn.transport.close()
@@ -291,7 +291,10 @@ class HTTPPool:
         try:
             while True:
                 wait_s = _bounded(self.timeout_s, deadline)
-                piece = await asyncio.wait_for(parser.pieces.get(), timeout=wait_s)
+                if wait_s <= 0:  # past the deadline: a piece already queued would not time out below
+                    raise TimeoutError
+                async with asyncio.timeout(wait_s):
+                    piece = await parser.pieces.get()
                 if piece is None:
                     clean = True
                     return
