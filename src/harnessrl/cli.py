@@ -134,6 +134,7 @@ def _check(cfg: Any, task: int) -> int:
 
 def _sft(cfg: Any, resume: bool, fresh: bool) -> int:
     """`harnessrl train` with `train.algorithm: sft`: what `harnessrl sft` runs, on `sft.source`."""
+    from harnessrl.config import ConfigError
     from harnessrl.runs.rundir import RunDirError
     from harnessrl.trainer.sft import render, run_sft
     from harnessrl.trainer.sft_data import SftDataError
@@ -143,7 +144,7 @@ def _sft(cfg: Any, resume: bool, fresh: bool) -> int:
         return 2
     try:
         print(render(run_sft(cfg, fresh=fresh)))
-    except (SftDataError, RunDirError) as e:
+    except (ConfigError, SftDataError, RunDirError) as e:
         print(f"harnessrl: {e}", file=sys.stderr)
         return 2
     return 0

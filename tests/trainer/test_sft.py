@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from openai import OpenAI
+from safetensors import safe_open
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,6 +28,8 @@ from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from harnessrl.modeling.loading import load_model, load_tokenizer
 from harnessrl.store import SQLiteStore
+from harnessrl.trainer.checkpoint import TRAINING_STATE, load_checkpoint
+from harnessrl.trainer.precision import LOW_KEY, MasterAdamW, make_optimizer, master_weights
 from harnessrl.trainer.sft_data import load_details, sft_rows
 from tests.support.families import TOKENIZERS
 from tests.support.gateway import ThreadServer
@@ -136,6 +140,11 @@ def test_harnessrl_sft_lowers_the_loss_and_writes_a_checkpoint(
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0]
     assert load_model(Path(summary["checkpoint"])) is not None  # an HF folder: eval, export and RL start here
+    assert (summary["dtype"], summary["optimizer"]) == ("float32", "AdamW")  # train.dtype's default
+    assert summary["matmul"] != "aten (aten asked)"  # train.matmul: auto (its probe decides)
+    assert checkpoint_dtypes(Path(summary["checkpoint"])) == {torch.float32}
+    blob = torch.load(Path(summary["checkpoint"]) / TRAINING_STATE, weights_only=False)
+    assert blob["optimizer"]["state"] and not any(LOW_KEY in st for st in blob["optimizer"]["state"].values())
     assert "re-rendered with the student's template" in capsys.readouterr().out
     assert (
         main(["sft", "--config", str(config), "--from", str(tmp_path / "nowhere"), f"run_dir={out}-2"]) == 2
@@ -146,13 +155,18 @@ def test_train_algorithm_sft_runs_sft_on_its_source_and_refuses_a_config_without
     teacher_run: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(f"engine: {{model: {tiny_model_dir}}}\ntrain: {{lr: 0.003, seed: 1, algorithm: sft}}\n"
+    config.write_text(f"engine: {{model: {tiny_model_dir}}}\n"
+                      "train: {lr: 0.003, seed: 1, algorithm: sft, lr_schedule: cosine}\n"
                       f"sft: {{min_reward: 0.5, epochs: 2, batch_rows: 1, source: {teacher_run}}}\n")  # fmt: skip
     out = tmp_path / "sft-by-train"
     assert main(["train", "--config", str(config), f"run_dir={out}"]) == 0  # no harness or grader needed
     summary = json.loads((out / "sft.json").read_text())
     assert summary["source"] == str(teacher_run) and summary["steps"] == 2 and summary["rows"] == 1
     assert Path(summary["checkpoint"]).name == "step-2" and "checkpoint:" in capsys.readouterr().out
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([0.003, 0.0015])  # cosine over the 2 SFT steps: 1, then (1 + cos(π/2)) / 2
+    blob = torch.load(Path(summary["checkpoint"]) / TRAINING_STATE, weights_only=False)
+    assert blob["scheduler"]["last_epoch"] == 2  # saved as RL saves it: a resume continues the schedule
     assert main(["train", "--config", str(config), "sft.source=null", f"run_dir={out}-2"]) == 2
     err = capsys.readouterr().err
     assert (
@@ -160,3 +174,70 @@ def test_train_algorithm_sft_runs_sft_on_its_source_and_refuses_a_config_without
         and "set sft.source" in err
         and not (tmp_path / "sft-by-train-2").exists()
     )
+
+
+def checkpoint_dtypes(ckpt: Path) -> set[torch.dtype]:
+    """The dtypes of the weights a checkpoint folder holds (model.safetensors)."""
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        return {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+
+
+def test_sft_in_bf16_trains_bf16_parameters_with_master_adamw_and_rl_continues_from_its_checkpoint(
+    teacher_run: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.dtype, train.exp_avg_dtype and train.matmul are the RL trainer's: bf16 parameters, MasterAdamW
+    with a bf16 first moment, the matmul asked for; the checkpoint is what RL writes for a bf16 model."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"engine: {{model: {tiny_model_dir}}}\n"
+                      "train: {lr: 0.003, seed: 1, dtype: bfloat16, exp_avg_dtype: bfloat16, matmul: aten}\n"
+                      "sft: {min_reward: 0.5, epochs: 6, batch_rows: 1}\n")  # fmt: skip
+    out = tmp_path / "sft-bf16"
+    assert main(["sft", "--config", str(config), "--from", str(teacher_run), f"run_dir={out}"]) == 0
+    summary = json.loads((out / "sft.json").read_text())
+    assert (summary["dtype"], summary["exp_avg_dtype"], summary["optimizer"], summary["matmul"]) == (
+        "bfloat16", "bfloat16", "MasterAdamW", "aten (aten asked)"
+    )  # fmt: skip
+    assert "in bfloat16 (MasterAdamW" in capsys.readouterr().out
+    assert summary["steps"] == 6 and summary["target_logprob_after"] > summary["target_logprob_before"] + 1.0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0]
+    ckpt = Path(summary["checkpoint"])
+    assert checkpoint_dtypes(ckpt) == {torch.bfloat16}  # the parameters as trained, as RL saves them
+    assert json.loads((ckpt / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    states = torch.load(ckpt / TRAINING_STATE, weights_only=False)["optimizer"]["state"].values()
+    assert states and all(
+        (st[LOW_KEY].dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype)
+        == (torch.int16, torch.bfloat16, torch.float32)
+        for st in states
+    )  # MasterAdamW's state: the low halves of the fp32 masters, the first moment in bf16
+    # RL from it: its trainer's bf16 model and optimizer take the weights and the exact fp32 masters
+    model = load_model(ckpt, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    optimizer = make_optimizer(model.parameters(), torch.bfloat16, 0.003, 0.0, "bfloat16")
+    assert isinstance(optimizer, MasterAdamW)
+    assert load_checkpoint(ckpt, model, optimizer)["sft"] is True
+    p = model.model.embed_tokens.weight
+    assert not torch.equal(master_weights(optimizer, p), p.float())  # fp32 bits beyond bf16, restored
+    assert load_model(ckpt) is not None  # and in fp32, as `harnessrl eval --model` and the engine read it
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [("train.world_size=2", "train.world_size"), ("train.lora={}", "train.lora"),
+     ("train.moe_aux_loss_coef=0.01", "train.moe_aux_loss_coef")],
+)  # fmt: skip
+def test_sft_refuses_the_settings_it_cannot_honour_by_name(
+    override: str, field: str, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"engine: {{model: {tiny_model_dir}}}\n")
+    source = tmp_path / "traces.jsonl"  # never read: the refusal comes first
+    out = tmp_path / "sft-run"
+    assert main(["sft", "--config", str(config), "--from", str(source), f"run_dir={out}", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"harnessrl sft: {field}") and "SFT" in err and not out.exists()
+    algorithm = ["train.algorithm=sft", f"sft.source={source}", f"run_dir={out}", override]
+    assert main(["train", "--config", str(config), *algorithm]) == 2  # refused when the config is loaded
+    assert field in capsys.readouterr().err and not out.exists()
+    assert main(["sft", "--config", str(config), "--from", str(source), f"run_dir={out}"]) == 2
+    assert "no such" in capsys.readouterr().err.lower()  # without the override: on to the (missing) source

@@ -442,7 +442,7 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _sft_has_a_source(self) -> RunConfig:
-        problem = algorithm_problem(self.train.algorithm, self.sft, self.train.teacher)
+        problem = algorithm_problem(self.train.algorithm, self.sft, self.train)
         if problem:
             raise ValueError(problem)
         return self

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
 from harnessrl.config.project import _Section
+
+if TYPE_CHECKING:
+    from harnessrl.config.sections import TrainSection
 
 
 class SftSection(_Section):
@@ -53,7 +56,7 @@ class TeacherSection(_Section):
         return self
 
 
-def algorithm_problem(algorithm: str, sft: SftSection, teacher: TeacherSection | None) -> str | None:
+def algorithm_problem(algorithm: str, sft: SftSection, train: TrainSection) -> str | None:
     """What is wrong with `train.algorithm: sft` in this config (None: nothing, or the algorithm is rl)."""
     if algorithm != "sft":
         return None
@@ -62,9 +65,30 @@ def algorithm_problem(algorithm: str, sft: SftSection, teacher: TeacherSection |
             "train.algorithm: sft fine-tunes on recorded calls: set sft.source to a run directory or a trace "
             "file (harnessrl export RUN --format trace), or use harnessrl sft --from RUN_DIR|TRACE"
         )
-    if teacher is not None:
+    if train.teacher is not None:
         return (
             "train.teacher is on-policy distillation, part of the RL loop: remove it, or set "
             "train.algorithm: rl (SFT imitates sft.source's calls and scores nothing with a teacher)"
+        )
+    return sft_unsupported(train)
+
+
+def sft_unsupported(train: TrainSection) -> str | None:
+    """The first setting of `train` that SFT (one process, full fine-tuning, trainer/sft.py) cannot
+    honour, as an error naming the field and the fix; None when SFT trains as the config asks."""
+    if train.world_size > 1:
+        return (
+            f"train.world_size: {train.world_size}: SFT trains in one process (no ddp or fsdp ranks); "
+            "set train.world_size=1 for it"
+        )
+    if train.lora is not None:
+        return (
+            "train.lora: SFT fine-tunes every parameter (no LoRA adapters yet); remove train.lora "
+            "(train.lora=null) for it"
+        )
+    if train.moe_aux_loss_coef > 0:
+        return (
+            f"train.moe_aux_loss_coef: {train.moe_aux_loss_coef:g}: SFT adds no router load-balancing loss; "
+            "set train.moe_aux_loss_coef=0 for it"
         )
     return None

@@ -8,10 +8,19 @@ rows, as in RL):
     L   = Σ_t w_t · ℓ_t
 
 Rows are shuffled per epoch (seed `train.seed`) and taken `sft.batch_rows` at a time, one AdamW step each
-(gradient clipped to `train.max_grad_norm`); each step's rows are cut into micro-batches by
-`train.micro_batch_tokens`, rows sharing a prefix together (`trainer.ppo.micro_batches`). The model is
-then saved as RL saves it (`<run_dir>/checkpoints/step-N`, an HF folder): `harnessrl eval --model` and
-`harnessrl export-model` read it, and RL continues from it with `engine.model=<that folder>`.
+(gradient clipped to `train.max_grad_norm`; the learning rate `sft.lr`, else `train.lr`, times RL's
+schedule `train.lr_schedule` with `train.warmup_steps` and `train.min_lr_ratio` over the SFT run's own
+steps, not `train.steps`); each step's rows are cut into micro-batches by
+`train.micro_batch_tokens`, rows sharing a prefix together (`trainer.ppo.micro_batches`).
+
+The model and optimizer are the RL trainer's (`runs.context.build_trainer`): the model in `train.dtype`
+on `train.device`, its linear layers routed by `train.matmul`, and `trainer.precision.make_optimizer`'s
+AdamW (`MasterAdamW` with exact fp32 master weights under bfloat16, its first moment in
+`train.exp_avg_dtype`). Settings it cannot honour are refused before anything is read
+(`config.teaching.sft_unsupported`: `train.world_size` > 1, `train.lora`, `train.moe_aux_loss_coef`).
+The model is then saved as RL saves it (`<run_dir>/checkpoints/step-N`, an HF folder in the model's
+dtype, the optimizer's state beside it): `harnessrl eval --model` and `harnessrl export-model` read it,
+and RL continues from it with `engine.model=<that folder>`.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from harnessrl.adapter import LossMode, Row, apply_length_limit, loss_weights
 from harnessrl.config import RunConfig
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
-from harnessrl.trainer.ppo import first_trainable, micro_batches, release_memory
+from harnessrl.trainer.ppo import first_trainable, lr_lambda, micro_batches, release_memory
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +123,46 @@ def step_batches(n_rows: int, batch_rows: int, epochs: int, seed: int) -> list[l
     return out
 
 
+def build_model_and_optimizer(cfg: RunConfig, model_dir: Path) -> tuple[CausalLM, torch.optim.Optimizer, str]:
+    """The model of `model_dir` and its AdamW as the RL trainer builds them (`runs.context.build_trainer`,
+    one process, full fine-tuning): in `train.dtype` on `train.device`, linear layers routed by
+    `train.matmul`; `make_optimizer` (bf16: `MasterAdamW`, first moment in `train.exp_avg_dtype`) at
+    `sft.lr` (else `train.lr`). Also returns the matmul path chosen (for the log and sft.json)."""
+    from harnessrl.modeling.hf_generic import is_generic
+    from harnessrl.modeling.loading import load_model
+    from harnessrl.modeling.packed import use_onednn_for_training
+    from harnessrl.trainer.precision import make_optimizer, torch_dtype
+
+    t = cfg.train
+    model = load_model(model_dir, dtype=torch_dtype(t.dtype), device=t.device)
+    matmul = (
+        "aten (transformers path)"
+        if is_generic(model)
+        else use_onednn_for_training(model, t.matmul, model.lm_head.weight.device)
+    )
+    log.info("event=trainer_matmul path=%r dtype=%s", matmul, t.dtype)
+    dtype = next(model.parameters()).dtype
+    optimizer = make_optimizer(model.parameters(), dtype, cfg.sft.lr or t.lr, t.weight_decay, t.exp_avg_dtype)
+    return model, optimizer, matmul
+
+
 def run_sft(cfg: RunConfig, source: Path | None = None, fresh: bool = False) -> dict[str, Any]:
     """Fine-tune `engine.model` on the rows of `source` (default: `sft.source`; module docstring);
     writes the checkpoint, metrics.jsonl and sft.json to `run_dir` and returns the summary. What
     `harnessrl sft` and `harnessrl train` with `train.algorithm: sft` run."""
+    from harnessrl.config.teaching import sft_unsupported
+    from harnessrl.errors import ConfigError
     from harnessrl.gateway.engine_client.inference import TitoTokenizer
-    from harnessrl.modeling.loading import load_model, resolve_model
+    from harnessrl.modeling.loading import resolve_model
     from harnessrl.runs.rundir import Mode, prepare
     from harnessrl.trainer.checkpoint import save_checkpoint
     from harnessrl.trainer.metrics import MetricsLogger
     from harnessrl.trainer.sft_data import SftDataError, load_details, sft_rows
 
     t0 = time.time()
+    problem = sft_unsupported(cfg.train)
+    if problem:
+        raise ConfigError(problem)
     if source is None:
         if not cfg.sft.source:
             raise SftDataError("no calls to train on: set sft.source (or harnessrl sft --from RUN_DIR|TRACE)")
@@ -146,17 +183,23 @@ def run_sft(cfg: RunConfig, source: Path | None = None, fresh: bool = False) -> 
     if not rows:
         raise SftDataError(f"no rows to train on from {source}: {report.as_dict()} (lower sft.min_reward?)")
     prepare(run_dir, cfg, Mode.FRESH if fresh else Mode.NEW)
+    if t.threads:
+        torch.set_num_threads(t.threads)  # as the RL run does (runs/flow.py)
     torch.manual_seed(t.seed)
-    model = load_model(model_dir, device=t.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr or t.lr, weight_decay=t.weight_decay)
+    model, optimizer, matmul = build_model_and_optimizer(cfg, model_dir)
     metrics = MetricsLogger(run_dir)
     before = mean_target_logprob(model, rows, t.micro_batch_tokens, t.pack_rows)
     steps = step_batches(len(rows), s.batch_rows, s.epochs, t.seed)
+    # RL's LR schedule (train.lr_schedule, warmup_steps, min_lr_ratio) over SFT's own steps
+    schedule = lr_lambda(t.lr_schedule, t.warmup_steps, len(steps), t.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     try:
         for n, idx in enumerate(steps, start=1):
+            lr = optimizer.param_groups[0]["lr"]
             m = sft_step(model, optimizer, [rows[i] for i in idx], t.loss_mode, t.micro_batch_tokens,
                          t.max_grad_norm, t.pack_rows)  # fmt: skip
-            metrics.log(n, m)
+            scheduler.step()
+            metrics.log(n, {**m, "lr": lr})
             log.info(
                 "event=sft_step step=%d loss=%.4f target_logprob=%.4f", n, m["loss"], m["target_logprob"]
             )
@@ -165,10 +208,11 @@ def run_sft(cfg: RunConfig, source: Path | None = None, fresh: bool = False) -> 
     release_memory(model, optimizer)
     after = mean_target_logprob(model, rows, t.micro_batch_tokens, t.pack_rows)
     ckpt = save_checkpoint(run_dir / "checkpoints", len(steps), model, optimizer,
-                           {"sft": True, "source": str(source)})  # fmt: skip
+                           {"sft": True, "source": str(source)}, scheduler)  # fmt: skip
     summary = {"source": str(source), "report": report.as_dict(), "rows": len(rows), "steps": len(steps),
                "target_logprob_before": before, "target_logprob_after": after, "checkpoint": str(ckpt),
-               "wall_seconds": time.time() - t0}  # fmt: skip
+               "dtype": t.dtype, "exp_avg_dtype": t.exp_avg_dtype, "optimizer": type(optimizer).__name__,
+               "matmul": matmul, "wall_seconds": time.time() - t0}  # fmt: skip
     (run_dir / "sft.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -179,8 +223,8 @@ def render(s: dict[str, Any]) -> str:
     return "\n".join([
         f"{r['kept']} of {r['rollouts']} rollouts kept ({r['retemplated']} re-rendered with the student's "
         f"template, text-level); {s['rows']} rows, {r['trainable_tokens']} trainable tokens",
-        f"{s['steps']} steps: mean target logprob {s['target_logprob_before']:.4f} -> "
-        f"{s['target_logprob_after']:.4f}",
+        f"{s['steps']} steps in {s['dtype']} ({s['optimizer']}, matmul {s['matmul']}): mean target logprob "
+        f"{s['target_logprob_before']:.4f} -> {s['target_logprob_after']:.4f}",
         f"checkpoint: {s['checkpoint']}  (RL from it: engine.model={s['checkpoint']})",
     ])  # fmt: skip
 
