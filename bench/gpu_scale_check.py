@@ -1,9 +1,10 @@
 """The scale path on one GPU, in one command (issue 48): a bf16 update against fp32, the same bf16 update
-through FSDP2 (one rank), the flash-attention path of the trainer's forward, and a LoRA weight sync into
-a live engine against a full one.
+through FSDP2 (one rank), the flash-attention path of the trainer's forward, packed rows through torch's
+varlen flash kernel, and a LoRA weight sync into a live engine against a full one.
 
     python bench/gpu_scale_check.py --model-dir DIR --out bench/results/gpu/scale_check.json
     python bench/gpu_scale_check.py --tiny --device cpu      # a dry run of the script on CPU (no flash check)
+    python bench/gpu_scale_check.py --only packed_rows       # one check (or several) alone
 
 It has not run on a GPU yet (no GPU was lent while it was written); on CPU it runs end to end.
 
@@ -18,7 +19,12 @@ It has not run on a GPU yet (no GPU was lent while it was written); on CPU it ru
   (after − before), the fp32 step for scale, and the peak GPU memory of each.
 - **flash path**: the trainer's forward (shared prefix: the suffix attends through a lower-right causal
   bias, no mask matrix) in bf16 with SDPA restricted to the flash and memory-efficient kernels: it must
-  run (a mask would make SDPA refuse) and agree with the math kernel.
+  run (a mask would make SDPA refuse) and agree with the math kernel (rows padded: `pack="off"`).
+- **packed rows** (`train.pack_rows`, trainer/packing.py): one forward + backward of rows of 300, 800 and
+  2,000 tokens after a 64-token shared prefix, padded and packed, in bf16 (on CUDA the packed rows attend
+  through `torch.nn.attention.varlen.varlen_attn`, one call per layer: `varlen_calls` counts them) and in
+  fp32 (one SDPA call per row): seconds of each (after a warm-up of both), their ratio, and the logprob
+  and gradient differences against the padded forward on SDPA's math kernel.
 - **LoRA sync**: a builtin engine on the GPU gets an adapter (`publish_weights` with `lora`) and the full
   model by file and from memory (`engine.weight_sync`), 3 times each: median seconds, bytes of the sync,
   and the engine-vs-trainer logprob gap.
@@ -158,18 +164,64 @@ def check_flash(model_dir: Path, device: str, rows: int) -> dict[str, Any]:
     result: dict[str, Any] = {"prefix": p.prefix}
     with torch.no_grad():
         with sdpa_kernel([SDPBackend.MATH]):
-            ref = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix).logprobs.float()
+            ref = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, pack="off").logprobs.float()
         for name, backend in (
             ("flash", SDPBackend.FLASH_ATTENTION),
             ("efficient", SDPBackend.EFFICIENT_ATTENTION),
         ):
             try:
                 with sdpa_kernel([backend]):
-                    lp = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix).logprobs.float()
+                    lp = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, pack="off")
+                    lp = lp.logprobs.float()
                 result[f"{name}_max_diff_vs_math"] = float((lp - ref).abs().max())
             except RuntimeError as e:
                 result[f"{name}_error"] = str(e)[:300]
     return result
+
+
+def check_packed(model_dir: Path, device: str, lengths: tuple[int, ...] = (300, 800, 2000)) -> dict[str, Any]:
+    """Packed rows against padded ones, bf16 and fp32: differences and seconds of a forward + backward."""
+    from bench.packed_rows import micro_batch, step
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from harnessrl.modeling.loading import load_model
+    from harnessrl.trainer.packing import RowAttention
+
+    prefix, out = 64, {"lengths": list(lengths), "prefix": 64}
+    varlen_calls: list[int] = []
+    original = RowAttention._varlen
+
+    def counted(self: RowAttention, *args: Any) -> Any:
+        varlen_calls.append(len(self.lengths))
+        return original(self, *args)
+
+    RowAttention._varlen = counted  # type: ignore[method-assign]
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            model = load_model(model_dir, dtype=dtype, device=device)
+            model.train()
+            batch = tuple(t.to(device) for t in micro_batch(model.config.vocab_size, list(lengths), prefix))
+            with sdpa_kernel([SDPBackend.MATH]):
+                _, lp_ref, grads = step(model, batch, prefix, "off")
+                g_ref = {n: g.float().clone() for n, g in grads.items()}
+            step(model, batch, prefix, "off")  # warm-up of the default kernels, then of the packed path
+            step(model, batch, prefix, "on")
+            padded_s, lp_pad, _ = step(model, batch, prefix, "off")
+            del varlen_calls[:]
+            packed_s, lp, grads = step(model, batch, prefix, "on")
+            rel = max(float((grads[n].float() - g).abs().max() / g.abs().max()) for n, g in g_ref.items()
+                      if g.abs().max() > 0)  # fmt: skip
+            out[str(dtype).removeprefix("torch.")] = {
+                "varlen_calls": len(varlen_calls), "padded_s": round(padded_s, 4), "packed_s": round(packed_s, 4),
+                "speedup": round(padded_s / packed_s, 2),
+                "padded_max_diff_vs_math": float((lp_pad.float() - lp_ref.float()).abs().max()),
+                "packed_max_diff_vs_math": float((lp.float() - lp_ref.float()).abs().max()),
+                "packed_grad_max_rel_diff_vs_math": rel,
+            }  # fmt: skip
+            del model, grads, g_ref
+    finally:
+        RowAttention._varlen = original  # type: ignore[method-assign]
+    return out
 
 
 def check_lora_sync(model_dir: Path, device: str, syncs: int = 3) -> dict[str, Any]:
@@ -219,12 +271,14 @@ def check_lora_sync(model_dir: Path, device: str, syncs: int = 3) -> dict[str, A
 
 
 def main() -> int:
-    """Run the four checks; print and write them as JSON."""
+    """Run the five checks (or `--only` some); print and write them as JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--tiny", action="store_true", help="a tiny random model (a dry run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--only", nargs="+", help="run these checks only (bf16_update, fsdp_bf16_update, flash, "
+                   "packed_rows, lora_sync)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu" / "scale_check.json")
     args = p.parse_args()
     if args.tiny:
@@ -237,10 +291,14 @@ def main() -> int:
         args.model_dir = resolve_model("smollm2")
     res: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "model_dir": str(args.model_dir),
                            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}  # fmt: skip
-    for name, check in (("bf16_update", lambda: check_bf16_update(args.model_dir, args.device, args.rows)),
+    checks = (("bf16_update", lambda: check_bf16_update(args.model_dir, args.device, args.rows)),
                         ("fsdp_bf16_update", lambda: check_fsdp_bf16(args.model_dir, args.device, args.rows)),
                         ("flash", lambda: check_flash(args.model_dir, args.device, args.rows)),
-                        ("lora_sync", lambda: check_lora_sync(args.model_dir, args.device))):  # fmt: skip
+                        ("packed_rows", lambda: check_packed(args.model_dir, args.device)),
+                        ("lora_sync", lambda: check_lora_sync(args.model_dir, args.device)))  # fmt: skip
+    for name, check in checks:
+        if args.only and name not in args.only:
+            continue
         try:
             res[name] = check()
         except Exception as e:  # every check runs; a failure is reported, not fatal

@@ -3,8 +3,10 @@
 Rows of one step share long prefixes (system prompt, worked examples, the whole prompt for GRPO
 siblings). For a micro-batch whose rows agree on their first P tokens, the prefix runs once (batch 1)
 and every row's suffix attends to its keys/values; gradients flow back through the shared prefix, so
-the result equals a full forward of every row exactly (up to float summation order). The vocabulary
-projection and log-softmax run only at positions whose next token is trainable.
+the result equals a full forward of every row exactly (up to float summation order). The suffixes run
+right-padded to the longest ([B, S, H]) or, when their lengths differ (`train.pack_rows`), packed back to
+back ([1, Σ s_b, H]; trainer/packing.py), with the same values. The vocabulary projection and
+log-softmax run only at positions whose next token is trainable.
 
 Memory: the [tokens × vocab] fp32 logits (SmolLM2: 192 KB a token) are never materialised for a whole
 micro-batch: the projection, log-softmax and gather run over chunks of `LOGIT_CHUNK_ELEMENTS // vocab`

@@ -165,7 +165,7 @@ def _offsets(lengths: list[int], device: torch.device) -> Tensor:
 
 
 def _varlen_attn() -> Callable[..., Tensor] | None:
-    """torch's `varlen_attn` where this torch has it (2.10 and later), else None."""
+    """torch's `varlen_attn` where the torch installed has it (2.13 does), else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
