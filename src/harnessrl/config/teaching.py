@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import Field, model_validator
 
 from harnessrl.config.project import _Section
 
-if TYPE_CHECKING:
-    from harnessrl.config.sections import TrainSection
+
+class TrainFields(Protocol):
+    """What these checks read of the `train` section (config.sections.TrainSection; a protocol, not an
+    import: sections imports this module)."""
+
+    teacher: Any
+    world_size: int
+    lora: Any
+    moe_aux_loss_coef: float
 
 
 class SftSection(_Section):
@@ -56,7 +63,7 @@ class TeacherSection(_Section):
         return self
 
 
-def algorithm_problem(algorithm: str, sft: SftSection, train: TrainSection) -> str | None:
+def algorithm_problem(algorithm: str, sft: SftSection, train: TrainFields) -> str | None:
     """What is wrong with `train.algorithm: sft` in this config (None: nothing, or the algorithm is rl)."""
     if algorithm != "sft":
         return None
@@ -73,7 +80,7 @@ def algorithm_problem(algorithm: str, sft: SftSection, train: TrainSection) -> s
     return sft_unsupported(train)
 
 
-def sft_unsupported(train: TrainSection) -> str | None:
+def sft_unsupported(train: TrainFields) -> str | None:
     """The first setting of `train` that SFT (one process, full fine-tuning, trainer/sft.py) cannot
     honour, as an error naming the field and the fix; None when SFT trains as the config asks."""
     if train.world_size > 1:
