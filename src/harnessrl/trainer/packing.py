@@ -126,13 +126,14 @@ class RowAttention:
         keys/values `kp`/`vp` [1, kv_heads, P, head_dim] (None: no prefix) and its own."""
         if q.is_cuda and q.dtype in VARLEN_DTYPES and _varlen_attn() is not None:
             return self._varlen(attn, q, k, v, kp, vp)
-        outs, off = [], 0
-        for n, mask in zip(self.lengths, self.masks, strict=True):
-            ks, vs = k[:, :, off : off + n], v[:, :, off : off + n]
+        # split, not sliced: the backward joins the rows' gradients with one cat (a slice's backward
+        # would fill a zero tensor of all N positions per row and add them up)
+        parts = (q.split(self.lengths, 2), k.split(self.lengths, 2), v.split(self.lengths, 2))
+        outs = []
+        for qs, ks, vs, mask in zip(*parts, self.masks, strict=True):
             if kp is not None and vp is not None:
                 ks, vs = torch.cat([kp, ks], dim=2), torch.cat([vp, vs], dim=2)
-            outs.append(attn.attend(q[:, :, off : off + n], ks, vs, mask))
-            off += n
+            outs.append(attn.attend(qs, ks, vs, mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _varlen(
