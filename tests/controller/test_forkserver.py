@@ -107,6 +107,29 @@ async def test_a_forked_harness_sees_what_a_fresh_interpreter_sees(
         assert (r.stdout_tail, r.stderr_tail) == ("to stdout\n", "to stderr\n")
 
 
+async def test_a_relative_pythonpath_means_the_controllers_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `PYTHONPATH=pkg harnessrl ...` typed in a checkout: the harness runs in its attempt's folder, where
+    # "pkg" named nothing (the sandboxed fork server failed to import its preload from `PYTHONPATH=src`)
+    command = _forms(tmp_path, "0")["module"]
+    monkeypatch.chdir(tmp_path)
+    before = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["pkg", *([before] if before else [])]))
+    runner = ForkServerRunner([PRELOAD])  # the zygote's environment is read when it starts
+    try:
+        spec = HarnessSpec(command, timeout_s=30)
+        results = [
+            await runner.run(_attempt(tmp_path, "forked"), spec),
+            await LocalRunner().run(_attempt(tmp_path, "fresh"), spec),
+        ]
+    finally:
+        runner.close()
+    for r in results:
+        assert (r.exit_code, r.infra_error) == (0, None), r.stderr_tail
+        assert _probe(r)["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "pkg")
+
+
 @pytest.mark.parametrize(("arg", "code"), [("7", 7), ("raise", 1), ("kill", -9)])
 async def test_exit_codes_match_a_fresh_interpreter(
     fork_runner: ForkServerRunner, tmp_path: Path, arg: str, code: int

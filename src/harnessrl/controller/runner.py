@@ -27,6 +27,18 @@ log = logging.getLogger(__name__)
 DEFAULT_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "HF_HUB_OFFLINE")
 
 
+def inherited_env(names: tuple[str, ...]) -> dict[str, str]:
+    """The controller's values of `names`, with PYTHONPATH's relative entries made absolute against the
+    controller's working directory: a harness runs in its attempt's folder, where `PYTHONPATH=src` (as
+    typed in a checkout) would name nothing."""
+    env = {k: os.environ[k] for k in names if k in os.environ}
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(p) if p else p for p in env["PYTHONPATH"].split(os.pathsep)
+        )
+    return env
+
+
 @dataclass(frozen=True)
 class HarnessSpec:
     """How to start a harness: the command, its time limit and extra environment."""
@@ -112,7 +124,7 @@ def contract_env(
     spec: AttemptSpec, harness: HarnessSpec, task_file: Path, output_dir: Path
 ) -> dict[str, str]:
     """The harness contract: base URLs and the rollout's key for both APIs, task file, output dir."""
-    env = {k: os.environ[k] for k in harness.passthrough if k in os.environ}
+    env = inherited_env(harness.passthrough)
     base = spec.gateway_url.rstrip("/")
     env.update(
         {

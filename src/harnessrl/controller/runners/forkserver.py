@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from harnessrl.controller.runner import (
     AttemptSpec,
     HarnessSpec,
     RunnerBase,
+    inherited_env,
     kill_group,
     record_process,
     tail,
@@ -129,7 +129,7 @@ class ForkServerRunner(RunnerBase):
     @staticmethod
     def _zygote_env() -> dict[str, str]:
         """The zygote's environment: what LocalRunner passes a harness of the controller's."""
-        return {k: os.environ[k] for k in DEFAULT_PASSTHROUGH if k in os.environ}
+        return inherited_env(DEFAULT_PASSTHROUGH)
 
     def guard_problem(self, guard: GuardPolicy | None) -> str | None:
         """As `LocalRunner`: read-only paths checked after the attempt, nothing hidden, no egress bound."""

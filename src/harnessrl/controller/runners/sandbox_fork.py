@@ -328,6 +328,6 @@ class SandboxedForkServerRunner(RunnerBase):
 
 def _zygote_env() -> dict[str, str]:
     """The zygote's environment: what a harness inherits from the controller's (as the fork server's)."""
-    from harnessrl.controller.runner import DEFAULT_PASSTHROUGH
+    from harnessrl.controller.runner import DEFAULT_PASSTHROUGH, inherited_env
 
-    return {k: os.environ[k] for k in DEFAULT_PASSTHROUGH if k in os.environ}
+    return inherited_env(DEFAULT_PASSTHROUGH)
