@@ -8,10 +8,11 @@ varlen flash kernel, and a LoRA weight sync into a live engine against a full on
 
 It has not run on a GPU yet (no GPU was lent while it was written); on CPU it runs end to end.
 
-- **bf16 update**: two PPO updates of the same rows with `train.dtype` float32 (AdamW) and bfloat16
-  (MasterAdamW), peak GPU memory of each (`torch.cuda.max_memory_allocated`) and their ratio, the largest
-  |bf16 − fp32| trainer logprob before the update, and the largest difference of the fp32 master weights
-  after it.
+- **bf16 update**: two PPO updates of the same rows with `train.dtype` float32 (AdamW), bfloat16
+  (MasterAdamW) and bfloat16 with `train.exp_avg_dtype: bfloat16`, peak GPU memory of each
+  (`torch.cuda.max_memory_allocated`) and their ratios to fp32's, the largest |bf16 − fp32| trainer logprob
+  before the update, and the largest differences of the fp32 master weights after it (bf16 vs fp32; the
+  bf16 first moment vs the exact one).
 - **bf16 fsdp update**: the trainer's FSDP2 path (`trainer/fsdp.py`: fp32 shards, bf16 compute through
   `MixedPrecisionPolicy`, fp32 gradient reduction) on a one-rank process group (NCCL on a GPU, gloo on
   CPU; one GPU cannot hold two NCCL ranks): two updates of the same rows against the one-process bf16
@@ -60,7 +61,8 @@ def _peak_mb(device: str) -> float | None:
 
 
 def check_bf16_update(model_dir: Path, device: str, rows: int) -> dict[str, Any]:
-    """fp32 vs bf16: peak memory of two updates, logprob and master-weight differences."""
+    """fp32 vs bf16 (fp32 AdamW moments) vs bf16 with a bf16 first moment (`train.exp_avg_dtype`): peak
+    memory of two updates, logprob and master-weight differences."""
     from bench.scale import demo_batch
 
     from harnessrl.modeling.loading import load_model
@@ -71,13 +73,17 @@ def check_bf16_update(model_dir: Path, device: str, rows: int) -> dict[str, Any]
     batch, cfg = demo_batch(1, rows), PPOConfig()
     out: dict[str, Any] = {}
     lps, weights = {}, {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    arms = (("fp32", torch.float32, "float32"), ("bf16", torch.bfloat16, "float32"),
+            ("bf16_exp_avg_bf16", torch.bfloat16, "bfloat16"))  # fmt: skip
+    for name, dtype, exp_avg_dtype in arms:
         _peak_reset(device)
         model = load_model(model_dir, dtype=dtype, device=device)
         p = _pack(batch, list(range(len(batch.rows))), torch.device(device))
         with torch.no_grad():
             lps[name] = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix).logprobs.float().cpu()
-        opt = make_optimizer(model.parameters(), dtype, lr=1e-5, weight_decay=0.0)
+        opt = make_optimizer(
+            model.parameters(), dtype, lr=1e-5, weight_decay=0.0, exp_avg_dtype=exp_avg_dtype
+        )
         t0 = time.perf_counter()
         for _ in range(2):
             ppo_update(model, opt, batch, cfg)
@@ -87,9 +93,16 @@ def check_bf16_update(model_dir: Path, device: str, rows: int) -> dict[str, Any]
         del model, opt
     if out["fp32_peak_mb"]:
         out["update_peak_mb_ratio_vs_fp32"] = round(out["bf16_peak_mb"] / out["fp32_peak_mb"], 3)
+        out["exp_avg_bf16_update_peak_mb_ratio_vs_fp32"] = round(
+            out["bf16_exp_avg_bf16_peak_mb"] / out["fp32_peak_mb"], 3
+        )
     out["logprob_max_diff_vs_fp32"] = float((lps["fp32"] - lps["bf16"]).abs().max())
     out["master_weight_max_diff_vs_fp32"] = max(
         float((weights["fp32"][n] - w).abs().max()) for n, w in weights["bf16"].items()
+    )
+    # the bf16 first moment against the exact one, same bf16 start and gradients: the update's own error
+    out["exp_avg_bf16_master_weight_max_diff_vs_bf16"] = max(
+        float((weights["bf16"][n] - w).abs().max()) for n, w in weights["bf16_exp_avg_bf16"].items()
     )
     return out
 
