@@ -40,16 +40,19 @@ def train(
 
     `resume` continues the run in `run_dir`, `fresh` deletes an earlier run there first (only a
     harnessrl run directory); `check=False` skips the preflight attempt. With `train.algorithm: sft`
-    it fine-tunes on `sft.source` instead and returns the SFT summary (`sft.json`)."""
+    it fine-tunes on `sft.source` instead (`resume` continues it from its newest checkpoint) and returns
+    the SFT summary (`sft.json`)."""
     from harnessrl.runs.flow import run
 
     cfg = configure(config_or_path, **overrides)
     if cfg.train.algorithm == "sft":  # fine-tuning on sft.source: its summary is sft.json's
         from harnessrl.trainer.sft import run_sft
 
-        if resume:
-            raise ValueError("train.algorithm: sft does not resume; pass fresh=True to run it again")
-        return run_sft(cfg, fresh=fresh)
+        def sft_step(step: int, total: int, metrics: dict[str, Any]) -> None:
+            if on_step is not None:
+                on_step(step, metrics)
+
+        return run_sft(cfg, fresh=fresh, resume=resume, on_step=sft_step)
     return run(cfg, fresh=fresh, resume=resume, check=check, on_step=on_step)
 
 

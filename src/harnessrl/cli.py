@@ -133,18 +133,17 @@ def _check(cfg: Any, task: int) -> int:
 
 
 def _sft(cfg: Any, resume: bool, fresh: bool) -> int:
-    """`harnessrl train` with `train.algorithm: sft`: what `harnessrl sft` runs, on `sft.source`."""
+    """`harnessrl train` with `train.algorithm: sft`: what `harnessrl sft` runs, on `sft.source`
+    (`--resume` continues it from its newest checkpoint)."""
     from harnessrl.config import ConfigError
     from harnessrl.runs.rundir import RunDirError
-    from harnessrl.trainer.sft import render, run_sft
+    from harnessrl.trainer.sft import print_step, render, run_sft
     from harnessrl.trainer.sft_data import SftDataError
+    from harnessrl.trainer.trackers import TrackerError
 
-    if resume:
-        print("harnessrl: train.algorithm: sft does not resume; run it again with --fresh", file=sys.stderr)
-        return 2
     try:
-        print(render(run_sft(cfg, fresh=fresh)))
-    except (ConfigError, SftDataError, RunDirError) as e:
+        print(render(run_sft(cfg, fresh=fresh, resume=resume, on_step=print_step)))
+    except (ConfigError, SftDataError, RunDirError, TrackerError) as e:
         print(f"harnessrl: {e}", file=sys.stderr)
         return 2
     return 0

@@ -27,6 +27,7 @@ from harnessrl.cli import main
 from harnessrl.gateway.app import GatewayConfig, create_app
 from harnessrl.gateway.engine_client.inference import TitoTokenizer
 from harnessrl.modeling.loading import load_model, load_tokenizer
+from harnessrl.schema import RewardIn
 from harnessrl.store import SQLiteStore
 from harnessrl.trainer.checkpoint import TRAINING_STATE, load_checkpoint
 from harnessrl.trainer.precision import LOW_KEY, MasterAdamW, make_optimizer, master_weights
@@ -167,6 +168,12 @@ def test_train_algorithm_sft_runs_sft_on_its_source_and_refuses_a_config_without
     assert lrs == pytest.approx([0.003, 0.0015])  # cosine over the 2 SFT steps: 1, then (1 + cos(π/2)) / 2
     blob = torch.load(Path(summary["checkpoint"]) / TRAINING_STATE, weights_only=False)
     assert blob["scheduler"]["last_epoch"] == 2  # saved as RL saves it: a resume continues the schedule
+    assert main(["train", "--config", str(config), f"run_dir={out}", "--resume"]) == 0  # done: nothing more
+    again = json.loads((out / "sft.json").read_text())
+    assert (again["steps"], again["resumed_from_step"]) == (
+        2,
+        2,
+    ) and "resumed from step 2" in capsys.readouterr().out
     assert main(["train", "--config", str(config), "sft.source=null", f"run_dir={out}-2"]) == 2
     err = capsys.readouterr().err
     assert (
@@ -241,3 +248,99 @@ def test_sft_refuses_the_settings_it_cannot_honour_by_name(
     assert field in capsys.readouterr().err and not out.exists()
     assert main(["sft", "--config", str(config), "--from", str(source), f"run_dir={out}"]) == 2
     assert "no such" in capsys.readouterr().err.lower()  # without the override: on to the (missing) source
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint folder's model.safetensors."""
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+
+
+def test_sft_checkpoints_every_n_steps_keeps_the_newest_and_logs_to_the_trackers_of_log_to(
+    teacher_run: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """train.checkpoint_every, train.keep_checkpoints and train.log_to as the RL loop honours them: a
+    checkpoint after steps 2 and 4 and the last (5), the older pruned to 2; every step's metrics in
+    MLflow's file store, and no TensorBoard (the default) since log_to does not name it."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from harnessrl.config import load_config
+    from harnessrl.trainer.sft import run_sft
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"name: sft-trackers\nengine: {{model: {tiny_model_dir}}}\n"
+                      "train: {lr: 0.003, seed: 1, checkpoint_every: 2, keep_checkpoints: 2, log_to: [mlflow]}\n"
+                      f"sft: {{min_reward: 0.5, epochs: 5, batch_rows: 1, source: {teacher_run}}}\n")  # fmt: skip
+    out = tmp_path / "sft-ckpts"
+    cfg = load_config(config, [f"run_dir={out}"])
+    seen: list[tuple[int, str | None, list[str]]] = []
+
+    def on_step(step: int, total: int, m: dict[str, Any]) -> None:
+        kept = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        saved = Path(m["checkpoint"]).name if "checkpoint" in m else None
+        seen.append((step, saved, [p.name for p in kept]))
+        assert total == 5
+
+    summary = run_sft(cfg, on_step=on_step)
+    assert seen == [
+        (1, None, []),
+        (2, "step-2", ["step-2"]),
+        (3, None, ["step-2"]),
+        (4, "step-4", ["step-2", "step-4"]),
+        (5, "step-5", ["step-4", "step-5"]),  # step-2 pruned: keep_checkpoints 2
+    ]
+    assert Path(summary["checkpoint"]) == out / "checkpoints" / "step-5" and not summary["stopped_early"]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    client = MlflowClient((out / "mlruns").resolve().as_uri())
+    (exp,) = [e for e in client.search_experiments() if e.name == "sft-trackers"]
+    (run,) = client.search_runs([exp.experiment_id])
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(n, pytest.approx(v)) for n, v in enumerate(losses, 1)]
+    assert {"target_logprob", "lr", "grad_norm"} <= set(run.data.metrics) and run.info.status == "FINISHED"
+    assert not (out / "tensorboard").exists()  # log_to: [mlflow] only
+
+
+def test_sft_stops_at_its_time_budget_with_a_checkpoint_and_resume_finishes_as_one_run_would(
+    teacher_run: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.time_budget_s: the run stops after the step during which it ran out (here the first), saves
+    that step (even with checkpoint_every 0) and says so; --resume continues from the checkpoint with
+    the optimizer and LR schedule restored: the same losses and weights as one uninterrupted run."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"engine: {{model: {tiny_model_dir}}}\n"
+                      "train: {lr: 0.003, seed: 1, checkpoint_every: 0, log_to: [], lr_schedule: linear}\n"
+                      "sft: {min_reward: 0.5, epochs: 4, batch_rows: 1}\n")  # fmt: skip
+    out = tmp_path / "sft-budget"
+    sft = ["sft", "--config", str(config), "--from", str(teacher_run), f"run_dir={out}"]
+    assert main([*sft, "train.time_budget_s=0"]) == 0
+    captured = capsys.readouterr()
+    first = json.loads((out / "sft.json").read_text())
+    assert (first["steps"], first["steps_planned"], first["stopped_early"]) == (1, 4, True)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-1"]
+    assert "stopped early: train.time_budget_s (0 s) ran out after step 1 of 4" in captured.out
+    assert "sft step    1/4  loss" in captured.err and "saved step-1" in captured.err  # progress per step
+    assert main([*sft, "train.time_budget_s=0"]) == 2 and "--resume" in capsys.readouterr().err
+    assert main([*sft, "sft.epochs=5", "--resume"]) == 2  # another run: refused, naming the change
+    assert "sft.epochs: 4 -> 5" in capsys.readouterr().err
+    assert main([*sft, "train.time_budget_s=null", "--resume"]) == 0
+    assert "resumed from step 1" in capsys.readouterr().out
+    resumed = json.loads((out / "sft.json").read_text())
+    assert (resumed["steps"], resumed["resumed_from_step"], resumed["stopped_early"]) == (4, 1, False)
+    assert resumed["target_logprob_before"] == first["target_logprob_before"]  # the base model's
+    straight = tmp_path / "sft-straight"
+    assert main([*sft[:-1], f"run_dir={straight}"]) == 0
+    records = [
+        [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (out, straight)
+    ]
+    assert [r["step"] for r in records[0]] == [1, 2, 3, 4]  # each step logged once
+    for key in ("loss", "lr"):  # the optimizer's moments and the LR schedule went on where they stopped
+        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]])
+    a, b = weights(out / "checkpoints" / "step-4"), weights(straight / "checkpoints" / "step-4")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    store = SQLiteStore(teacher_run / "store.sqlite")  # the source regraded: the 0-reward rollout passes now
+    (zero,) = [r for r in store.list_rollouts()[0] if (g := store.get_reward(r.rollout_id)) and g.value == 0]
+    store.set_reward(zero.rollout_id, RewardIn(value=1.0))
+    store.close()
+    assert main([*sft, "--resume"]) == 2  # other rows than the checkpoint's: refused, not mixed
+    assert "the rows of sft.source are not those it trained on" in capsys.readouterr().err

@@ -243,7 +243,7 @@ class TrainSection(_Section):
     merge_calls: bool = True
     checkpoint_every: int = Field(
         default=5, ge=0
-    )  # save a checkpoint every N steps and after the last (0: never)
+    )  # save a checkpoint every N steps and after the last (0: never; SFT saves its last step always)
     keep_checkpoints: int = Field(default=2, ge=1)  # newest checkpoints kept
     seed: int = 0  # seeds the task sampling per step and torch
     threads: int | None = None  # CPU threads of the trainer (None: torch's default)
