@@ -311,3 +311,103 @@ def test_a_data_parallel_rank_builds_rank_0s_optimizer() -> None:
     assert isinstance(rank, MasterAdamW) and rank.exp_avg_dtype == "bfloat16"
     for key in ("lr", "betas", "eps", "weight_decay"):
         assert rank.param_groups[0][key] == opt.param_groups[0][key], key
+
+
+def test_stochastic_split_is_exact_and_unbiased() -> None:
+    """Each draw is the bf16 just below or just above the master (in magnitude) with the exact fp32 kept
+    in an int32 low half; over many draws the mean is the master: nearest's is not."""
+    x = torch.randn(2_000, generator=torch.Generator().manual_seed(30)) * torch.logspace(-20, 20, 2_000)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    down = (x.view(torch.int32).to(torch.int64) >> 16 << 16).to(torch.int32).view(torch.float32)  # truncated
+    gen = torch.Generator().manual_seed(31)
+    total = torch.zeros_like(x, dtype=torch.float64)
+    draws = 400
+    for _ in range(draws):
+        high, low = precision.split_master_stochastic(x, gen)
+        assert high.dtype == torch.bfloat16 and low.dtype == torch.int32
+        assert torch.equal(join_master(high, low).view(torch.int32), x.view(torch.int32))
+        h = high.float()
+        ulp = (down.abs() * 2**-7).clamp_min(1e-45)
+        assert bool(((h == down) | ((h - down).abs() <= ulp * 1.0001)).all())
+        total += h.double()
+    mean = total / draws
+    err = ((mean - x.double()) / x.double().abs().clamp_min(1e-30))[:2_000]
+    # a draw's error is at most 2^-7 relative, 400 draws: the mean's error ~ 2^-8 / 20 at most
+    assert float(err.abs().mean()) < 2**-8 / 10
+    nearest = ((split_master(x)[0].double() - x.double()) / x.double().abs().clamp_min(1e-30))[:2_000]
+    assert float(err.abs().mean()) < float(nearest.abs().mean()) / 3
+
+
+def test_stochastic_rounding_keeps_the_masters_and_moves_the_weights_with_them() -> None:
+    """Same gradients: the masters are bit for bit nearest's (the rounding only chooses the bf16 half).
+    At a small learning rate nearest leaves most bf16 weights where they started; stochastic moves them
+    as the masters moved, in the mean (with rounding noise: per weight, a cosine to the masters' move is
+    lower than nearest's)."""
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(32)).bfloat16()
+    grads = _grads((64, 64), 5, seed=33)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    near = MasterAdamW([a], lr=2e-4, weight_decay=0.0)
+    stoch = MasterAdamW([b], lr=2e-4, weight_decay=0.0, rounding="stochastic", seed=1)
+    masters_a, masters_b = _steps(near, a, grads), _steps(stoch, b, grads)
+    assert all(torch.equal(x, y) for x, y in zip(masters_a, masters_b, strict=True))
+    assert stoch.state[b][LOW_KEY].dtype == torch.int32 and near.state[a][LOW_KEY].dtype == torch.int16
+    moved = masters_a[-1] - w.float()  # the same for both
+    seen_near, seen_stoch = a.detach().float() - w.float(), b.detach().float() - w.float()
+    assert float((a != w).float().mean()) < 0.5  # most of nearest's weights have not moved yet
+    # in the mean over weights moving the same way, stochastic's visible move matches the masters'
+    up = moved > 0
+    assert abs(float(seen_stoch[up].mean() / moved[up].mean()) - 1) < 0.15
+    assert float(seen_near[up].mean() / moved[up].mean()) < 0.85
+
+
+def test_stochastic_draws_depend_on_seed_and_step_only() -> None:
+    """Two optimizers with one seed (two DDP ranks, or a run and its resume) round alike; another seed
+    rounds otherwise; the rounding and seed reach a rank through optimizer_spec."""
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(34)).bfloat16()
+    grads = _grads((32, 32), 3, seed=35)
+    weights = []
+    for seed in (7, 7, 8):
+        p = torch.nn.Parameter(w.clone())
+        _steps(MasterAdamW([p], lr=1e-3, weight_decay=0.0, rounding="stochastic", seed=seed), p, grads)
+        weights.append(p.detach().clone())
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
+    opt = MasterAdamW([torch.nn.Parameter(w.clone())], rounding="stochastic", seed=7)
+    rank = rank_optimizer(json.loads(json.dumps(optimizer_spec(opt))), [torch.nn.Parameter(w.clone())])
+    assert isinstance(rank, MasterAdamW) and (rank.rounding, rank.seed) == ("stochastic", 7)
+
+
+def test_a_stochastic_checkpoint_resumes_under_nearest(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint of a stochastic run loaded with bf16_rounding nearest: the masters unchanged, the bf16
+    weights their nearest rounding, the low halves int16 again."""
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    opt = make_optimizer(model.parameters(), torch.bfloat16, 1e-3, 0.01, rounding="stochastic", seed=3)
+    ppo_update(model, opt, random_batch(6, seed=36), PPOConfig(micro_batch_tokens=256))
+    save_checkpoint(tmp_path, 1, model, opt, {})
+    masters = {n: master_weights(opt, p) for n, p in model.named_parameters()}
+    model2 = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    opt2 = make_optimizer(model2.parameters(), torch.bfloat16, 1e-3, 0.01)
+    load_checkpoint(tmp_path / "step-1", model2, opt2)
+    for n, p in model2.named_parameters():
+        assert opt2.state[p][LOW_KEY].dtype == torch.int16
+        assert torch.equal(master_weights(opt2, p), masters[n]), n
+        assert torch.equal(p.detach(), split_master(masters[n])[0]), n
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["train.bf16_rounding=stochastic"], "train.dtype"),
+        (["train.dtype=bfloat16", "train.bf16_rounding=stochastic", "train.world_size=2", "train.parallel=fsdp"],
+         "train.parallel"),
+        (["train.dtype=bfloat16", "train.bf16_rounding=stochastic", "train.lora={}"], "train.lora"),
+        (["train.dtype=bfloat16", "train.bf16_rounding=up"], "bf16_rounding"),
+    ],
+)  # fmt: skip
+def test_config_refuses_stochastic_rounding_where_it_cannot_apply(overrides: list[str], names: str) -> None:
+    with pytest.raises(ConfigError, match=names) as err:
+        load_config(None, overrides)
+    assert "bf16_rounding" in str(err.value)
+    cfg = load_config(None, ["train.dtype=bfloat16", "train.bf16_rounding=stochastic", "train.world_size=2"])
+    assert cfg.train.bf16_rounding == "stochastic" and load_config(None, []).train.bf16_rounding == "nearest"
+    with pytest.raises(ValueError, match=r"train\.bf16_rounding"):
+        make_optimizer([torch.nn.Parameter(torch.zeros(3))], torch.float32, 1e-3, 0.0, rounding="stochastic")

@@ -269,6 +269,11 @@ class TrainSection(_Section):
     # less: 12 resident instead of 14; rounded to nearest after each step, the update within a few tenths
     # of a percent of the exact one; the second moment stays fp32; not with fsdp or lora; docs/scale.md)
     exp_avg_dtype: Literal["float32", "bfloat16"] = "float32"
+    # with dtype bfloat16: how the bf16 weights the forward and the engine use are taken from the exact
+    # fp32 masters after each step: nearest (a weight moves only once its master moved half a bf16 step,
+    # so at small learning rates the policy lags its updates), or stochastic (each weight is its master in
+    # expectation; int32 low halves, 2 bytes a parameter more); not with fsdp or lora; docs/scale.md
+    bf16_rounding: Literal["nearest", "stochastic"] = "nearest"
     # data-parallel trainer ranks: k > 1 starts k - 1 worker processes (or joins those torchrun started)
     # that each take a share of every update's rows; the update equals the 1-rank one (docs/scale.md)
     world_size: int = Field(default=1, ge=1)
@@ -328,6 +333,7 @@ class TrainSection(_Section):
                 "takes cuda:<LOCAL_RANK>, one GPU per rank)"
             )
         self._check_exp_avg_dtype()
+        self._check_bf16_rounding()
         if self.teacher is not None and (self.schedule == "async" or self.world_size > 1):
             raise ValueError("train.teacher runs with the sync schedule in one process so far")
         if self.world_size > 1 and self.lora is not None:
@@ -358,6 +364,27 @@ class TrainSection(_Section):
             raise ValueError(
                 "train.exp_avg_dtype: bfloat16 does not apply with train.lora (the adapters train in fp32 and "
                 "their state is small); set train.exp_avg_dtype: float32"
+            )
+
+    def _check_bf16_rounding(self) -> None:
+        """Stochastic rounding applies to bf16 parameters under MasterAdamW (trainer/precision.py) only."""
+        if self.bf16_rounding == "nearest":
+            return
+        if self.dtype != "bfloat16":
+            raise ValueError(
+                "train.bf16_rounding: stochastic rounds bf16 weights from their fp32 masters; set train.dtype: "
+                "bfloat16 (float32 weights are not rounded) or train.bf16_rounding: nearest"
+            )
+        if self.world_size > 1 and self.parallel == "fsdp":
+            raise ValueError(
+                "train.bf16_rounding: stochastic does not apply with train.parallel: fsdp (FSDP2 casts its fp32 "
+                "shards to bf16 for each forward, to nearest); set train.bf16_rounding: nearest or "
+                "train.parallel: ddp"
+            )
+        if self.lora is not None:
+            raise ValueError(
+                "train.bf16_rounding: stochastic does not apply with train.lora (the adapters train in fp32, "
+                "the bf16 base is frozen); set train.bf16_rounding: nearest"
             )
 
 

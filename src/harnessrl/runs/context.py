@@ -122,7 +122,13 @@ def build_trainer(
     lora = attach_lora(model, tc.lora, tc.seed, model_dir) if tc.lora is not None else None
     trained = model.parameters() if lora is None else lora.parameters()  # LoRA: no state for the base
     optimizer = make_optimizer(
-        trained, next(model.parameters()).dtype, tc.lr, tc.weight_decay, tc.exp_avg_dtype
+        trained,
+        next(model.parameters()).dtype,
+        tc.lr,
+        tc.weight_decay,
+        tc.exp_avg_dtype,
+        tc.bf16_rounding,
+        tc.seed,
     )
     metrics = MetricsLogger(run_dir, make_trackers(
         tc.log_to, run_dir, parts.run_id, cfg.name, cfg.model_dump(mode="json"), tc.wandb_project,

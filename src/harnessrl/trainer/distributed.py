@@ -161,7 +161,9 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         k: v for k, v in optimizer.defaults.items() if isinstance(v, int | float | bool | tuple)
     }
     if isinstance(optimizer, MasterAdamW):  # an attribute, not a param-group option
-        defaults["exp_avg_dtype"] = optimizer.exp_avg_dtype
+        defaults.update(
+            exp_avg_dtype=optimizer.exp_avg_dtype, rounding=optimizer.rounding, seed=optimizer.seed
+        )
     return {"optimizer": type(optimizer).__name__, "defaults": defaults}
 
 

@@ -156,7 +156,15 @@ def build_model_and_optimizer(cfg: RunConfig, model_dir: Path) -> tuple[CausalLM
     )
     log.info("event=trainer_matmul path=%r dtype=%s", matmul, t.dtype)
     dtype = next(model.parameters()).dtype
-    optimizer = make_optimizer(model.parameters(), dtype, cfg.sft.lr or t.lr, t.weight_decay, t.exp_avg_dtype)
+    optimizer = make_optimizer(
+        model.parameters(),
+        dtype,
+        cfg.sft.lr or t.lr,
+        t.weight_decay,
+        t.exp_avg_dtype,
+        t.bf16_rounding,
+        t.seed,
+    )
     return model, optimizer, matmul
 
 
@@ -273,8 +281,8 @@ def run_sft(cfg: RunConfig, source: Path | None = None, fresh: bool = False, res
                "resumed_from_step": start if saved else None,
                "target_logprob_before": before, "target_logprob_after": after,
                "checkpoint": str(run_dir / "checkpoints" / f"step-{done}"),
-               "dtype": t.dtype, "exp_avg_dtype": t.exp_avg_dtype, "optimizer": type(optimizer).__name__,
-               "matmul": matmul, "wall_seconds": time.time() - t0}  # fmt: skip
+               "dtype": t.dtype, "exp_avg_dtype": t.exp_avg_dtype, "bf16_rounding": t.bf16_rounding,
+               "optimizer": type(optimizer).__name__, "matmul": matmul, "wall_seconds": time.time() - t0}  # fmt: skip
     (run_dir / "sft.json").write_text(json.dumps(summary, indent=2))
     return summary
 
