@@ -2,10 +2,14 @@
 forward + backward of one micro-batch of rows of very different lengths, both ways in the same run.
 
     nice -n 5 python bench/packed_rows.py --out bench/results/packed_rows.json      # ~6 min on 2 cores
+    nice -n 5 python bench/packed_rows.py --impl transformers --out bench/results/packed_rows_generic.json
 
 The micro-batch: rows of `--lengths` tokens (default 300, 800 and 2,000: rollouts of an agent differ this
 much), every token after `--prefix` shared ones trained (all positions selected), on SmolLM2-135M in fp32
-(`--model`: a name or a folder; `--tiny`: a random llama of SmolLM2's vocabulary, 4 narrow layers).
+(`--model`: a name or a folder; `--tiny`: a random llama of SmolLM2's vocabulary, 4 narrow layers), on
+the builtin path or, with `--impl transformers`, on transformers' (modeling/hf_generic.py: packed rows
+are one decoder call with per-row positions and a block-diagonal mask; `auto_packs` says whether
+`train.pack_rows: auto` would pack this micro-batch there).
 Padded, every row runs the longest row's positions in every linear layer and attention; packed, the rows
 run back to back. Each repeat runs padded then packed (`selected_logprobs` with `pack` off / on, layer
 checkpointing as a run decides it), the sum of the logprobs backpropagated. `cpu_ratio` is the ratio of
@@ -34,8 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from harnessrl.modeling.hf_generic import load_generic, packing_refusal
 from harnessrl.modeling.loading import load_model, make_tiny_model_dir, resolve_model
 from harnessrl.trainer.forward import selected_logprobs
+from harnessrl.trainer.packing import plan_rows, use_generic_packing
 
 NOTE = "measured on a shared 2-core machine with other work running beside it: ratios within this run"
 
@@ -94,6 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tiny", action="store_true", help="a random 4-layer llama instead of --model")
+    ap.add_argument("--impl", choices=["builtin", "transformers"], default="builtin", help="the model path")
     ap.add_argument("--lengths", type=int, nargs="+", default=[300, 800, 2000])
     ap.add_argument("--prefix", type=int, default=0, help="tokens every row shares (run once)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -107,9 +114,15 @@ def main() -> int:
         )
     else:
         model_dir = resolve_model(args.model)
-    model = load_model(model_dir)
+    model: Any = load_generic(model_dir) if args.impl == "transformers" else load_model(model_dir)
     model.train()
     batch = micro_batch(model.config.vocab_size, args.lengths, args.prefix)
+    auto = None
+    if args.impl == "transformers":
+        plan = plan_rows(batch[1], 0)
+        auto = use_generic_packing(
+            "auto", plan, max(args.lengths), packing_refusal(model.config), model.flops
+        )
     step(model, micro_batch(model.config.vocab_size, [40, 20], 0), 0, "on")  # warm-up
     times: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
@@ -130,7 +143,8 @@ def main() -> int:
     padded_cpu, packed_cpu = statistics.median(cpu["off"]), statistics.median(cpu["on"])
     suffixes = [n - args.prefix for n in args.lengths]
     res = {
-        "model": "tiny" if args.tiny else args.model, "dtype": "float32", "lengths": args.lengths,
+        "model": "tiny" if args.tiny else args.model, "impl": args.impl, "auto_packs": auto,
+        "dtype": "float32", "lengths": args.lengths,
         "prefix": args.prefix, "threads": args.threads, "repeats": args.repeats,
         "padded_positions": len(suffixes) * max(suffixes), "packed_positions": sum(suffixes) - len(suffixes),
         "padded_cpu_s": cpu["off"], "packed_cpu_s": cpu["on"], "padded_median_cpu_s": padded_cpu,

@@ -223,7 +223,9 @@ class TrainSection(_Section):
     )  # tokens per forward/backward pass (gradient accumulation beyond)
     # a micro-batch's rows packed back to back (linear layers and attention over real tokens only, each
     # row at its own positions; on CUDA bf16 one varlen flash call) or right-padded to the longest; auto:
-    # packed when padding would be over 10% of the positions. Same values (trainer/packing.py)
+    # packed when padding would be over 10% of the positions. Same values (trainer/packing.py). On the
+    # transformers path only attention-only model types pack (Llama, Qwen2/3, Qwen3-MoE, Gemma 3/4; auto
+    # also weighs their one masked attention call); Qwen3.5's linear attention stays padded, `on` an error
     pack_rows: Literal["auto", "on", "off"] = "auto"
     epochs: int = Field(default=1, ge=1)  # optimizer steps over each batch
     estimator: Estimator = (

@@ -54,6 +54,7 @@ class GenericConfig:
     final_logit_softcapping: float | None
     hybrid: bool  # some layers keep a recurrent/conv state (no prefix reuse but exact continuation)
     moe: bool
+    model_type: str = ""  # the text model's (transformers' `model_type`: `qwen3_5_text`, `gemma4_text`, ...)
     hf_config: dict[str, Any] = field(default_factory=dict)  # the folder's config.json
     source_dir: str | None = None
     rope_scaling: None = None  # RoPE is transformers' business on this path
@@ -90,6 +91,7 @@ def generic_config(hf: dict[str, Any], text: Any, source_dir: str | None) -> Gen
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
         hybrid=any(t not in ("full_attention", "sliding_attention") for t in layer_types),
         moe=bool(experts),
+        model_type=str(getattr(text, "model_type", "") or ""),
         hf_config=hf,
         source_dir=source_dir,
     )
@@ -114,12 +116,18 @@ class GenericCausalLM(nn.Module):
         self.decoder_prefix = next(n for n, m in full.named_modules() if m is decoder) + "."
         params = inspect.signature(decoder.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.flops = _forward_flops(decoder, config)
 
     # --- training ---------------------------------------------------------------------------------------
 
-    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """transformers' decoder over `input_ids` [B, T] up to its final norm: [B, T, hidden]."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """transformers' decoder over `input_ids` [B, T] up to its final norm: [B, T, hidden]. `position_ids`
+        [1, T] restarting at 0 mark rows packed back to back (`packing_refusal` says for which models)."""
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
         hidden: Tensor = out.last_hidden_state
         return hidden
 
@@ -171,6 +179,41 @@ class GenericCausalLM(nn.Module):
             h, cache.caches[i] = self._step(tokens[i : i + 1], cache.continue_from(i, int(lengths[i])))
             last.append(h)
         return self.logits(torch.stack(last))
+
+
+# Text model types whose decoder keeps rows packed back to back apart (`train.pack_rows`): every layer
+# mixes tokens only through attention, and the model hands its `position_ids` to transformers' mask
+# functions, which turn positions restarting at 0 into a block-diagonal causal (windowed) mask.
+# Each is checked against its rows run padded (tests/trainer/test_generic_packing.py).
+PACKED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"})
+
+
+def packing_refusal(config: GenericConfig) -> str | None:
+    """Why rows of this model cannot run packed (`train.pack_rows`), or None where they can."""
+    if config.model_type in PACKED_MODEL_TYPES:
+        return None
+    if config.hybrid:
+        return (
+            f"model type {config.model_type!r} has linear-attention layers (a causal conv and a recurrent "
+            "state over the whole time axis): packed, each row would carry the previous row's state; "
+            "transformers keeps packed rows apart there only with the CUDA kernels of "
+            "flash-linear-attention and causal-conv1d"
+        )
+    return (
+        f"model type {config.model_type!r} is not one whose packed forward harnessrl has checked "
+        f"(those are {', '.join(sorted(PACKED_MODEL_TYPES))})"
+    )
+
+
+def _forward_flops(decoder: nn.Module, config: GenericConfig) -> tuple[int, int]:
+    """About the decoder's forward FLOPs per token (2 per weight outside embedding tables; every expert
+    of an MoE counted) and per query-key pair attended (q·k and p·v: 4 · head_dim per head and layer):
+    what `train.pack_rows: auto` weighs (trainer/packing.py's `use_generic_packing`)."""
+    embeddings = {id(p) for m in decoder.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    weights = sum(p.numel() for p in decoder.parameters() if id(p) not in embeddings)
+    text = decoder.config  # type: ignore[union-attr]
+    head_dim = getattr(text, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * int(weights), 4 * int(head_dim) * config.num_attention_heads * config.num_hidden_layers
 
 
 def is_generic(model: object) -> bool:

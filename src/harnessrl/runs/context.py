@@ -30,6 +30,7 @@ from harnessrl.trainer.fsdp import meta_model
 from harnessrl.trainer.loop import Progress, TrainContext
 from harnessrl.trainer.metrics import MetricsLogger
 from harnessrl.trainer.moe_aux import check_moe_aux
+from harnessrl.trainer.packing import check_pack_rows
 from harnessrl.trainer.policies import PolicyState
 from harnessrl.trainer.ppo import lr_lambda
 from harnessrl.trainer.precision import make_optimizer, torch_dtype
@@ -115,7 +116,8 @@ def build_trainer(
             else use_onednn_for_training(model, tc.matmul, model.lm_head.weight.device)
         )
     log.info("event=trainer_matmul path=%r", matmul)
-    check_moe_aux(model, tc.moe_aux_loss_coef)
+    check_moe_aux(model, tc.moe_aux_loss_coef, tc.pack_rows)
+    check_pack_rows(model, tc.pack_rows)
     schedule = lr_lambda(tc.lr_schedule, tc.warmup_steps, tc.steps, tc.min_lr_ratio)
     if cfg.policies:  # one adapter, optimizer and schedule per policy (trainer.policies)
         return _policies_trainer(cfg, run_dir, model, model_dir, parts, heldout, progress, notify, schedule)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from harnessrl.modeling.causal_lm import CausalLM, softcap
+from harnessrl.modeling.hf_generic import packing_refusal
 from harnessrl.modeling.logprobs import tempered_log_softmax
 from harnessrl.modeling.memory import trim_heap
 from harnessrl.modeling.transformer import DecoderLayer, Rope
@@ -40,6 +41,7 @@ from harnessrl.trainer.packing import (
     packed_positions,
     plan_rows,
     suffix_mask,
+    use_generic_packing,
     use_packing,
 )
 
@@ -96,7 +98,7 @@ def selected_logprobs(
     suffixes packed back to back instead of padded (trainer/packing.py; same values).
     """
     if getattr(model, "generic", False):  # transformers' model: its own forward (modeling/hf_generic.py)
-        return generic_selected_logprobs(model, tokens, select, temps, entropy, checkpoint_layers)
+        return generic_selected_logprobs(model, tokens, select, temps, entropy, checkpoint_layers, pack)
     row, pos = torch.nonzero(select, as_tuple=True)
     if bool((pos < prefix).any()):
         raise ValueError("a selected position lies inside the shared prefix")
@@ -279,30 +281,43 @@ def generic_selected_logprobs(
     temps: Tensor,
     entropy: bool = False,
     checkpoint_layers: bool | None = None,
+    pack: PackRows | str = "auto",
 ) -> Selected:
     """Logprobs of tokens[b, t+1] for every (b, t) with select[b, t], through transformers' forward (a
     transformers-path model, modeling/hf_generic.py).
 
-    Each micro-batch runs transformers' decoder over its right-padded rows whole (no shared-prefix split:
-    that needs the layers' internals, which differ per architecture), then the SAME chunked head as the
-    builtin path (`head_logprobs`) at the selected positions only. Right padding needs no attention mask:
-    every layer is causal (attention and the linear-attention recurrences alike), so padding after a row's
-    last token never reaches its selected positions. `checkpoint_layers` turns on transformers' own
-    gradient checkpointing of the decoder layers; None decides as for the builtin path (the same
-    `activation_bytes` estimate over the rows' whole length)."""
+    Each micro-batch runs transformers' decoder over its rows whole (no shared-prefix split: that needs
+    the layers' internals, which differ per architecture), then the SAME chunked head as the builtin path
+    (`head_logprobs`) at the selected positions only. Right-padded, the rows need no attention mask: every
+    layer is causal (attention and the linear-attention recurrences alike), so padding after a row's last
+    token never reaches its selected positions. Packed (`pack`, `train.pack_rows`; `use_generic_packing`
+    decides), each row up to its last selected token runs back to back on one time axis with its
+    positions restarting at 0: transformers reads those `position_ids` as packed sequences and masks
+    attention per row (block-diagonal causal, windowed per row on sliding layers; one SDPA call over all
+    packed tokens), for the model types `packing_refusal` allows. `checkpoint_layers` turns on
+    transformers' own gradient checkpointing of the decoder layers; None decides as for the builtin path
+    (`layer_bytes` over the positions and attention scores run)."""
     decoder = model.model
+    plan = plan_rows(select, 0)
+    b, length = tokens.shape
+    packed = use_generic_packing(pack, plan, length, packing_refusal(model.config), model.flops)
     if checkpoint_layers is None:
-        checkpoint_layers = (
-            activation_bytes(model, tokens.shape[0], tokens.shape[1], 0) > CHECKPOINT_ABOVE_BYTES
-        )
+        positions = plan.total if packed else b * length
+        scores = plan.total**2 if packed else b * length * length
+        checkpoint_layers = layer_bytes(model, positions, scores) > CHECKPOINT_ABOVE_BYTES
     wants = bool(checkpoint_layers) and decoder.training
     if wants != bool(getattr(decoder, "is_gradient_checkpointing", False)):
         if wants:
             decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             decoder.gradient_checkpointing_disable()
-    hidden = model.hidden_states(tokens)
     row, pos = select.nonzero(as_tuple=True)
+    if packed:
+        rows, at = packed_positions(plan, tokens.device)
+        hidden = model.hidden_states(tokens[rows, at].unsqueeze(0), position_ids=at.unsqueeze(0))[0]
+        h = hidden[torch.tensor(plan.starts, device=tokens.device)[row] + pos]
+    else:
+        h = model.hidden_states(tokens)[row, pos]
     cap = model.config.final_logit_softcapping
-    lp, ent = head_logprobs(model.lm_head, hidden[row, pos], tokens[row, pos + 1], temps[row], entropy, cap)
+    lp, ent = head_logprobs(model.lm_head, h, tokens[row, pos + 1], temps[row], entropy, cap)
     return Selected(lp, row, pos, ent)

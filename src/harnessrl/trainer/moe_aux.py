@@ -16,6 +16,8 @@ masked out). Weighted by Σ w_t, the micro-batches' terms add up to c times the 
 The router logits are taken with forward hooks on the modules the model itself records them from
 (`_can_record_outputs["router_logits"]`: its router class and output index), only during the training
 forward (removed before the backward, so recomputation under checkpointing records nothing).
+With a coefficient the micro-batch runs padded (`aux_pack_rows`): the loss is defined over the padded
+rows' real tokens, which packed rows (cut at their last trained token) do not all run.
 """
 
 from __future__ import annotations
@@ -76,14 +78,28 @@ def _balancing(model: Any) -> tuple[Any, int, int]:
     return fn, int(experts), int(top_k)
 
 
-def check_moe_aux(model: Any, coef: float) -> None:
+def check_moe_aux(model: Any, coef: float, pack_rows: str = "auto") -> None:
     """Refuse `train.moe_aux_loss_coef` > 0 for a model without a router and a transformers
-    load-balancing loss, when the trainer loads it (not at the first update)."""
+    load-balancing loss, or with `train.pack_rows: on`, when the trainer loads it (not at the first update)."""
     if coef > 0:
         if not getattr(model, "generic", False):
             raise ValueError(_DENSE)
         _router_recorder(model)
         _balancing(model)
+        aux_pack_rows(pack_rows, coef)
+
+
+def aux_pack_rows(pack_rows: str, coef: float) -> str:
+    """`train.pack_rows` for a micro-batch whose router loss has coefficient `coef`: as set when 0, else
+    padded ("off"; `on` is refused): the loss covers every real token of the padded rows."""
+    if coef == 0:
+        return pack_rows
+    if pack_rows == "on":
+        raise ValueError(
+            f"train.pack_rows: on with train.moe_aux_loss_coef: {coef:g}: the router loss is taken over the "
+            "rows run padded; set train.pack_rows: auto (runs padded) or off"
+        )
+    return "off"
 
 
 _DENSE = (

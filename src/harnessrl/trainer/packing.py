@@ -23,6 +23,11 @@ products' blocking changes with the number of positions; tests/trainer/test_pack
 
 When: `on` packs every micro-batch, `off` none, `auto` (the default) those whose padding would be more
 than `PACK_ABOVE_WASTE` of the padded positions (equal-length rows keep the one batched attention call).
+
+A transformers-path model (modeling/hf_generic.py) packs through transformers' own padding-free format
+instead (trainer/forward.py's `generic_selected_logprobs`): only for the model types hf_generic.py's
+`packing_refusal` allows, and under `auto` only where `use_generic_packing`'s estimate says the one
+masked attention call over all packed tokens costs less than the padding saves.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from harnessrl.modeling.hf_generic import packing_refusal
 from harnessrl.modeling.transformer import Attention, window_mask
 
 PackRows = Literal["auto", "on", "off"]
@@ -91,6 +97,43 @@ def use_packing(mode: str, plan: RowPlan, width: int) -> bool:
         return mode == "on"
     padded = len(plan.lengths) * width
     return padded - plan.total > PACK_ABOVE_WASTE * padded
+
+
+def use_generic_packing(
+    mode: str, plan: RowPlan, width: int, refusal: str | None, cost: tuple[int, int]
+) -> bool:
+    """Whether `mode` packs a transformers-path micro-batch laid out as `plan` (no prefix; rows `width`
+    tokens padded). Never where `refusal` (hf_generic.py's `packing_refusal`) says why not (`on` then
+    raises). Packed, transformers attends once over all N = Σ s_b tokens with a block-diagonal mask: N²
+    scores per head and layer, where the padded rows' causal SDPA computes about B · width² / 2; so `auto`
+    packs only where padding is over `PACK_ABOVE_WASTE` (as `use_packing`) and the estimate
+    N · c_tok + N² · c_score is below B · width · c_tok + B · width² / 2 · c_score, with `cost` =
+    (c_tok, c_score): a forward's FLOPs per token and per attention score (`GenericCausalLM.flops`)."""
+    packs = use_packing(mode, plan, width)  # checks the mode
+    if refusal is not None:
+        if mode == "on":
+            raise _refused(refusal)
+        return False
+    if not packs or plan.total == 0:
+        return False
+    if mode == "on":
+        return True
+    per_token, per_score = cost
+    b, n = len(plan.lengths), plan.total
+    return n * per_token + n * n * per_score < b * width * per_token + b * width * width * per_score // 2
+
+
+def check_pack_rows(model: object, mode: str) -> None:
+    """Refuse `train.pack_rows: on` for a transformers-path model whose rows cannot run packed, when
+    the trainer loads it (not at the first update)."""
+    if mode == "on" and getattr(model, "generic", False):
+        refusal = packing_refusal(model.config)  # type: ignore[attr-defined]
+        if refusal is not None:
+            raise _refused(refusal)
+
+
+def _refused(refusal: str) -> ValueError:
+    return ValueError(f"train.pack_rows: on: {refusal}; set train.pack_rows: auto (runs padded) or off")
 
 
 def packed_positions(plan: RowPlan, device: torch.device) -> tuple[Tensor, Tensor]:

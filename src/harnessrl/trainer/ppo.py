@@ -45,7 +45,7 @@ from harnessrl.adapter import Batch
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.memory import release_freed_memory, trim_heap
 from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
-from harnessrl.trainer.moe_aux import router_aux
+from harnessrl.trainer.moe_aux import aux_pack_rows, router_aux
 
 
 @dataclass(frozen=True)
@@ -164,9 +164,10 @@ def micro_batch_loss(
     `checkpoint_layers`: recompute layer activations in the backward pass (less memory, same values);
     None: when the micro-batch's activations would be large (`trainer.forward.CHECKPOINT_ABOVE_BYTES`)."""
     p = _pack(batch, idx, next(model.parameters()).device)
+    pack = aux_pack_rows(cfg.pack_rows, cfg.moe_aux_loss_coef)
     with router_aux(model, cfg.moe_aux_loss_coef, [len(batch.rows[i].tokens) for i in idx]) as aux:
         sel = selected_logprobs(model, p.tokens, p.select, p.temps, p.prefix, entropy=True,
-                                checkpoint_layers=checkpoint_layers, pack=cfg.pack_rows)  # fmt: skip
+                                checkpoint_layers=checkpoint_layers, pack=pack)  # fmt: skip
     behaviour = p.old_lp[sel.row, sel.pos]
     adv = p.adv[sel.row] if p.adv.dim() == 1 else p.adv[sel.row, sel.pos]
     w = p.weights[sel.row, sel.pos]
