@@ -188,7 +188,7 @@ def _run(cfg: Any, mode: Any, check: bool, resume_command: str) -> int:
         print("fix the harness or grader (harnessrl check --config ... runs this alone), or pass --no-check",
               file=sys.stderr)  # fmt: skip
         return 1
-    _print_summary(summary, run_dir)
+    _print_summary(summary, run_dir, resume_command)
     return 0
 
 
@@ -223,7 +223,9 @@ def _step_printer(cfg: Any, notify: Any) -> Any:
     return on_step
 
 
-def _print_summary(s: dict[str, Any], run_dir: Path) -> None:
+def _print_summary(s: dict[str, Any], run_dir: Path, resume_command: str) -> None:
+    from harnessrl.runs.summary import stop_note
+
     def cell(r: dict[str, Any] | None) -> str:
         if r is None or r["mean"] is None:  # eval.before off, or no task could be graded
             return "n/a"
@@ -231,8 +233,11 @@ def _print_summary(s: dict[str, Any], run_dir: Path) -> None:
         return f"{r['mean']:.3f} [{lo:.2f}, {hi:.2f}]"
 
     rate = s.get("merge_rate")
+    note = stop_note(s, resume_command)  # train.time_budget_s stopped the run: where, how to go on
     if s.get("heldout_reward_after") is None:
         print(f"\nno held-out reward could be measured; see {run_dir / 'harnessrl.log'}")
+        if note is not None:
+            print(note)
         print(f"summary: {run_dir / 'summary.json'}")
         return
     print()
@@ -244,6 +249,8 @@ def _print_summary(s: dict[str, Any], run_dir: Path) -> None:
         f"train_steps={s['train_steps']}  wall={s['wall_seconds']:.0f}s  "
         f"merge_rate={'n/a' if rate is None else f'{rate:.3f}'}  rows/rollout={s['rows_per_rollout'] or 0:.2f}"
     )
+    if note is not None:
+        print(note)
     print(f"summary: {run_dir / 'summary.json'}")
     print(f"reward curve: {run_dir / 'reward_curve.png'}")
 

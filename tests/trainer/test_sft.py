@@ -313,14 +313,17 @@ def test_sft_stops_at_its_time_budget_with_a_checkpoint_and_resume_finishes_as_o
                       "sft: {min_reward: 0.5, epochs: 4, batch_rows: 1}\n")  # fmt: skip
     out = tmp_path / "sft-budget"
     sft = ["sft", "--config", str(config), "--from", str(teacher_run), f"run_dir={out}"]
-    assert main([*sft, "train.time_budget_s=0"]) == 0
+    assert main([*sft, "train.time_budget_s=0.001"]) == 0
     captured = capsys.readouterr()
     first = json.loads((out / "sft.json").read_text())
     assert (first["steps"], first["steps_planned"], first["stopped_early"]) == (1, 4, True)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-1"]
-    assert "stopped early: train.time_budget_s (0 s) ran out after step 1 of 4" in captured.out
+    stopped = (
+        "stopped early: train.time_budget_s (0.001 s) ran out after step 1 of 4; checkpoint step-1 saved"
+    )
+    assert stopped in captured.out
     assert "sft step    1/4  loss" in captured.err and "saved step-1" in captured.err  # progress per step
-    assert main([*sft, "train.time_budget_s=0"]) == 2 and "--resume" in capsys.readouterr().err
+    assert main([*sft, "train.time_budget_s=0.001"]) == 2 and "--resume" in capsys.readouterr().err
     assert main([*sft, "sft.epochs=5", "--resume"]) == 2  # another run: refused, naming the change
     assert "sft.epochs: 4 -> 5" in capsys.readouterr().err
     assert main([*sft, "train.time_budget_s=null", "--resume"]) == 0

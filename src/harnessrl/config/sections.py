@@ -262,7 +262,9 @@ class TrainSection(_Section):
     min_lr_ratio: float = 0.0  # the decayed schedules end at lr × this
     max_row_tokens: int | None = None  # rows longer than this are cut (see adapter.length)
     train_on_failed_attempts: bool = False  # also train on calls of attempts lost to infra failures
-    time_budget_s: float | None = None  # stop after the step during which this much training time ran out
+    time_budget_s: float | None = Field(
+        default=None, gt=0
+    )  # stop after the step during which this much training time ran out, saving that step (None: no limit)
     device: str = "cpu"  # where the policy (and reference) model trains: "cpu" or "cuda[:N]"
     # precision of the policy and the KL reference: float32, or bfloat16 (bf16 compute, exact fp32
     # master weights and fp32 AdamW moments; trainer/precision.py, docs/scale.md)

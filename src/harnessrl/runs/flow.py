@@ -40,6 +40,7 @@ from harnessrl.runs.summary import summarise, write_index, write_summary
 from harnessrl.schema import Task
 from harnessrl.services.stack import ServiceStack, external_admin_key, run_engine_key, start_services
 from harnessrl.trainer.async_loop import run_async
+from harnessrl.trainer.checkpoint import latest_checkpoint
 from harnessrl.trainer.loop import EvalResult, Progress, TrainContext, evaluate, run_sync
 from harnessrl.trainer.teacher import refuse_other_tokenizer
 
@@ -183,6 +184,8 @@ async def _train_and_evaluate(
     summary["train_wall_seconds"] = train_wall
     summary["eval_during_train_seconds"] = ctx.eval_seconds
     summary["run_dir"] = str(run_dir)
+    newest = latest_checkpoint(run_dir / "checkpoints")
+    summary["checkpoint"] = str(newest) if newest is not None else None
     summary.update(parts.engine.sync_report())
     return summary
 

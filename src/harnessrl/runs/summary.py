@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.config import RunConfig
+from harnessrl.trainer.budget import stop_line
 from harnessrl.trainer.loop import EvalResult
 from harnessrl.trainer.metrics import finite_json
 
@@ -72,6 +73,11 @@ def summarise(
             [steps, after.mean],
         ],
         "train_steps": steps,
+        # train.time_budget_s stopped the run after `train_steps` (with that step's checkpoint: --resume
+        # continues from it; `checkpoint` is the newest, set by the flow)
+        "steps_planned": cfg.train.steps,
+        "stopped_early": steps < cfg.train.steps,
+        "time_budget_s": cfg.train.time_budget_s,
         "rollouts_per_step": cfg.train.batch_groups * cfg.train.group_size,
         "merge_rate": sum(rates) / len(rates) if rates else None,
         "merge_breaks": _sum_counts([r.get("breaks", {}) for r in records]),
@@ -91,6 +97,16 @@ def summarise(
         "schedule": cfg.train.schedule,
         "mean_step_seconds": _mean([r["time_step_s"] for r in records if "time_step_s" in r]),
     }
+
+
+def stop_note(s: dict[str, Any], resume_command: str) -> str | None:
+    """The line that says a run stopped early for `train.time_budget_s` and how `resume_command` continues
+    it; None when it ran all its steps."""
+    if not s.get("stopped_early"):
+        return None
+    name = Path(s["checkpoint"]).name if s.get("checkpoint") else None
+    line = stop_line(s["time_budget_s"], s["train_steps"], s["steps_planned"], name, resume_command)
+    return f"stopped early: {line}"
 
 
 def _sum_counts(counts: list[dict[str, int]]) -> dict[str, int]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from harnessrl.controller import RolloutOutcome, RolloutRequest, sibling_requests
 from harnessrl.schema import RolloutState, SamplingOverrides, Task
+from harnessrl.trainer.budget import TimeBudget
 from harnessrl.trainer.loop import (
     TrainContext,
     apply_update,
@@ -106,10 +107,10 @@ class GroupPool:
 async def run_async(
     ctx: TrainContext, train_tasks: list[Task], on_step: Callable[[int, dict[str, Any]], None] | None = None
 ) -> int:
-    """Train from the last checkpoint to `train.steps` (or until `train.time_budget_s` ran out) with the
-    async schedule; returns the steps done."""
-    started = time.monotonic()
+    """Train from the last checkpoint to `train.steps` (or until `train.time_budget_s` ran out: then with
+    a checkpoint of the step it stopped after) with the async schedule; returns the steps done."""
     t = ctx.cfg.train
+    budget = TimeBudget(t.time_budget_s)
     state = await restore(ctx)
     step = int(state["step"])
     pool = GroupPool(ctx, train_tasks, int(state.get("next_group", 0)))
@@ -148,8 +149,11 @@ async def run_async(
             ctx.metrics.log(step, metrics)
             if on_step is not None:
                 on_step(step, metrics)
-            maybe_checkpoint(ctx, step, {"next_group": pool.next_group, "pending_groups": sorted(pool.tasks)})
-            if t.time_budget_s is not None and time.monotonic() - started >= t.time_budget_s:
+            stopping = budget.stops(step, t.steps)
+            loop_state = {"next_group": pool.next_group, "pending_groups": sorted(pool.tasks)}
+            checkpoint = maybe_checkpoint(ctx, step, loop_state, stopping)
+            if stopping:
+                budget.note_stop(step, t.steps, checkpoint, ctx.notify)
                 return step
     finally:
         await pool.cancel()

@@ -70,6 +70,13 @@ def save_checkpoint(
     return final
 
 
+def checkpoint_due(step: int, last: int, every: int, stopping: bool = False) -> bool:
+    """Whether the checkpoint after update `step` is written (`train.checkpoint_every`: `every`): every
+    `every`-th step, the `last` one and the one a clean early stop ends on (`stopping`: a time budget),
+    so `--resume` continues from exactly there; none with `every` 0."""
+    return bool(every) and (step % every == 0 or step >= last or stopping)
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     """The checkpoint with the highest step, or None."""
     if not ckpt_dir.exists():

@@ -30,7 +30,9 @@ from harnessrl.gateway.client import Control
 from harnessrl.modeling.causal_lm import CausalLM
 from harnessrl.modeling.lora import LoraAdapter
 from harnessrl.schema import RolloutDetail, RolloutState, SamplingOverrides, Task
+from harnessrl.trainer.budget import TimeBudget
 from harnessrl.trainer.checkpoint import (
+    checkpoint_due,
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
@@ -344,37 +346,43 @@ async def restore(ctx: TrainContext) -> dict[str, Any]:
     return state
 
 
-def maybe_checkpoint(ctx: TrainContext, step: int, loop_state: dict[str, Any] | None = None) -> None:
-    """Save a checkpoint after update `step` if the schedule says so (every N and the last one)."""
+def maybe_checkpoint(
+    ctx: TrainContext, step: int, loop_state: dict[str, Any] | None = None, stopping: bool = False
+) -> Path | None:
+    """Save a checkpoint after update `step` if the schedule says so (every N, the last one, and the one
+    a run stops after early: `stopping`), pruned to the newest `train.keep_checkpoints`; its path, or None."""
     t = ctx.cfg.train
-    if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps):
-        state = {"run_id": ctx.run_id, **(loop_state or {})}
-        if ctx.policies:
-            save_policies_checkpoint(ctx.run_dir / "checkpoints", step, ctx.policies, state)
-        elif ctx.data_parallel is not None:  # sharded ranks: rank 0 gathers, writes the single-process format
-            ctx.data_parallel.save_checkpoint(ctx.run_dir / "checkpoints", step, state, ctx.scheduler)
-        else:
-            save_checkpoint(
-                ctx.run_dir / "checkpoints", step, ctx.model, ctx.optimizer, state, ctx.scheduler, ctx.lora
-            )
-        prune_checkpoints(ctx.run_dir / "checkpoints", t.keep_checkpoints)
+    if not checkpoint_due(step, t.steps, t.checkpoint_every, stopping):
+        return None
+    state = {"run_id": ctx.run_id, **(loop_state or {})}
+    ckpt_dir = ctx.run_dir / "checkpoints"
+    if ctx.policies:
+        path = save_policies_checkpoint(ckpt_dir, step, ctx.policies, state)
+    elif ctx.data_parallel is not None:  # sharded ranks: rank 0 gathers, writes the single-process format
+        path = ctx.data_parallel.save_checkpoint(ckpt_dir, step, state, ctx.scheduler)
+    else:
+        path = save_checkpoint(ckpt_dir, step, ctx.model, ctx.optimizer, state, ctx.scheduler, ctx.lora)
+    prune_checkpoints(ckpt_dir, t.keep_checkpoints)
+    return path
 
 
 async def run_sync(
     ctx: TrainContext, train_tasks: list[Task], on_step: Callable[[int, dict[str, Any]], None] | None = None
 ) -> int:
-    """Train from the last checkpoint to `train.steps` (or until `train.time_budget_s` ran out); returns
-    the number of steps done in total."""
-    started = time.monotonic()
-    start = int((await restore(ctx))["step"])
+    """Train from the last checkpoint to `train.steps` (or until `train.time_budget_s` ran out: then with
+    a checkpoint of the step it stopped after); returns the number of steps done in total."""
     t = ctx.cfg.train
+    budget = TimeBudget(t.time_budget_s)
+    start = int((await restore(ctx))["step"])
     for step in range(start, t.steps):
         metrics = await train_step(ctx, train_tasks, step)
         metrics.update(await maybe_eval(ctx, step + 1))
         ctx.metrics.log(step + 1, metrics)
         if on_step is not None:
             on_step(step + 1, metrics)
-        maybe_checkpoint(ctx, step + 1)
-        if t.time_budget_s is not None and time.monotonic() - started >= t.time_budget_s:
+        stopping = budget.stops(step + 1, t.steps)
+        checkpoint = maybe_checkpoint(ctx, step + 1, stopping=stopping)
+        if stopping:
+            budget.note_stop(step + 1, t.steps, checkpoint, ctx.notify)
             return step + 1
     return t.steps

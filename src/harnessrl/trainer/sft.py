@@ -48,6 +48,14 @@ from torch import Tensor
 from harnessrl.adapter import LossMode, Row, apply_length_limit, loss_weights
 from harnessrl.config import RunConfig
 from harnessrl.modeling.causal_lm import CausalLM
+from harnessrl.trainer.budget import TimeBudget, stop_line
+from harnessrl.trainer.checkpoint import (
+    checkpoint_due,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from harnessrl.trainer.forward import selected_logprobs, shareable_prefix
 from harnessrl.trainer.metrics import MetricsLogger
 from harnessrl.trainer.ppo import first_trainable, lr_lambda, micro_batches, release_memory
@@ -181,7 +189,6 @@ def restore_sft(run_dir: Path, model: CausalLM, optimizer: torch.optim.Optimizer
                 scheduler: torch.optim.lr_scheduler.LRScheduler, digest: str) -> dict[str, Any] | None:  # fmt: skip
     """Load the newest checkpoint of `run_dir` into the model, optimizer and schedule (`--resume`) and
     return its state (with `step`); None when there is none yet. Refuses one that is not this SFT run's."""
-    from harnessrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
     from harnessrl.trainer.sft_data import SftDataError
 
     ckpt = latest_checkpoint(run_dir / "checkpoints")
@@ -207,7 +214,7 @@ def train_steps(cfg: RunConfig, model: CausalLM, optimizer: torch.optim.Optimize
     """Steps `start + 1` .. `len(steps)`, saved every `train.checkpoint_every` and after the last, until
     `train.time_budget_s` of them ran out; returns (steps done in total, stopped by the time budget)."""
     t = cfg.train
-    started = time.monotonic()
+    budget = TimeBudget(t.time_budget_s)
     for n in range(start + 1, len(steps) + 1):
         t0 = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
@@ -217,12 +224,13 @@ def train_steps(cfg: RunConfig, model: CausalLM, optimizer: torch.optim.Optimize
         m.update(lr=lr, time_step_s=time.perf_counter() - t0)
         metrics.log(n, m)
         log.info("event=sft_step step=%d loss=%.4f target_logprob=%.4f", n, m["loss"], m["target_logprob"])
-        out_of_time = t.time_budget_s is not None and time.monotonic() - started >= t.time_budget_s
-        if n == len(steps) or out_of_time or (t.checkpoint_every and n % t.checkpoint_every == 0):
+        stopping = budget.stops(n, len(steps))
+        # the last step is SFT's product: saved also with checkpoint_every 0, and so is a budget stop's
+        if n == len(steps) or stopping or checkpoint_due(n, len(steps), t.checkpoint_every):
             m["checkpoint"] = str(save(n))
         if on_step is not None:
             on_step(n, len(steps), m)
-        if out_of_time and n < len(steps):
+        if stopping:
             log.info("event=sft_time_budget step=%d of=%d budget_s=%g", n, len(steps), t.time_budget_s)
             return n, True
     return len(steps), False
@@ -235,7 +243,6 @@ def run_sft(cfg: RunConfig, source: Path | None = None, fresh: bool = False, res
     returns the summary. `resume` continues the run in `run_dir` from its newest checkpoint. What
     `harnessrl sft` and `harnessrl train` with `train.algorithm: sft` run."""
     from harnessrl.runs.rundir import Mode, prepare, run_id
-    from harnessrl.trainer.checkpoint import prune_checkpoints, save_checkpoint
     from harnessrl.trainer.trackers import make_trackers
 
     t0 = time.time()
@@ -337,8 +344,11 @@ def render(s: dict[str, Any]) -> str:
         f"{s['target_logprob_before']:.4f} -> {s['target_logprob_after']:.4f}",
     ]
     if s["stopped_early"]:
-        lines.append(f"stopped early: train.time_budget_s ({s['time_budget_s']:g} s) ran out after step "
-                     f"{s['steps']} of {s['steps_planned']}; run the same command with --resume to finish")  # fmt: skip
+        name = Path(s["checkpoint"]).name
+        resume = "the same command with --resume"
+        lines.append(
+            "stopped early: " + stop_line(s["time_budget_s"], s["steps"], s["steps_planned"], name, resume)
+        )
     lines.append(f"checkpoint: {s['checkpoint']}  (RL from it: engine.model={s['checkpoint']})")
     return "\n".join(lines)
 
