@@ -6,7 +6,8 @@
 2. From bf16 runs' checkpoints (`--checkpoint NAME=DIR`, a `train.dtype: bfloat16` run's
    checkpoints/step-N with its training/optimizer.pt): the share of weights whose bf16 value changed
    since the start, and the change the model ran with (bf16 weights − start) against the masters'
-   (masters − start): the ratio of their norms and their cosine.
+   (masters − start): the ratio of their norms, their cosine, and the share of the masters' move the
+   model carries along its direction (seen·moved / |moved|²; 1 for a model that is its masters on average).
 
     python bench/bf16_lag.py --checkpoint nearest=RUN/checkpoints/step-14 --out bench/results/bf16_lag.json
 """
@@ -64,6 +65,8 @@ def lag(start_dir: Path, checkpoint: Path) -> dict[str, Any]:
         "weights_changed_share": round(changed / total, 4),
         "seen_over_master_norm": round((seen2 / real2) ** 0.5, 4),
         "seen_master_cosine": round(dot / (seen2 * real2) ** 0.5, 4),
+        # how much of the masters' move the model carries along its direction (1: all of it, on average)
+        "seen_along_master": round(dot / real2, 4),
         "low_half_dtype": str(next(iter(state.values()))[LOW_KEY].dtype),
     }
 
