@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -101,8 +102,7 @@ def test_wrapper_without_a_binary_says_how_to_install(
     assert oc.find_opencode({"PATH": str(tmp_path), "OPENCODE_BIN": "/x/opencode"}) == "/x/opencode"
 
 
-FAKE_OPENCODE = """#!{python}
-import json, os, sys
+FAKE_OPENCODE = """import json, os, sys
 cfg = json.load(open(os.environ["OPENCODE_CONFIG"]))
 record = {{"argv": sys.argv[1:], "stdin": sys.stdin.read(), "cwd": os.getcwd(),
           "base_url": cfg["provider"]["harnessrl"]["options"]["baseURL"],
@@ -120,7 +120,12 @@ def test_wrapper_runs_the_binary_and_keeps_its_stdout_for_the_grader(tmp_path: P
     work = tmp_path / "attempt"
     work.mkdir()
     fake = tmp_path / "opencode"
-    fake.write_text(FAKE_OPENCODE.format(python=sys.executable))
+    # a sh wrapper, not a `#!python` line: a shebang cannot hold a path with a space (a clone in
+    # "/tmp/ci run/" made the kernel look for "/tmp/ci" and the run fail with ENOENT)
+    (tmp_path / "fake_opencode.py").write_text(FAKE_OPENCODE.format())
+    fake.write_text(
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(tmp_path / "fake_opencode.py"))} "$@"\n'
+    )
     fake.chmod(0o755)
     env = _contract_env(work) | {"OPENCODE_BIN": str(fake)}
     proc = subprocess.run([sys.executable, str(EXAMPLE / "harness.py")], cwd=work, env=env,
