@@ -16,8 +16,9 @@ checkpointing as a run decides it), the sum of the logprobs backpropagated. `cpu
 the median CPU seconds of the process (all threads; the work done, whatever else shares the cores),
 padded over packed; `speedup` the same for wall-clock seconds, which other work on a shared machine moves
 far more. `logprob_max_diff` and `grad_max_rel_diff` (over every parameter,
-relative to its largest gradient entry) say the two compute the same. Only ratios within one run mean
-anything.
+relative to its largest gradient entry) say the two compute the same; `--dtype float64` shows them
+without fp32's rounding (the logprobs themselves are taken in fp32, modeling/logprobs.py). Only ratios
+within one run mean anything.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ from harnessrl.trainer.packing import plan_rows, use_generic_packing
 NOTE = "measured on a shared 2-core machine with other work running beside it: ratios within this run"
 
 
-def micro_batch(vocab: int, lengths: list[int], prefix: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def micro_batch(
+    vocab: int, lengths: list[int], prefix: int, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
     """Right-padded tokens [B, max], every position after the prefix selected, temperatures 1."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
@@ -56,7 +59,7 @@ def micro_batch(vocab: int, lengths: list[int], prefix: int, seed: int = 0) -> t
         tokens[b, :n] = torch.randint(3, vocab, (n,), generator=g)
         tokens[b, :prefix] = shared
         select[b, prefix : n - 1] = True
-    return tokens, select, torch.ones(len(lengths))
+    return tokens, select, torch.ones(len(lengths), dtype=dtype)
 
 
 def cpu_seconds() -> float:
@@ -101,6 +104,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tiny", action="store_true", help="a random 4-layer llama instead of --model")
     ap.add_argument("--impl", choices=["builtin", "transformers"], default="builtin", help="the model path")
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                    help="float64: the two's differences without fp32 rounding")  # fmt: skip
     ap.add_argument("--lengths", type=int, nargs="+", default=[300, 800, 2000])
     ap.add_argument("--prefix", type=int, default=0, help="tokens every row shares (run once)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -114,16 +119,19 @@ def main() -> int:
         )
     else:
         model_dir = resolve_model(args.model)
-    model: Any = load_generic(model_dir) if args.impl == "transformers" else load_model(model_dir)
+    dtype = getattr(torch, args.dtype)
+    model: Any = (
+        load_generic(model_dir, dtype) if args.impl == "transformers" else load_model(model_dir, dtype)
+    )
     model.train()
-    batch = micro_batch(model.config.vocab_size, args.lengths, args.prefix)
+    batch = micro_batch(model.config.vocab_size, args.lengths, args.prefix, dtype=dtype)
     auto = None
     if args.impl == "transformers":
         plan = plan_rows(batch[1], 0)
         auto = use_generic_packing(
             "auto", plan, max(args.lengths), packing_refusal(model.config), model.flops
         )
-    step(model, micro_batch(model.config.vocab_size, [40, 20], 0), 0, "on")  # warm-up
+    step(model, micro_batch(model.config.vocab_size, [40, 20], 0, dtype=dtype), 0, "on")  # warm-up
     times: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.repeats):
@@ -144,7 +152,7 @@ def main() -> int:
     suffixes = [n - args.prefix for n in args.lengths]
     res = {
         "model": "tiny" if args.tiny else args.model, "impl": args.impl, "auto_packs": auto,
-        "dtype": "float32", "lengths": args.lengths,
+        "dtype": args.dtype, "lengths": args.lengths,
         "prefix": args.prefix, "threads": args.threads, "repeats": args.repeats,
         "padded_positions": len(suffixes) * max(suffixes), "packed_positions": sum(suffixes) - len(suffixes),
         "padded_cpu_s": cpu["off"], "packed_cpu_s": cpu["on"], "padded_median_cpu_s": padded_cpu,
