@@ -352,43 +352,42 @@ class TrainSection(_Section):
 
     def _check_exp_avg_dtype(self) -> None:
         """A bf16 first moment applies to bf16 parameters under MasterAdamW (trainer/precision.py) only."""
-        if self.exp_avg_dtype == "float32":
-            return
-        if self.dtype != "bfloat16":
-            raise ValueError(
-                "train.exp_avg_dtype: bfloat16 applies to bf16 parameters; set train.dtype: bfloat16 "
-                "(float32 training keeps fp32 moments) or train.exp_avg_dtype: float32"
-            )
-        if self.world_size > 1 and self.parallel == "fsdp":
-            raise ValueError(
-                "train.exp_avg_dtype: bfloat16 does not apply with train.parallel: fsdp (its shards are fp32 "
-                "master weights under plain AdamW); set train.exp_avg_dtype: float32 or train.parallel: ddp"
-            )
-        if self.lora is not None:
-            raise ValueError(
-                "train.exp_avg_dtype: bfloat16 does not apply with train.lora (the adapters train in fp32 and "
-                "their state is small); set train.exp_avg_dtype: float32"
-            )
+        self._check_master_adamw_option(
+            "exp_avg_dtype", "bfloat16", "float32",
+            applies="applies to bf16 parameters; set train.dtype: bfloat16 (float32 training keeps fp32 moments)",
+            fsdp="its shards are fp32 master weights under plain AdamW",
+            lora="the adapters train in fp32 and their state is small",
+        )  # fmt: skip
 
     def _check_bf16_rounding(self) -> None:
         """Stochastic rounding applies to bf16 parameters under MasterAdamW (trainer/precision.py) only."""
-        if self.bf16_rounding == "nearest":
+        self._check_master_adamw_option(
+            "bf16_rounding", "stochastic", "nearest",
+            applies="rounds bf16 weights from their fp32 masters; set train.dtype: bfloat16 (float32 weights are "
+            "not rounded)",
+            fsdp="FSDP2 casts its fp32 shards to bf16 for each forward, to nearest",
+            lora="the adapters train in fp32, the bf16 base is frozen",
+        )  # fmt: skip
+
+    def _check_master_adamw_option(
+        self, name: str, value: str, default: str, applies: str, fsdp: str, lora: str
+    ) -> None:
+        """A MasterAdamW option (`train.<name>` other than its `default`) needs bf16 parameters in one
+        process or ddp: refused, naming the field and why, with float32, fsdp (fp32 shards under torch's
+        AdamW) and lora (fp32 adapters)."""
+        if getattr(self, name) == default:
             return
+        setting = f"train.{name}: {value}"
         if self.dtype != "bfloat16":
-            raise ValueError(
-                "train.bf16_rounding: stochastic rounds bf16 weights from their fp32 masters; set train.dtype: "
-                "bfloat16 (float32 weights are not rounded) or train.bf16_rounding: nearest"
-            )
+            raise ValueError(f"{setting} {applies} or train.{name}: {default}")
         if self.world_size > 1 and self.parallel == "fsdp":
             raise ValueError(
-                "train.bf16_rounding: stochastic does not apply with train.parallel: fsdp (FSDP2 casts its fp32 "
-                "shards to bf16 for each forward, to nearest); set train.bf16_rounding: nearest or "
-                "train.parallel: ddp"
+                f"{setting} does not apply with train.parallel: fsdp ({fsdp}); set train.{name}: {default} "
+                "or train.parallel: ddp"
             )
         if self.lora is not None:
             raise ValueError(
-                "train.bf16_rounding: stochastic does not apply with train.lora (the adapters train in fp32, "
-                "the bf16 base is frozen); set train.bf16_rounding: nearest"
+                f"{setting} does not apply with train.lora ({lora}); set train.{name}: {default}"
             )
 
 
